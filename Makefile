@@ -1,0 +1,14 @@
+# The two commands of the README. Both build the environment first (fast when it exists).
+VENV ?= .venv
+PYTEST_ARGS ?=
+
+.PHONY: setup quickstart test bench
+
+setup:
+	@bash tools/setup_env.sh
+
+quickstart: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/moe-rl train configs/quickstart.yaml
+
+test: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

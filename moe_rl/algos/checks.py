@@ -1,0 +1,83 @@
+"""The guide's pre-update checklist (guide 000 section 7.4) as runtime validation of a batch.
+
+`check_batch` raises `BatchCheckError` naming the sample and the rule it breaks; nothing is repaired
+silently. It runs once per batch before the update (it synchronises with the host by design).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BatchCheckError(ValueError):
+    def __init__(self, rule: str, sample: int | None, detail: str):
+        self.rule, self.sample = rule, sample
+        where = f"sample {sample}: " if sample is not None else ""
+        super().__init__(f"batch check '{rule}' failed: {where}{detail}")
+
+
+def _first(bad_B: torch.Tensor) -> int | None:
+    idx = bad_B.nonzero()
+    return int(idx[0, 0]) if idx.numel() else None
+
+
+def check_batch(
+    mask_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    rewards_BT: torch.Tensor,
+    terminated_B: torch.Tensor | None = None,
+    boundary_value_B: torch.Tensor | None = None,
+    logp_behaviour_BT: torch.Tensor | None = None,
+    logp_old_BT: torch.Tensor | None = None,
+    logp_ref_BT: torch.Tensor | None = None,
+    needs_behaviour: bool = False,
+    needs_reference: bool = False,
+    needs_boundary: bool = False,
+    synchronous: bool = False,
+    sync_tolerance: float = 1e-3,
+) -> dict[str, int]:
+    """Validate a batch against the checklist. Returns counts of what it saw ({"empty_samples": n, ...}).
+
+    Rules (names as raised):
+      action_mask       m_t = 1 only where the attention mask is 1 (padding is never an action)
+      reward_placement  non-zero rewards only on valid model tokens (terminal reward on q_J, not the end)
+      boundary          truncated samples carry a finite boundary value V(s_boundary) (when bootstrapping)
+      policy_roles      the roles the correction / KL needs are present and finite on valid tokens
+      sync_roles        in synchronous mode mu = pi_old on valid tokens (within sync_tolerance)
+      empty_batch       at least one sample has a model token
+    """
+    m = mask_BT.bool()
+    att = attention_mask_BT.bool()
+    s = _first((m & ~att).any(1))
+    if s is not None:
+        raise BatchCheckError("action_mask", s, "response mask is 1 at a position the attention mask excludes")
+    s = _first(((rewards_BT != 0) & ~m).any(1))
+    if s is not None:
+        t = int(((rewards_BT[s] != 0) & ~m[s]).nonzero()[0])
+        raise BatchCheckError("reward_placement", s, f"non-zero reward at position {t}, which is not a model token")
+    if needs_boundary:
+        if terminated_B is None or boundary_value_B is None:
+            raise BatchCheckError("boundary", None, "value bootstrapping needs terminated and boundary_value for every sample")
+        s = _first(~terminated_B.bool() & ~torch.isfinite(boundary_value_B))
+        if s is not None:
+            raise BatchCheckError("boundary", s, "truncated sample without a finite boundary value")
+    roles = {"behaviour (mu)": (logp_behaviour_BT, needs_behaviour), "reference": (logp_ref_BT, needs_reference),
+             "proximal (pi_old)": (logp_old_BT, False)}
+    for name, (logp, needed) in roles.items():
+        if logp is None:
+            if needed:
+                raise BatchCheckError("policy_roles", None, f"the {name} log-probs are required but missing")
+            continue
+        bad = m & (~torch.isfinite(logp) | (logp > 1e-4))
+        s = _first(bad.any(1))
+        if s is not None:
+            raise BatchCheckError("policy_roles", s, f"{name} log-prob is not a finite value <= 0 on a model token")
+    if synchronous and logp_behaviour_BT is not None and logp_old_BT is not None:
+        gap = ((logp_behaviour_BT - logp_old_BT).abs() * m).amax(1)
+        s = _first(gap > sync_tolerance)
+        if s is not None:
+            raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step")
+    empty = ~m.any(1)
+    if bool(empty.all()):
+        raise BatchCheckError("empty_batch", None, "no sample has a model token; skip this update")
+    return {"empty_samples": int(empty.sum()), "samples": int(m.shape[0]), "valid_tokens": int(m.sum())}

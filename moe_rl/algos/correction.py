@@ -1,0 +1,129 @@
+"""Off-policy correction between the behaviour policy mu and the proximal policy pi_old (guide 000
+section 6), registered by name (`algorithm.correction`).
+
+Four roles: mu generated the tokens (rollout log-probs), pi_old anchors the PPO ratio, pi_theta is
+being optimised, pi_ref anchors KL. A correction reads log pi_old and log mu at the sampled tokens and
+returns detached per-token weights and a keep-mask:
+
+    fn(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction
+
+The loss becomes  sum_t keep_t * w_t * l_t / denominator  (ordinary IS: the usual count; self-
+normalised: sum of kept weights — see aggregate.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_rl.algos.registry import register
+
+
+@dataclass(frozen=True)
+class CorrectionParams:
+    is_cap: float = 2.0  # c_IS: token weight bound
+    seq_is_cap: float = 10.0  # c_IS^seq: sequence weight bound
+    icepop_min: float = 0.5  # c_min
+    icepop_max: float = 2.0  # c_max
+
+
+@dataclass
+class Correction:
+    weight_BT: torch.Tensor  # detached importance weight per token (1 where no correction)
+    keep_BT: torch.Tensor  # bool: tokens that stay in the loss
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    needs_behaviour: bool = True  # whether mu's log-probs were read (the role must be present)
+
+
+def ess(weights: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Effective sample size over one granularity (tokens *or* sequences, never mixed):
+
+        ESS = (sum_r w_r)^2 / sum_r w_r^2,   ESS_frac = ESS / |J|;   both 0 when every weight is 0.
+    """
+    w = torch.where(valid.bool(), weights.detach().to(torch.float64), 0.0)
+    s1, s2 = w.sum(), w.square().sum()
+    value = torch.where(s2 > 0, s1 * s1 / s2.clamp(min=1e-300), torch.zeros_like(s1))
+    n = valid.bool().sum()
+    return value, torch.where(n > 0, value / n.clamp(min=1), torch.zeros_like(value))
+
+
+def _log_ratio(logp_old_BT, logp_mu_BT, mask_BT):
+    return (logp_old_BT - logp_mu_BT).detach().masked_fill(~mask_BT.bool(), 0.0)
+
+
+def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tensor) -> None:
+    value, frac = ess(weights, valid)
+    metrics[f"ess_{prefix}"] = value
+    metrics[f"ess_frac_{prefix}"] = frac
+
+
+@register("correction", "none")
+def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """No correction: w = 1. (Synchronous PPO, where mu = pi_old.)"""
+    m = mask_BT.bool()
+    return Correction(torch.ones_like(logp_old_BT), m, {}, needs_behaviour=False)
+
+
+@register("correction", "bypass")
+def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """Bypass: pi_old := mu, so the PPO ratio is pi_theta / mu and no separate weight is applied. The
+    loop uses the behaviour log-probs as logp_old (no proximal forward pass)."""
+    m = mask_BT.bool()
+    return Correction(torch.ones_like(logp_old_BT), m, {}, needs_behaviour=True)
+
+
+@register("correction", "tis_token")
+def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """Token TIS: w_t = min(pi_old(a_t) / mu(a_t), c_IS), detached."""
+    m = mask_BT.bool()
+    raw = _log_ratio(logp_old_BT, logp_mu_BT, m).exp()
+    w = raw.clamp(max=hp.is_cap)
+    metrics = {"tis_truncated_frac": (((raw > hp.is_cap) & m).sum() / m.sum().clamp(min=1))}
+    _report(metrics, "token_raw", raw, m)
+    _report(metrics, "token_truncated", w, m)
+    return Correction(torch.where(m, w, 0.0), m, metrics)
+
+
+@register("correction", "tis_seq")
+def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """Sequence IS in log space, truncated: log w_i = sum_t m_t (log pi_old - log mu);
+    w_i = exp(min(log w_i, log c_seq)); every token of sample i carries w_i."""
+    m = mask_BT.bool()
+    log_w = _log_ratio(logp_old_BT, logp_mu_BT, m).sum(1)
+    has = m.any(1)
+    log_cap = torch.log(torch.tensor(hp.seq_is_cap, dtype=log_w.dtype))
+    w_B = torch.exp(torch.minimum(log_w, log_cap))
+    metrics = {"seq_is_truncated_frac": ((log_w > log_cap) & has).sum() / has.sum().clamp(min=1)}
+    _report(metrics, "seq_raw", log_w.exp(), has)
+    _report(metrics, "seq_truncated", w_B, has)
+    return Correction(torch.where(m, w_B.unsqueeze(1), 0.0), m, metrics)
+
+
+@register("correction", "icepop")
+def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """IcePop / masked IS: keep token t only if c_min <= pi_old(a_t) / mu(a_t) <= c_max (weight 1)."""
+    m = mask_BT.bool()
+    ratio = _log_ratio(logp_old_BT, logp_mu_BT, m).exp()
+    keep = m & (ratio >= hp.icepop_min) & (ratio <= hp.icepop_max)
+    metrics = {"rejection_rate": (m & ~keep).sum() / m.sum().clamp(min=1)}
+    _report(metrics, "token_raw", ratio, m)
+    _report(metrics, "token_post_rejection", keep.to(ratio.dtype), m)
+    return Correction(keep.to(logp_old_BT.dtype), keep, metrics)
+
+
+def staleness(gen_version_B: torch.Tensor, train_version: int, max_staleness: int | None) -> tuple[torch.Tensor, dict]:
+    """nu_train - nu_gen per sample; keep_B marks samples within `max_staleness` (all when None).
+
+    Raises ValueError if a sample claims a version newer than the trainer's (versions are monotonic).
+    """
+    lag = train_version - gen_version_B.long()
+    if bool((lag < 0).any()):
+        raise ValueError(f"sample {int((lag < 0).nonzero()[0])} was generated with weight version newer than the trainer's {train_version}")
+    keep = lag <= max_staleness if max_staleness is not None else torch.ones_like(lag, dtype=torch.bool)
+    metrics = {
+        "staleness_mean": lag.double().mean() if lag.numel() else torch.zeros((), dtype=torch.float64),
+        "staleness_max": lag.max() if lag.numel() else torch.zeros((), dtype=torch.long),
+        "stale_dropped": (~keep).sum(),
+    }
+    return keep, metrics

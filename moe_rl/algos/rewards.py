@@ -1,0 +1,114 @@
+"""Reward placement and shaping (guide 000 section 2.3; guide 004 on KL estimators and DAPO).
+
+Placement rule for rewards that arrive at mask-0 positions (tool results, observations, padding):
+a reward is credited to the nearest *preceding* valid model token — the action whose transition
+produced it — because mask-0 positions are not decisions and GAE never reads them. A reward that
+precedes every model token of its sample has no action to belong to and is an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def last_action_index(mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B] long: index of the last valid model token q_J, or -1 for samples with no model token."""
+    B, T = mask_BT.shape
+    idx = torch.arange(T, device=mask_BT.device).expand(B, T)
+    return torch.where(mask_BT.bool(), idx, -1).amax(dim=1) if T else torch.full((B,), -1)
+
+
+def place_terminal_reward(score_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """u_{q_J} = R(tau): the trajectory score on the last *valid model token*, never the tensor end.
+
+    score_B: [B]; mask_BT: [B, T]. Returns rewards_BT [B, T]. Samples without model tokens get no
+    reward (they are excluded from every objective; see checks.py).
+    """
+    B, T = mask_BT.shape
+    rewards = torch.zeros(B, T, dtype=score_B.dtype, device=score_B.device)
+    last = last_action_index(mask_BT)
+    has = last >= 0
+    rows = torch.arange(B, device=score_B.device)[has]
+    rewards[rows, last[has]] = score_B[has]
+    return rewards
+
+
+def add_span_rewards(rewards_BT: torch.Tensor, span_end_BP: torch.Tensor, reward_BP: torch.Tensor) -> torch.Tensor:
+    """u_{e_p} += g_p: turn feedback on the last token of model-output span p.
+
+    span_end_BP: [B, P] long raw positions e_p (-1 pads); reward_BP: [B, P]. Returns a new [B, T].
+    """
+    valid = span_end_BP >= 0
+    out = rewards_BT.clone()
+    out.scatter_add_(1, span_end_BP.clamp(min=0), torch.where(valid, reward_BP.to(out.dtype), 0))
+    return out
+
+
+def move_rewards_to_actions(rewards_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Apply the placement rule above: each reward at a mask-0 position moves to the preceding action.
+
+    Raises ValueError naming the first sample whose non-zero reward precedes all of its model tokens.
+    """
+    B, T = mask_BT.shape
+    m = mask_BT.bool()
+    idx = torch.arange(T, device=m.device).expand(B, T)
+    prev_action = torch.where(m, idx, -1).cummax(dim=1).values  # last valid position <= t
+    orphan = (prev_action < 0) & (rewards_BT != 0)
+    if bool(orphan.any()):
+        b, t = (int(x) for x in orphan.nonzero()[0])
+        raise ValueError(f"sample {b}: reward at position {t} precedes every model token; no action can receive it")
+    out = torch.zeros_like(rewards_BT)
+    out.scatter_add_(1, prev_action.clamp(min=0), rewards_BT)
+    return out
+
+
+def kl_k1(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
+    """k1 = log pi(a) - log pi_ref(a). Unbiased for KL(pi || pi_ref) when a ~ pi; can be negative."""
+    return logp_BT - logp_ref_BT
+
+
+def kl_k2(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 (log pi(a) - log pi_ref(a))^2. Biased, non-negative; its gradient is KL's at a ~ pi."""
+    return 0.5 * (logp_BT - logp_ref_BT).square()
+
+
+def kl_k3(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1. Unbiased for KL(pi || pi_ref) with
+    a ~ pi, non-negative, low variance when the two are close (GRPO's choice)."""
+    d = logp_ref_BT - logp_BT
+    return torch.expm1(d) - d
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_shaped_rewards(
+    rewards_BT: torch.Tensor,
+    logp_behaviour_BT: torch.Tensor,
+    logp_ref_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    beta: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """u^total_t = u_t - beta * k_t on valid model tokens, applied before GAE.
+
+    k_t is a sampled estimator of KL(mu || pi_ref) at the rollout action a_t ~ mu (the behaviour
+    policy); it is 0 at mask-0 positions. Returns (shaped rewards [B, T], k [B, T]).
+    """
+    k = KL_ESTIMATORS[estimator](logp_behaviour_BT, logp_ref_BT) * mask_BT.to(rewards_BT.dtype)
+    return rewards_BT - beta * k, k
+
+
+def overlong_penalty(length_B: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO soft overlong punishment, added to the sequence score:
+
+        R_len(L) = 0                                  if L <= L_max - L_buf
+                 = ((L_max - L_buf) - L) / L_buf      if L_max - L_buf < L <= L_max
+                 = -1                                 if L > L_max
+    scaled by `penalty`. length_B: [B] response lengths. Returns [B] float.
+    """
+    L = length_B.to(torch.float32)
+    start = max_length - buffer
+    ramp = (start - L) / max(buffer, 1)
+    out = torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_length, ramp, -torch.ones_like(L)))
+    return penalty * out

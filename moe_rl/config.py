@@ -1,0 +1,536 @@
+"""Run configuration: frozen dataclasses are the schema, YAML files are the user's surface.
+
+    cfg = load_config("configs/quickstart.yaml", ["algorithm.gamma=0.99", "parallel.tp=2"])
+
+Every user error is a `ConfigError` whose message is one line naming the field path and what is
+allowed: unknown keys (with a did-you-mean), wrong types, out-of-range values and incompatible
+combinations. All validation lives in this module; the rest of the code trusts a `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix. `str(err)` is one actionable line."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------------
+
+Arch = Literal["qwen3_moe", "mixtral"]
+FP8Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = "run"
+    seed: int = 1234
+    output_dir: str = "runs/default"
+    steps: int = 10
+
+    def check(self) -> None:
+        _positive("run.steps", self.steps)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A random Mixture-of-Experts model built locally (no model hub); see moe_rl.tiny."""
+
+    arch: Arch = "qwen3_moe"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 4
+    top_k: int = 2
+    moe_intermediate_size: int = 64
+    max_position_embeddings: int = 512
+
+    def check(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            _positive(f"model.tiny.{name}", getattr(self, name))
+        if self.head_dim < 32:
+            raise ConfigError("model.tiny.head_dim", f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
+        if self.top_k > self.num_experts:
+            raise ConfigError("model.tiny.top_k", f"{self.top_k} exceeds model.tiny.num_experts={self.num_experts}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model.tiny.num_key_value_heads",
+                              f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    # A Hugging Face checkpoint directory; empty means: build `tiny` under run.output_dir.
+    path: str = ""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    fp8: FP8Recipe = "none"
+    recompute: bool = False
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+    def check(self) -> None:
+        self.tiny.check()
+        if self.fp8 != "none" and self.layer_spec != "transformer_engine":
+            raise ConfigError("model.fp8", f"'{self.fp8}' needs model.layer_spec=transformer_engine")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    # Trainer ranks; tp*pp*cp*dp must equal it (dp is derived).
+    world_size: int = 1
+    sequence_parallel: bool | None = None  # None: on whenever tp > 1 (megatron-core MoE needs it)
+    distributed_optimizer: bool = True
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep", "cp", "world_size"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        model_par = self.tp * self.pp * self.cp
+        if self.world_size % model_par:
+            raise ConfigError("parallel.world_size",
+                              f"{self.world_size} is not a multiple of tp*pp*cp={model_par}")
+        if (self.dp * self.cp * self.tp) % self.ep:
+            # megatron-core folds expert parallelism into the dp*cp*tp ranks of one pipeline stage.
+            raise ConfigError("parallel.ep", f"{self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp}")
+        if self.sequence_parallel is False and self.tp > 1:
+            raise ConfigError("parallel.sequence_parallel", "megatron-core MoE with tp > 1 requires sequence parallelism")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    engine: Literal["vllm"] = "vllm"
+    num_engines: int = 1
+    in_process: bool = True
+    max_model_len: int = 256
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    record_routes: bool = True
+    # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
+    async_mode: bool = False
+    max_staleness: int = 1
+    weight_sync_bucket_mb: float = 64.0
+    kv_cache_gb: float = 1.0
+
+    def check(self) -> None:
+        for name in ("num_engines", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
+            _positive(f"rollout.{name}", getattr(self, name))
+        _in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
+        _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _in_range("rollout.max_staleness", self.max_staleness, 0, None)
+        _in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
+        if self.max_new_tokens >= self.max_model_len:
+            raise ConfigError("rollout.max_new_tokens", f"{self.max_new_tokens} must be below rollout.max_model_len={self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EnvironmentSection:
+    name: str = "guess_number"
+    dataset: str = ""  # JSONL or Parquet prompts; empty: the environment generates its own
+    max_turns: int = 4
+    token_budget: int = 128  # model + observation tokens per episode
+    tool_timeout_s: float = 5.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, keep sampling
+    max_resample_rounds: int = 4
+    overlong_filter: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        _positive("environment.max_turns", self.max_turns)
+        _positive("environment.token_budget", self.token_budget)
+        _in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
+        _in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """Names select registered functions in moe_rl.algos; see `moe-rl check-config --list`."""
+
+    advantage: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    lam_critic: float | None = None  # decoupled GAE: a separate trace for the critic target
+    length_adaptive_alpha: float | None = None  # length-adaptive GAE: lam_i = 1 - 1/(alpha*J_i)
+    whiten_advantages: bool = True
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # clip-higher when > clip_low
+    dual_clip: float | None = None  # c_dual > 1
+    aggregation: Literal["token_mean", "seq_mean", "seq_sum_const"] = "token_mean"
+    loss_constant: float | None = None  # denominator of seq_sum_const (Dr.GRPO); default: max tokens
+    kl_reward_coef: float = 0.0
+    kl_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: Literal["k1", "k2", "k3", "full"] = "k3"
+    entropy_coef: float = 0.0
+    correction: str = "none"
+    is_cap: float = 2.0
+    seq_is_cap: float = 10.0
+    icepop_min: float = 0.5
+    icepop_max: float = 2.0
+    self_normalize: bool = False
+    anchor: Literal["old", "ewma"] = "old"
+    ewma_decay: float = 0.9
+    overlong_buffer: int = 0  # DAPO soft overlong penalty: buffer length (0: off)
+    overlong_penalty: float = 1.0
+
+    def check(self) -> None:
+        _in_range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        _in_range("algorithm.lam", self.lam, 0.0, 1.0)
+        if self.lam_critic is not None:
+            _in_range("algorithm.lam_critic", self.lam_critic, 0.0, 1.0)
+        if self.length_adaptive_alpha is not None:
+            _in_range("algorithm.length_adaptive_alpha", self.length_adaptive_alpha, 0.0, None, lo_open=True)
+        _in_range("algorithm.clip_low", self.clip_low, 0.0, 1.0, lo_open=True, hi_open=True)
+        _in_range("algorithm.clip_high", self.clip_high, 0.0, None, lo_open=True)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError("algorithm.dual_clip", f"{self.dual_clip} must be > 1 (or null to disable)")
+        if self.loss_constant is not None:
+            _in_range("algorithm.loss_constant", self.loss_constant, 0.0, None, lo_open=True)
+        for name in ("kl_reward_coef", "kl_loss_coef", "entropy_coef", "overlong_penalty"):
+            _in_range(f"algorithm.{name}", getattr(self, name), 0.0, None)
+        _in_range("algorithm.is_cap", self.is_cap, 0.0, None, lo_open=True)
+        _in_range("algorithm.seq_is_cap", self.seq_is_cap, 0.0, None, lo_open=True)
+        _in_range("algorithm.icepop_min", self.icepop_min, 0.0, None, lo_open=True)
+        if self.icepop_max < self.icepop_min:
+            raise ConfigError("algorithm.icepop_max", f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
+        _in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
+        _in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
+        _registered("algorithm.advantage", self.advantage, "advantage")
+        _registered("algorithm.policy_loss", self.policy_loss, "policy_loss")
+        _registered("algorithm.correction", self.correction, "correction")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    epochs: int = 1
+    minibatches: int = 1
+    micro_batch_tokens: int = 2048
+
+    def check(self) -> None:
+        _in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
+        _in_range("trainer.weight_decay", self.weight_decay, 0.0, None)
+        _in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
+        _in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
+        _in_range("trainer.grad_clip", self.grad_clip, 0.0, None, lo_open=True)
+        for name in ("epochs", "minibatches", "micro_batch_tokens"):
+            _positive(f"trainer.{name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class CriticSection:
+    enabled: bool | None = None  # None: on exactly when the advantage estimator needs values
+    init_from: str = "policy"  # "policy" or a reward-model checkpoint directory
+    lr: float = 1e-5
+    value_clip: float | None = 0.2
+    warmup_steps: int = 0  # critic-only updates before the actor starts
+
+    def check(self) -> None:
+        _in_range("critic.lr", self.lr, 0.0, None, lo_open=True)
+        if self.value_clip is not None:
+            _in_range("critic.value_clip", self.value_clip, 0.0, None, lo_open=True)
+        _in_range("critic.warmup_steps", self.warmup_steps, 0, None)
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    log_every: int = 1
+
+    def check(self) -> None:
+        _positive("logging.log_every", self.log_every)
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0  # steps between saves; 0: only at the end
+    resume: str = "auto"  # "auto", "never", or a checkpoint directory
+    keep: int = 2
+
+    def check(self) -> None:
+        _in_range("checkpoint.every", self.every, 0, None)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    address: str = ""  # empty: start a local Ray (or use RAY_ADDRESS when set)
+    num_cpus: int | None = None
+    colocate: bool = True  # trainer and rollout time-share the same resources
+
+    def check(self) -> None:
+        if self.num_cpus is not None:
+            _positive("cluster.num_cpus", self.num_cpus)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    environment: EnvironmentSection = field(default_factory=EnvironmentSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+    @property
+    def critic_enabled(self) -> bool:
+        return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _positive(path: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(path, f"{value} must be a positive integer")
+
+
+def _in_range(path, value, lo, hi, lo_open=False, hi_open=False) -> None:
+    ok = (lo is None or (value > lo if lo_open else value >= lo)) and (
+        hi is None or (value < hi if hi_open else value <= hi))
+    if not ok:
+        lo_s = "-inf" if lo is None else str(lo)
+        hi_s = "inf" if hi is None else str(hi)
+        interval = f"{'(' if lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if hi_open or hi is None else ']'}"
+        raise ConfigError(path, f"{value} is outside the allowed range {interval}")
+
+
+def _registered(path: str, name: str, kind: str) -> None:
+    from moe_rl.algos import registry
+
+    names = registry.names(kind)
+    if name not in names:
+        raise ConfigError(path, f"unknown {kind} '{name}'{_did_you_mean(name, names)}; choose one of {', '.join(names)}")
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
+    """Cross-section rules: parallel layout vs model shape, GPU-only features vs this machine."""
+    tiny, par = cfg.model.tiny, cfg.parallel
+    if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
+        check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts, tiny.num_layers)
+    if not cuda_available:
+        if cfg.model.layer_spec == "transformer_engine":
+            raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
+        if cfg.model.fp8 != "none":
+            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+    alg = cfg.algorithm
+    if alg.lam_critic is not None and alg.advantage != "gae":
+        raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
+    if alg.length_adaptive_alpha is not None and alg.advantage != "gae":
+        raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
+    if cfg.critic.enabled is False and alg.uses_critic:
+        raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
+    if alg.advantage in ("grpo", "drgrpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least 2 samples per prompt")
+    if alg.overlong_buffer >= cfg.rollout.max_new_tokens and alg.overlong_buffer:
+        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if cfg.rollout.async_mode and alg.correction == "none" and alg.anchor == "old":
+        pass  # allowed: staleness bound alone; the loop reports the mismatch
+
+
+def check_layout_fits_model(par: ParallelSection, heads: int, kv_heads: int, experts: int, layers: int) -> None:
+    if heads % par.tp:
+        raise ConfigError("parallel.tp", f"{par.tp} does not divide the {heads} attention heads")
+    if kv_heads % par.tp and par.tp % kv_heads:
+        raise ConfigError("parallel.tp", f"{par.tp} and the {kv_heads} key/value heads must divide one another")
+    if experts % par.ep:
+        raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
+    if layers % par.pp:
+        raise ConfigError("parallel.pp", f"{par.pp} does not divide the {layers} layers")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _build(cls, data: Any, path: str):
+    """Build dataclass `cls` from plain YAML data, checking keys and types; no defaults are guessed."""
+    if not isinstance(data, dict):
+        raise ConfigError(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(sub, f"unknown key{_did_you_mean(str(key), fields)}; allowed: {', '.join(fields)}")
+        kwargs[key] = _coerce(hints[key], value, sub)
+    return cls(**kwargs)
+
+
+def _coerce(tp, value: Any, path: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else ConfigError(path, f"{value!r} is not a {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"{value!r} is not allowed{_did_you_mean(str(value), map(str, allowed))}; choose one of {', '.join(map(str, allowed))}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(keys[: i + 1]), f"is a value, not a section; cannot set '{dotted}'")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError("", f"override '{item}' must look like section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+    return out
+
+
+def _check_tree(cfg) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_tree(value)
+    check = getattr(cfg, "check", None)
+    if check is not None:
+        check()
+
+
+def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
+    data = {k: v for k, v in (data or {}).items()}
+    data = _deep_copy(data)
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(data, key, value)
+    cfg = _build(RunConfig, data, "")
+    _check_tree(cfg)
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    check_compatible(cfg, cuda_available)
+    return cfg
+
+
+def _deep_copy(data):
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("", f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("", f"'{path}' is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    return from_dict(data, overrides, cuda_available)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
