@@ -371,10 +371,8 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
     if alg.advantage in ("grpo", "drgrpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
         raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least 2 samples per prompt")
-    if alg.overlong_buffer >= cfg.rollout.max_new_tokens and alg.overlong_buffer:
+    if alg.overlong_buffer and alg.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
-    if cfg.rollout.async_mode and alg.correction == "none" and alg.anchor == "old":
-        pass  # allowed: staleness bound alone; the loop reports the mismatch
 
 
 def check_layout_fits_model(par: ParallelSection, heads: int, kv_heads: int, experts: int, layers: int) -> None:
@@ -493,7 +491,8 @@ def _check_tree(cfg) -> None:
 
 
 def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
-    data = {k: v for k, v in (data or {}).items()}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", f"a config is a mapping of sections, got {type(data).__name__}")
     data = _deep_copy(data)
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value)

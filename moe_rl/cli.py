@@ -1,0 +1,154 @@
+"""`moe-rl`: the command line.
+
+    moe-rl check-config configs/quickstart.yaml algorithm.gamma=0.99
+    moe-rl train configs/quickstart.yaml run.steps=2
+    moe-rl tiny runs/tiny --arch mixtral
+    moe-rl bench gae
+
+User errors print one line `moe-rl: error: ...` and exit with code 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from moe_rl.config import ConfigError
+
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "tools" / "bench"
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line."""
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"moe-rl: error: {message}", file=sys.stderr)
+    return code
+
+
+def _cmd_check_config(args) -> int:
+    from moe_rl import config
+    from moe_rl.algos import registry
+
+    if args.list:
+        for kind in registry.KINDS:
+            print(f"{kind}: {', '.join(registry.names(kind))}")
+        return 0
+    if not args.config:
+        raise UserError("check-config needs a config file (or --list)")
+    cfg = config.load_config(args.config, args.overrides, cuda_available=True if args.assume_cuda else None)
+    print(config.dump_yaml(cfg), end="")
+    par = cfg.parallel
+    print(f"# ok: {args.config} — trainer ranks {par.world_size} = tp {par.tp} x pp {par.pp} x cp {par.cp} x dp {par.dp}"
+          f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}", file=sys.stderr)
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from moe_rl import config
+
+    cfg = config.load_config(args.config, args.overrides)
+    try:
+        from moe_rl import loop
+    except ImportError:
+        return _fail(
+            f"config '{args.config}' is valid, but this build has no RL driver yet (moe_rl/loop.py lands with "
+            "the RL-loop issue); nothing was trained", EXIT_UNAVAILABLE)
+    return loop.main(cfg)
+
+
+def _cmd_tiny(args) -> int:
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(args.out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True)
+    print(f"tiny {args.arch} checkpoint written to {path}")
+    return 0
+
+
+def _benches() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _cmd_bench(args) -> int:
+    names = _benches()
+    if args.name not in names:
+        raise UserError(f"unknown benchmark '{args.name}'; available: {', '.join(names) or 'none'}")
+    return subprocess.call([sys.executable, str(BENCH_DIR / f"{args.name}.py"), *args.bench_args])
+
+
+def _cmd_convert(args) -> int:
+    return _fail("checkpoint conversion (HF <-> Megatron) is not in this build yet; it lands with the "
+                 "conversion issue", EXIT_UNAVAILABLE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moe-rl",
+        description="Reinforcement-learning post-training of Mixture-of-Experts LLMs "
+        "(Megatron-core trainers, vLLM rollouts, Rollout Routing Replay, Ray).",
+        epilog="Configs are YAML files (see configs/); any field can be overridden as section.key=value, "
+        "e.g. `moe-rl train configs/quickstart.yaml run.steps=2 parallel.tp=2`.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser("check-config", help="validate a config and print it fully resolved",
+                       description="Load a YAML config with overrides, validate every field and the "
+                       "combinations (parallel layout vs model, GPU-only features), print the result.")
+    c.add_argument("config", nargs="?", help="YAML config file, e.g. configs/quickstart.yaml")
+    c.add_argument("overrides", nargs="*", help="section.key=value overrides (values parsed as YAML)")
+    c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy losses and corrections")
+    c.add_argument("--assume-cuda", action="store_true",
+                   help="validate as on a GPU machine (for GPU recipes checked on a CPU box)")
+    c.set_defaults(fn=_cmd_check_config)
+
+    t = sub.add_parser("train", help="run RL training from a config",
+                       description="Run the RL loop described by a config: rollouts, advantages, critic and "
+                       "actor updates, weight sync, TensorBoard metrics, checkpoints.")
+    t.add_argument("config", help="YAML config file")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    t.set_defaults(fn=_cmd_train)
+
+    k = sub.add_parser("tiny", help="build a tiny random MoE checkpoint (Hugging Face format) locally",
+                       description="Write a random Qwen3-MoE or Mixtral checkpoint with a byte-level tokenizer "
+                       "and chat template: loadable by transformers, vLLM and mbridge.")
+    k.add_argument("out", help="output directory")
+    k.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=_cmd_tiny)
+
+    b = sub.add_parser("bench", help="run a benchmark from tools/bench (prints ratios and a JSON line)",
+                       description=f"Run tools/bench/NAME.py. Available: {', '.join(_benches()) or 'none'}.")
+    b.add_argument("name", help="benchmark name")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(fn=_cmd_bench)
+
+    v = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron formats",
+                       description="Hugging Face safetensors <-> Megatron dist checkpoints (not in this build yet).")
+    v.add_argument("rest", nargs=argparse.REMAINDER)
+    v.set_defaults(fn=_cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.fn(args)
+    except (ConfigError, UserError) as err:
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

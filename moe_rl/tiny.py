@@ -1,0 +1,97 @@
+"""Tiny-model kit: random Hugging Face MoE checkpoints and a byte-level tokenizer, built locally.
+
+Used by every test and by the quickstart (no model hub is reachable here). The checkpoint is a normal
+HF directory — config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat
+template — so transformers, vLLM (CPU or GPU) and mbridge all load it like any other model.
+
+    path = build_tiny_checkpoint("runs/tiny", TinyModel(arch="qwen3_moe"), seed=0)
+
+The tokenizer is byte-level BPE without merges: every UTF-8 byte is one token, so any text round-trips
+exactly, plus the ChatML special tokens. Model vocabulary: 384 (bytes + specials, padded to a multiple
+of 128 so Megatron's padded vocabulary equals Hugging Face's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moe_rl.config import TinyModel
+
+VOCAB_SIZE = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: str | Path):
+    """Write a byte-level tokenizer with a ChatML chat template to out_dir; return the HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    assert len(vocab) == 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        unk_token=None, model_max_length=1 << 20,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+    return hf
+
+
+def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
+    """A transformers config for `spec` (Qwen3-MoE or Mixtral), fp32, untied embeddings."""
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6,
+        num_experts_per_tok=spec.top_k, tie_word_embeddings=False, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, bos_token_id=None, torch_dtype="float32", initializer_range=0.05,
+    )
+    if spec.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
+            intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
+            mlp_only_layers=[], output_router_logits=False,
+        )
+    if spec.arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, num_local_experts=spec.num_experts, intermediate_size=spec.moe_intermediate_size)
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe or mixtral")
+
+
+def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel = TinyModel(), seed: int = 0, overwrite: bool = False) -> Path:
+    """Build (or reuse) a random HF checkpoint for `spec` in out_dir and return its path.
+
+    Reuse happens when out_dir already holds a checkpoint built from the same spec and seed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE}
+    stamp_file = out / "moe_rl_tiny.json"
+    if not overwrite and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    cfg = hf_config(spec, tok.eos_token_id, tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    stamp_file.write_text(json.dumps(stamp, sort_keys=True))
+    return out

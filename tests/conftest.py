@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen"), TinyModel(arch="qwen3_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory):
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), TinyModel(arch="mixtral"), seed=0)
+
+
+def moe_rl_cli() -> list[str]:
+    return [sys.executable, "-m", "moe_rl.cli"]

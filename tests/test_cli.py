@@ -1,0 +1,41 @@
+import subprocess
+
+from conftest import ROOT, moe_rl_cli
+
+
+def run(*args):
+    return subprocess.run([*moe_rl_cli(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_check_config_quickstart_exits_0():
+    out = run("check-config", "configs/quickstart.yaml")
+    assert out.returncode == 0, out.stderr
+    assert "advantage: gae" in out.stdout and "# ok:" in out.stderr
+
+
+def test_misspelled_override_is_one_line_exit_2():
+    out = run("check-config", "configs/quickstart.yaml", "algorithm.gama=0.9")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-rl: error: algorithm.gama: unknown key (did you mean 'gamma'?)")
+    assert "Traceback" not in out.stderr
+
+
+def test_every_subcommand_has_help():
+    top = run("--help")
+    assert top.returncode == 0
+    for cmd in ("check-config", "train", "tiny", "bench", "convert"):
+        assert cmd in top.stdout
+        sub = run(cmd, "--help")
+        assert sub.returncode == 0 and f"usage: moe-rl {cmd}" in sub.stdout and len(sub.stdout) > 150, cmd
+
+
+def test_list_registered_methods():
+    out = run("check-config", "--list")
+    assert out.returncode == 0
+    assert "gspo" in out.stdout and "tis_seq" in out.stdout and "rloo" in out.stdout
+
+
+def test_unknown_benchmark_is_a_user_error():
+    out = run("bench", "no_such_bench")
+    assert out.returncode == 2 and "available:" in out.stderr and "Traceback" not in out.stderr
