@@ -62,7 +62,6 @@ def masked_gae(
     """
     B, T = values_BT.shape
     dtype = values_BT.dtype
-    m = mask_BT.to(dtype)
     if T == 0:
         return values_BT.clone(), values_BT.clone()
     boot = torch.where(terminated_B.bool(), torch.zeros_like(boundary_value_B), boundary_value_B).to(dtype)
@@ -81,6 +80,7 @@ def masked_gae(
     elif backend == "kernel":
         raise ValueError("the fused GAE kernel runs on CPU tensors only; use backend='torch'")
 
+    m = mask_BT.to(dtype)
     v_next = _next_valid_values(values_BT, mask_BT.bool(), boot)
     delta = (rewards_BT.to(dtype) + gamma * v_next - values_BT) * m
     adv = _discounted_suffix_sum(delta, m, g_B)
@@ -92,7 +92,7 @@ def _build_kernel():
     from torch.utils.cpp_extension import load
 
     src = Path(__file__).with_name("gae_kernel.cpp")
-    return load(name="moe_rl_gae_kernel", sources=[str(src)], extra_cflags=["-O3"], verbose=False)
+    return load(name="moe_rl_gae_kernel", sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _kernel(required: bool):

@@ -1,0 +1,150 @@
+"""Masked model-token GAE: the guide's worked examples, a slow reference written straight from the
+equations (hypothesis), and the common per-token reverse loop."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_rl.algos import gae
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, gae_advantage
+
+BACKENDS = ["kernel", "torch"]
+T_, F_ = torch.tensor([True]), torch.tensor([False])
+
+
+def reference_gae(rewards, values, mask, terminated, boundary, gamma, lam):
+    """Per sample: compress to the decision timeline q_1..q_J, recurse from A_{J+1} = 0, write back."""
+    B, T = values.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        q = [t for t in range(T) if mask[i, t]]
+        J = len(q)
+        lam_i = float(lam[i]) if isinstance(lam, torch.Tensor) else lam
+        A_next = 0.0
+        for j in range(J - 1, -1, -1):
+            if j < J - 1:
+                v_star, d = float(values[i, q[j + 1]]), 0.0
+            else:
+                d = 1.0 if terminated[i] else 0.0
+                v_star = 0.0 if terminated[i] else float(boundary[i])
+            delta = float(rewards[i, q[j]]) + gamma * v_star - float(values[i, q[j]])
+            A = delta + gamma * lam_i * (1 - d) * A_next
+            adv[i, q[j]] = A
+            ret[i, q[j]] = A + float(values[i, q[j]])
+            A_next = A
+    return adv, ret
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guide_example_mask_101(backend):
+    # raw mask (1, 0, 1): position 2 (index 1) is a tool result; gamma=0.9, lambda=0.8
+    mask = torch.tensor([[1, 0, 1]], dtype=torch.bool)
+    values = torch.tensor([[0.5, 7.0, 0.25]])  # V at the tool position must not be used
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    g, l = 0.9, 0.8
+    adv, ret = gae.masked_gae(rewards, values, mask, T_, torch.tensor([0.0]), g, l, backend=backend)
+    delta2 = 1.0 + g * 0.0 - 0.25  # terminal: V*_{J+1} = 0
+    delta1 = 0.0 + g * 0.25 - 0.5  # successor is q_2 = index 2, skipping the tool token
+    A2 = delta2
+    A1 = delta1 + g * l * A2  # one gamma*lambda factor, not two
+    torch.testing.assert_close(adv, torch.tensor([[A1, 0.0, A2]]))
+    torch.testing.assert_close(ret, torch.tensor([[A1 + 0.5, 0.0, A2 + 0.25]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_termination_vs_truncation(backend):
+    mask = torch.tensor([[1, 1, 0, 0]], dtype=torch.bool)  # ends with an observation, then padding
+    values = torch.tensor([[1.0, 2.0, 9.0, 9.0]])
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 0.0]])
+    g, l, boundary = 0.5, 1.0, torch.tensor([4.0])
+    term, _ = gae.masked_gae(rewards, values, mask, T_, boundary, g, l, backend=backend)
+    trunc, _ = gae.masked_gae(rewards, values, mask, F_, boundary, g, l, backend=backend)
+    # terminated: A2 = 0.5 - 2 = -1.5; A1 = (0 + 0.5*2 - 1) + 0.5*A2 = -0.75
+    torch.testing.assert_close(term, torch.tensor([[-0.75, -1.5, 0.0, 0.0]]))
+    # truncated: A2 = 0.5 + 0.5*4 - 2 = 0.5; A1 = 0 + 0.5*0.5 = 0.25
+    torch.testing.assert_close(trunc, torch.tensor([[0.25, 0.5, 0.0, 0.0]]))
+
+
+def test_decoupled_lambdas_use_the_same_frozen_values():
+    mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
+    values = torch.tensor([[0.1, 0.2, 0.3]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    adv, ret = gae.decoupled_gae(rewards, values, mask, T_, torch.zeros(1), 1.0, 0.0, 1.0)
+    # lambda_actor = 0: one-step TD residuals
+    torch.testing.assert_close(adv, torch.tensor([[0.1, 0.1, 0.7]]))
+    # lambda_critic = 1, gamma = 1: Monte-Carlo return of the terminal reward
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+    inp = AdvantageInputs(rewards, mask, torch.ones(1), torch.zeros(1, dtype=torch.long), values, T_, torch.zeros(1))
+    a2, r2 = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.0, lam_critic=1.0))
+    torch.testing.assert_close(a2, adv)
+    torch.testing.assert_close(r2, ret)
+
+
+def test_length_adaptive_lambda():
+    lam = gae.length_adaptive_lambda(torch.tensor([0, 1, 4, 100]), alpha=0.5)
+    # 1 - 1/(0.5 J): J=1 -> -1 -> clamped 0; J=4 -> 0.5; J=100 -> 0.98
+    torch.testing.assert_close(lam, torch.tensor([0.0, 0.0, 0.5, 0.98]))
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    rewards = torch.randn(2, 4)
+    values = torch.randn(2, 4)
+    lam_B = torch.tensor([0.3, 0.9])
+    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 0.99, lam_B)
+    ref, _ = reference_gae(rewards, values, mask, [True, True], [0, 0], 0.99, lam_B)
+    torch.testing.assert_close(adv.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 4))
+    T = draw(st.integers(0, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    p_obs = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    mask = torch.rand(B, T, generator=gen) >= p_obs
+    values = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    rewards = torch.randn(B, T, generator=gen, dtype=torch.float64) * mask
+    terminated = torch.rand(B, generator=gen) < 0.5
+    boundary = torch.randn(B, generator=gen, dtype=torch.float64)
+    gamma = draw(st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))
+    lam = draw(st.sampled_from([0.0, 0.3, 0.95, 1.0]))
+    return rewards, values, mask, terminated, boundary, gamma, lam
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.sampled_from(BACKENDS))
+def test_fast_gae_matches_reference(batch, backend):
+    rewards, values, mask, terminated, boundary, gamma, lam = batch
+    adv, ret = gae.masked_gae(rewards, values, mask, terminated, boundary, gamma, lam, backend=backend)
+    ref_adv, ref_ret = reference_gae(rewards, values, mask, terminated, boundary, gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ret, ref_ret, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_common_reverse_loop_when_every_sample_terminates(backend):
+    gen = torch.Generator().manual_seed(0)
+    B, T = 6, 300
+    mask = torch.rand(B, T, generator=gen) < 0.6
+    values, rewards = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen) * mask
+    ones = torch.ones(B, dtype=torch.bool)
+    adv, ret = gae.masked_gae(rewards, values, mask, ones, torch.full((B,), 123.0), 0.99, 0.95, backend=backend)
+    loop_adv, loop_ret = gae.reverse_loop_gae(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv, loop_adv, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, loop_ret, atol=2e-5, rtol=1e-5)
+
+
+def test_long_sequences_stay_finite_in_float32():
+    # chunked rescaling must not overflow: T=5000 with a small gamma*lambda
+    T = 5000
+    mask = torch.ones(2, T, dtype=torch.bool)
+    values = torch.zeros(2, T)
+    rewards = torch.zeros(2, T)
+    rewards[:, -1] = 1.0
+    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 1.0, 0.5, backend="torch")
+    assert torch.isfinite(adv).all()
+    assert math.isclose(float(adv[0, -1]), 1.0) and math.isclose(float(adv[0, -3]), 0.25, rel_tol=1e-5)
+    assert float(adv[0, 0]) == 0.0  # 0.5**4999 underflows to exactly 0, as it should

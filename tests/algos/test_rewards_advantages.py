@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from moe_rl.algos import registry, rewards
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, group_stats, whiten
+
+
+def test_terminal_reward_goes_on_last_valid_model_token_not_tensor_end():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    r = rewards.place_terminal_reward(torch.tensor([1.0, 2.0, 3.0]), mask)
+    expected = torch.zeros(3, 5)
+    expected[0, 2] = 1.0
+    expected[1, 3] = 2.0  # sample 2 has no model token: no reward anywhere
+    torch.testing.assert_close(r, expected)
+    assert rewards.last_action_index(mask).tolist() == [2, 3, -1]
+
+
+def test_span_rewards_and_the_mask0_rule():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    r = rewards.add_span_rewards(torch.zeros(1, 6), torch.tensor([[1, 4]]), torch.tensor([[0.5, 0.25]]))
+    torch.testing.assert_close(r, torch.tensor([[0, 0.5, 0, 0, 0.25, 0]]))
+    # a tool reward arriving at position 3 (observation) moves to position 1, the preceding action
+    raw = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0, 1.0]])
+    moved = rewards.move_rewards_to_actions(raw, mask)
+    torch.testing.assert_close(moved, torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0]]))
+    with pytest.raises(ValueError, match="sample 0: reward at position 0 precedes every model token"):
+        rewards.move_rewards_to_actions(torch.tensor([[1.0, 0, 0, 0, 0, 0]]), torch.tensor([[0, 1, 1, 0, 1, 0]], dtype=torch.bool))
+
+
+def test_kl_estimators_by_hand():
+    lp, lr = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert torch.allclose(rewards.kl_k1(lp, lr), torch.tensor([0.5]))
+    assert torch.allclose(rewards.kl_k2(lp, lr), torch.tensor([0.125]))
+    d = -0.5
+    assert torch.allclose(rewards.kl_k3(lp, lr), torch.tensor([torch.tensor(d).exp() - d - 1]))
+    shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -1.0, -9.0]]),
+                                          torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 0]], dtype=torch.bool), 0.1)
+    torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
+    torch.testing.assert_close(shaped, torch.tensor([[-0.05, 1.05, 0.0]]))
+
+
+def test_k1_and_k3_are_unbiased_for_kl():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.2, 0.6])
+    kl = (p * (p / q).log()).sum()
+    lp, lq = p.log(), q.log()
+    for est in (rewards.kl_k1, rewards.kl_k3):
+        torch.testing.assert_close((p * est(lp, lq)).sum(), kl)
+
+
+def test_dapo_overlong_penalty():
+    out = rewards.overlong_penalty(torch.tensor([10, 12, 14, 16, 17]), max_length=16, buffer=4)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+
+
+def _inp(scores, groups, mask=None):
+    mask = torch.ones(len(scores), 3, dtype=torch.bool) if mask is None else mask
+    return AdvantageInputs(torch.zeros(mask.shape), mask, torch.tensor(scores), torch.tensor(groups))
+
+
+def test_outcome_estimators_by_hand():
+    scores, groups = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0], [0, 0, 0, 0, 7, 7]
+    hp = AdvantageParams(eps=0.0)
+    get = lambda name: registry.get("advantage", name)(_inp(scores, groups), hp)[0][:, 0]  # noqa: E731
+    # group 0: mean 0.5, unbiased std sqrt(1/3); group 7: all equal
+    std = (1 / 3) ** 0.5
+    torch.testing.assert_close(get("drgrpo"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
+    grpo_hp = AdvantageParams(eps=1e-6)
+    grpo = registry.get("advantage", "grpo")(_inp(scores, groups), grpo_hp)[0][:, 0]
+    torch.testing.assert_close(grpo, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0]) / (std + 1e-6))
+    # RLOO: R_i - mean of the others; sample 0: 1 - (0+0+1)/3
+    torch.testing.assert_close(get("rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0]))
+    torch.testing.assert_close(get("reinforce"), torch.tensor(scores) - 4 / 6)
+    torch.testing.assert_close(get("reinforce_pp_baseline"), get("drgrpo"))
+    mean, std_, n = group_stats(torch.tensor(scores), torch.tensor(groups))
+    assert n.tolist() == [4, 4, 4, 4, 2, 2]
+
+
+def test_outcome_advantages_only_on_model_tokens():
+    mask = torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.bool)
+    adv, ret = registry.get("advantage", "grpo")(_inp([1.0, 0.0], [0, 0], mask), AdvantageParams())
+    assert ret is None
+    assert (adv[~mask] == 0).all() and adv[0, 0] > 0 and adv[1, 1] < 0
+
+
+def test_rloo_rejects_singleton_groups():
+    with pytest.raises(ValueError, match="at least 2"):
+        registry.get("advantage", "rloo")(_inp([1.0, 0.0], [0, 1]), AdvantageParams())
+
+
+def test_reward_to_go():
+    mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
+    r = torch.tensor([[1.0, 0.0, 2.0, 3.0]])
+    inp = AdvantageInputs(r, mask, torch.zeros(1), torch.zeros(1, dtype=torch.long))
+    adv, _ = registry.get("advantage", "reward_to_go")(inp, AdvantageParams(gamma=0.5))
+    torch.testing.assert_close(adv, torch.tensor([[1 + 0.5 * 2 + 0.25 * 3, 0.0, 2 + 0.5 * 3, 3.0]]))
+
+
+def test_whitening_over_valid_tokens_only():
+    adv = torch.tensor([[1.0, 100.0, 3.0], [5.0, -7.0, -100.0]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    returns = adv.clone()
+    w = whiten(adv, mask, eps=0.0)
+    valid = w[mask]
+    torch.testing.assert_close(valid.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(valid.var(unbiased=False), torch.tensor(1.0))
+    assert (w[~mask] == 0).all()
+    torch.testing.assert_close(returns, adv)  # inputs (and so the critic target) untouched
