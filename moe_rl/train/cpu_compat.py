@@ -1,0 +1,292 @@
+"""What megatron-core needs to run on a machine without CUDA — and nothing else.
+
+megatron-core targets GPUs; on a CPU box (gloo, local layer spec) a handful of CUDA assumptions stand
+in its way. Each shim below is named, says what it fixes, and is covered by tests/train/test_cpu_compat.py.
+`apply()` installs them once, and only when torch has no CUDA; with CUDA it does nothing.
+
+  rng_tracker        model-parallel RNG tracker backed by CPU generators (dropout / init forks)
+  cuda_streams       torch.cuda.Stream/Event/current_stream/synchronize and Tensor.record_stream as
+                     no-ops (MoE dispatchers, DDP and the optimizer create them)
+  cuda_device        torch.cuda.current_device() -> "cpu" (used as a device in many places, some inside
+                     autograd backward); a TorchFunctionMode maps device="cuda" literals to cpu
+  te_names           names megatron imports from Transformer Engine / apex bound to None
+  torch_norm_sp      the torch RMSNorm/LayerNorm wrapper refuses sequence parallelism, which MoE with
+                     TP > 1 requires: build plain torch norms whose params are tagged sequence_parallel
+                     (their grads are then all-reduced across TP by finalize_model_grads)
+  optimizer_type     the optimizer asserts param.type() == 'torch.cuda.FloatTensor'
+  gloo_all_to_all    gloo's all_to_all_single wants split sizes as lists, the dispatcher passes tensors
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+APPLIED: list[str] = []
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------------------
+# rng_tracker
+# --------------------------------------------------------------------------------------------------
+
+
+class CpuRngTracker:
+    """Same interface as megatron's CudaRNGStatesTracker, with CPU generator states."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def reset(self) -> None:
+        self._initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._initialized = True
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        self._initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def seed_model_parallel(seed: int) -> None:
+    """megatron's model_parallel_cuda_manual_seed, for CPU generators (offsets as megatron's)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    expert_seed = seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank()
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
+
+
+def _rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # initialize_rng_tracker(force_reset=True) would replace it with a CUDA tracker: keep ours
+    mrandom.initialize_rng_tracker = lambda *a, **k: None
+
+
+# --------------------------------------------------------------------------------------------------
+# cuda_streams, cuda_device
+# --------------------------------------------------------------------------------------------------
+
+
+class _NoStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoEvent()
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NoEvent(_NoStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cuda_streams() -> None:
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, *a, **k: None
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Rewrites device='cuda' (or cuda:N) in tensor factory calls to cpu."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and "cuda" in str(dev):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+_MODE: CudaToCpu | None = None
+
+
+def _cuda_device() -> None:
+    global _MODE
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.empty_cache = lambda: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    _MODE = CudaToCpu()
+    _MODE.__enter__()  # process-wide, for megatron's literal device="cuda" factories
+
+
+# --------------------------------------------------------------------------------------------------
+# te_names, torch_norm_sp, optimizer_type, gloo_all_to_all
+# --------------------------------------------------------------------------------------------------
+
+
+_TE_NAMES = {
+    "megatron.core.transformer.moe.moe_utils": (
+        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+        "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+        "fused_unpermute", "te_general_gemm"),
+}
+
+
+def _te_names() -> None:
+    import importlib
+
+    for module, names in _TE_NAMES.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            if not hasattr(mod, name):
+                setattr(mod, name, None)
+
+
+class _SPNorm(torch.nn.Module):
+    """RMSNorm / LayerNorm with sequence-parallel-tagged parameters (megatron's torch wrapper refuses SP)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        if config.normalization == "RMSNorm":
+            self.norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            self.norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in self.norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = self.norm.weight
+
+    def forward(self, x):
+        return self.norm(x)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints and HF mapping address the flat name `<prefix>weight`
+        if prefix + "weight" in state_dict and prefix + "norm.weight" not in state_dict:
+            state_dict[prefix + "norm.weight"] = state_dict.pop(prefix + "weight")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _torch_norm_sp() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if config.sequence_parallel:
+            return _SPNorm(config, hidden_size, eps)
+        return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _optimizer_type() -> None:
+    original = torch.Tensor.type
+
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and "cuda" not in name else name
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _gloo_all_to_all() -> None:
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+SHIMS = {
+    "rng_tracker": _rng_tracker,
+    "cuda_streams": _cuda_streams,
+    "cuda_device": _cuda_device,
+    "te_names": _te_names,
+    "torch_norm_sp": _torch_norm_sp,
+    "optimizer_type": _optimizer_type,
+    "gloo_all_to_all": _gloo_all_to_all,
+}
+
+
+def apply() -> list[str]:
+    """Install every shim once (no-op with CUDA). Returns the names installed in this process."""
+    if not needed() or APPLIED:
+        return APPLIED
+    for name, shim in SHIMS.items():
+        shim()
+        APPLIED.append(name)
+    return APPLIED

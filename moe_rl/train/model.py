@@ -1,0 +1,148 @@
+"""Policy and critic models: megatron-core MoE GPTModels built from a Hugging Face config.
+
+The Hugging Face config is mapped to a megatron TransformerConfig by mbridge (Qwen3-MoE, Mixtral,
+Qwen2-MoE with shared experts, DeepSeek-V3, ... — whatever mbridge's registry knows); we then set what
+our runtime needs (CPU initialisation, dispatcher, router replay, recompute, FP8) and build the layer
+spec ourselves: megatron-core's local spec on CPU, Transformer Engine's on GPU.
+
+The critic is the same backbone with the vocabulary projection replaced by a scalar value head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.train import cpu_compat
+
+FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hf_path: str
+    dtype: str = "float32"  # float32 | bfloat16
+    layer_spec: str = "local"  # local | transformer_engine
+    fp8: str = "none"  # none | delayed | tensorwise | blockwise | mxfp8
+    recompute: bool = False
+    moe_dispatcher: str = "alltoall"  # alltoall | allgather
+    routing_replay: bool = True
+    sequence_parallel: bool | None = None  # None: on when tp > 1
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+def check_spec_for_machine(spec: ModelSpec) -> None:
+    if not torch.cuda.is_available() and (spec.layer_spec == "transformer_engine" or spec.fp8 != "none"):
+        raise ValueError("Transformer Engine layers and FP8 need CUDA; this machine has none (use layer_spec=local, fp8=none)")
+
+
+def make_bridge(spec: ModelSpec):
+    """An mbridge Bridge for the checkpoint's architecture, with our runtime settings applied."""
+    from mbridge import AutoBridge
+    from megatron.core import parallel_state as ps
+
+    check_spec_for_machine(spec)
+    bridge = AutoBridge.from_pretrained(spec.hf_path)
+    bridge.dtype = spec.torch_dtype
+    bridge.make_vocab_size_divisible_by = None  # our vocabularies are padded already; keep HF's size
+    tp = ps.get_tensor_model_parallel_world_size()
+    sp = tp > 1 if spec.sequence_parallel is None else spec.sequence_parallel
+    on_cpu = not torch.cuda.is_available()
+    extra = dict(
+        use_cpu_initialization=on_cpu,
+        params_dtype=spec.torch_dtype,
+        pipeline_dtype=spec.torch_dtype,
+        bf16=spec.torch_dtype is torch.bfloat16,
+        sequence_parallel=sp,
+        moe_token_dispatcher_type=spec.moe_dispatcher,
+        moe_enable_routing_replay=spec.routing_replay,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_router_dtype="fp32",
+        variable_seq_lengths=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # the local spec has no grouped GEMM, fused kernels or persistent norms
+        moe_grouped_gemm=not on_cpu and spec.layer_spec == "transformer_engine",
+        persist_layer_norm=not on_cpu,
+        bias_activation_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        masked_softmax_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_shared_expert_overlap=False,
+        deallocate_pipeline_outputs=False,
+    )
+    if spec.recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.fp8 != "none":
+        extra.update(fp8="e4m3" if spec.fp8 != "mxfp8" else "e4m3", fp8_recipe=FP8_RECIPES[spec.fp8])
+    if getattr(bridge.hf_config, "model_type", "") == "mixtral":
+        extra["moe_router_pre_softmax"] = False  # softmax after top-k, as Mixtral's HF implementation
+    if getattr(bridge.hf_config, "rope_theta", None) is None:
+        params = getattr(bridge.hf_config, "rope_parameters", None) or {}
+        bridge.hf_config.rope_theta = params.get("rope_theta", 10000.0)  # transformers 5 moved it
+    bridge.set_extra_args(**extra)
+    return bridge
+
+
+def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
+    """megatron-core's local spec (CPU) or Transformer Engine spec (GPU), MoE in every layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cfg = bridge.config
+    return get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec.layer_spec == "transformer_engine",
+                                      normalization="RMSNorm", vp_stage=vp_stage)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head replacing the vocabulary projection: [s, b, h] -> ([s, b, 1], None).
+
+    Replicated on every TP rank; under sequence parallelism it gathers the sequence first, like the
+    ColumnParallelLinear it replaces.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        from megatron.core import tensor_parallel
+
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | None = None):
+    """One pipeline stage of the policy (or critic) for this rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    cpu_compat.apply()
+    hf = bridge.hf_config
+    pre = ps.is_pipeline_first_stage(ignore_virtual=True)
+    post = ps.is_pipeline_last_stage(ignore_virtual=True)
+    model = GPTModel(
+        config=bridge.config,
+        transformer_layer_spec=layer_spec(bridge, spec, vp_stage),
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)) and not critic,
+        position_embedding_type="rope",
+        rotary_base=hf.rope_theta,
+        parallel_output=True,
+    )
+    if critic and post:
+        model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel)
+    if not torch.cuda.is_available():
+        model = model.to(spec.torch_dtype)
+    return model

@@ -1,0 +1,108 @@
+"""Process groups for tensor, pipeline, expert, context and data parallelism.
+
+One code path: gloo without CUDA, NCCL with it. torch.distributed is initialised from the usual
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT — set by Ray workers, torchrun or srun), then
+megatron-core's parallel_state builds the groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: ranks = tp * pp * cp * dp; experts are split ep ways inside dp*cp*tp."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    etp: int = 1  # expert tensor parallelism (1: experts are not split across the tp group)
+
+    def check(self, world_size: int) -> int:
+        model = self.tp * self.pp * self.cp
+        if world_size % model:
+            raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp={model}")
+        return world_size // model
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(layout: Layout, rank: int | None = None, world_size: int | None = None,
+                     timeout_minutes: int = 10) -> None:
+    """Initialise torch.distributed (if needed) and megatron-core's model-parallel groups."""
+    from megatron.core import parallel_state
+
+    from moe_rl.train import cpu_compat
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(backend(), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    layout.check(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=True,
+    )
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Ranks:
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    etp: int
+    tp_size: int
+    pp_size: int
+    ep_size: int
+    dp_size: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp == self.pp_size - 1
+
+
+def ranks() -> Ranks:
+    from megatron.core import parallel_state as ps
+
+    return Ranks(
+        tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep_size=ps.get_expert_model_parallel_world_size(), dp_size=ps.get_data_parallel_world_size(),
+    )

@@ -1,0 +1,183 @@
+"""Hugging Face weights in and out of sharded megatron-core models, through mbridge.
+
+mbridge knows each architecture's name mapping and the fused formats (QKV interleaving, gate/up
+concatenation, TP splits), but it speaks Transformer Engine parameter names. The local spec names
+differ in two places, which `to_te_name` maps:
+
+    decoder.layers.L.input_layernorm.weight                 -> ...self_attention.linear_qkv.layer_norm_weight
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fcN.weight -> ...mlp.experts.linear_fcN.weightG
+
+with L the global layer (pipeline offset applied) and G the global expert id (expert-parallel offset
+applied). Loading and export are driven here so that every TP/PP/EP layout works the same way:
+each rank reads the HF tensors it needs (safetensors, no pickle) and keeps its own shard; export
+gathers TP shards and yields HF-named tensors for the layers and experts this rank owns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit the model (names, shapes or architecture)."""
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> dict[str, str]:
+    """Local parameter name -> TE-style global name (pipeline layer and expert offsets applied)."""
+    model = _unwrap(model)
+    layer_offset = {}
+    if hasattr(model, "decoder"):
+        for idx, layer in enumerate(model.decoder.layers):
+            layer_offset[idx] = layer.layer_number - 1
+    per_rank = (num_experts or 0) // max(ep_size, 1)
+    out = {}
+    for name in model.state_dict():
+        if "_extra_state" in name:
+            continue
+        g = name
+        m = _LAYER.match(g)
+        if m:
+            g = g.replace(f"decoder.layers.{m.group(1)}.", f"decoder.layers.{layer_offset[int(m.group(1))]}.", 1)
+        out[name] = to_te_name(g, ep_rank * per_rank)
+    return out
+
+
+def to_te_name(name: str, expert_offset: int = 0) -> str:
+    if name.endswith(".input_layernorm.weight"):
+        return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    if name.endswith(".norm.weight") and ".pre_mlp_layernorm" in name:  # sequence-parallel norm wrapper
+        return name.replace(".pre_mlp_layernorm.norm.weight", ".pre_mlp_layernorm.weight")
+    m = _LOCAL_EXPERT.search(name)
+    if m:
+        return name[: m.start()] + f".mlp.experts.{m.group(2)}.weight{int(m.group(1)) + expert_offset}"
+    return name
+
+
+def _is_expert(te_name: str) -> bool:
+    return ".mlp.experts.linear_fc" in te_name
+
+
+class HFReader:
+    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            with safe_open(self.path / "model.safetensors", "pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointMismatch(f"{self.path} has no model.safetensors or model.safetensors.index.json")
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointMismatch(f"checkpoint {self.path} has no tensor '{name}'")
+        with safe_open(self.path / self.where[name], "pt") as f:
+            return f.get_tensor(name)
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+
+def _tp_info(te_name: str):
+    from megatron.core import parallel_state as ps
+
+    if _is_expert(te_name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+
+@torch.no_grad()
+def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool = False) -> None:
+    """Fill this rank's shard of `model` from a Hugging Face checkpoint (any TP/PP/EP layout)."""
+    from megatron.core import parallel_state as ps
+
+    reader = HFReader(hf_path)
+    names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                         bridge.config.num_moe_experts)
+    state = _unwrap(model).state_dict()
+    for local, te in names.items():
+        param = state[local]
+        if local.endswith("output_layer.weight") and skip_output_layer:
+            continue
+        try:
+            hf_names = bridge._weight_name_mapping_mcore_to_hf(te)
+        except NotImplementedError:
+            raise CheckpointMismatch(f"no Hugging Face mapping for model parameter '{te}' ({type(bridge).__name__})") from None
+        full = bridge._weight_to_mcore_format(te, [reader.get(n) for n in hf_names])
+        rank, size, _ = _tp_info(te)
+        if size > 1 and full.shape != param.shape:
+            full = list(bridge._weight_split_across_tp(te, full, param, size))[rank]
+        if full.shape != param.shape:
+            raise CheckpointMismatch(f"'{te}': checkpoint shape {tuple(full.shape)} does not fit the model's {tuple(param.shape)}")
+        param.copy_(full.to(param.dtype))
+
+
+@torch.no_grad()
+def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every parameter this rank owns (TP shards gathered).
+
+    Every TP rank of a group yields the same tensors; PP stages and EP ranks yield their own layers
+    and experts. Collective: all TP ranks must iterate together.
+    """
+    from megatron.core import parallel_state as ps
+
+    names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                         bridge.config.num_moe_experts)
+    state = _unwrap(model).state_dict()
+    for local, te in names.items():
+        param = state[local]
+        rank, size, group = _tp_info(te)
+        shards = [param]
+        if size > 1 and getattr(param, "tensor_model_parallel", False) or (size > 1 and _is_expert(te)):
+            shards = [torch.empty_like(param) for _ in range(size)]
+            dist.all_gather(shards, param.contiguous(), group=group)
+        if size > 1 and len(shards) > 1:
+            full = _merge_tp(bridge, te, shards, param)
+        else:
+            full = param
+        hf_names, tensors = bridge._weight_to_hf_format(te, full)
+        yield from zip(hf_names, tensors)
+
+
+def _merge_tp(bridge, te: str, shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+    # mbridge's merge assumes expert shards come from the expert-TP group; ours do
+    if _is_expert(te):
+        if ".linear_fc2." in te:
+            return torch.cat(shards, dim=1)
+        gates, ups = zip(*(s.chunk(2) for s in shards))
+        return torch.cat([torch.cat(gates), torch.cat(ups)])
+    return bridge._weight_merge_across_tp(te, shards, param)
+
+
+def load_value_head(model, hf_path: str | Path) -> bool:
+    """Initialise a critic's value head from a reward-model checkpoint's `score.weight` if it has one."""
+    reader = HFReader(hf_path)
+    head = getattr(_unwrap(model), "output_layer", None)
+    for name in ("score.weight", "v_head.weight", "value_head.weight"):
+        if name in reader.names() and head is not None:
+            w = reader.get(name)
+            if w.shape != head.weight.shape:
+                raise CheckpointMismatch(f"reward-model head '{name}' has shape {tuple(w.shape)}, the critic needs {tuple(head.weight.shape)}")
+            with torch.no_grad():
+                head.weight.copy_(w.to(head.weight.dtype))
+            return True
+    return False
