@@ -206,26 +206,23 @@ def _te_names() -> None:
 
 
 class _SPNorm(torch.nn.Module):
-    """RMSNorm / LayerNorm with sequence-parallel-tagged parameters (megatron's torch wrapper refuses SP)."""
+    """RMSNorm / LayerNorm whose parameters are tagged sequence_parallel (megatron's torch wrapper
+    refuses SP). Same parameter names as the wrapper's norms (`weight`, `bias`)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
-        if config.normalization == "RMSNorm":
-            self.norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        else:
-            self.norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        for p in self.norm.parameters():
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.shape = (hidden_size,)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
-        self.weight = self.norm.weight
 
     def forward(self, x):
-        return self.norm(x)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # checkpoints and HF mapping address the flat name `<prefix>weight`
-        if prefix + "weight" in state_dict and prefix + "norm.weight" not in state_dict:
-            state_dict[prefix + "norm.weight"] = state_dict.pop(prefix + "weight")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.rms:
+            return torch.nn.functional.rms_norm(x, self.shape, self.weight, self.eps)
+        return torch.nn.functional.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
 
 
 def _torch_norm_sp() -> None:

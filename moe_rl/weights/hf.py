@@ -61,8 +61,6 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
 def to_te_name(name: str, expert_offset: int = 0) -> str:
     if name.endswith(".input_layernorm.weight"):
         return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-    if name.endswith(".norm.weight") and ".pre_mlp_layernorm" in name:  # sequence-parallel norm wrapper
-        return name.replace(".pre_mlp_layernorm.norm.weight", ".pre_mlp_layernorm.weight")
     m = _LOCAL_EXPERT.search(name)
     if m:
         return name[: m.start()] + f".mlp.experts.{m.group(2)}.weight{int(m.group(1)) + expert_offset}"

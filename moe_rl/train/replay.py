@@ -1,0 +1,119 @@
+"""Rollout Routing Replay (R3) through megatron-core's RouterReplay.
+
+Every MoE router registers a `RouterReplay` (`moe_enable_routing_replay=True`). Per microbatch we hand
+each router of this pipeline stage the top-k expert ids the rollout engine chose for exactly the
+tokens that router will see:
+
+  routes_BSLK [B, S, L, K] (L = MoE layers of the whole model, global expert ids)
+    -> this stage's layers -> sequence-major tokens [S, B] (the router's flattening)
+    -> this TP rank's sequence shard when sequence parallelism splits the sequence.
+
+Replay happens in the forward pass and again in activation recompute: megatron keeps a FIFO of the
+targets set per microbatch and pops it when the action is REPLAY_BACKWARD; `_phase_aware_topk` switches
+to that action automatically while autograd is running a backward pass (recompute), so callers set
+REPLAY_FORWARD once. Positions past a row's length (padding) get experts 0..K-1: they are never read.
+A valid token without a route (-1) is an error — never silently re-routed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PATCHED = False
+
+
+class MissingRoutes(ValueError):
+    pass
+
+
+def _phase_aware_topk():
+    global _PATCHED
+    if _PATCHED:
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    original = RouterReplay.get_replay_topk
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and torch._C._current_graph_task_id() != -1:
+            self.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
+            try:
+                return original(self, scores, topk, num_groups, group_topk, default_compute_topk)
+            finally:
+                self.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+        return original(self, scores, topk, num_groups, group_topk, default_compute_topk)
+
+    RouterReplay.get_replay_topk = get_replay_topk
+    _PATCHED = True
+
+
+def moe_layer_ids(module, config) -> list[int]:
+    """For each MoE layer of this stage (router build order), its index among the model's MoE layers."""
+    freq = config.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    ids = []
+    for layer in module.decoder.layers:
+        g = layer.layer_number - 1
+        if pattern[g]:
+            ids.append(sum(pattern[:g]))
+    return ids
+
+
+def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
+                  sequence_parallel: bool, topk: int) -> torch.Tensor:
+    """[B, S, K] routes of one layer -> the [tokens, K] int64 array this rank's router sees."""
+    B, S, K = routes_BSK.shape
+    if K != topk:
+        raise MissingRoutes(f"routes carry top-{K} experts, the model routes top-{topk}")
+    r = routes_BSK.long()
+    pad = torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1)
+    missing = (r < 0).any(-1) & ~pad
+    if bool(missing.any()):
+        b, s = (int(x) for x in missing.nonzero()[0])
+        raise MissingRoutes(f"sample {b} position {s} has no recorded route")
+    r = torch.where(pad.unsqueeze(-1), torch.arange(K).expand(B, S, K), r)
+    r = r.transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
+    if sequence_parallel and tp_size > 1:
+        if S % tp_size:
+            raise ValueError(f"sequence length {S} must be a multiple of tp={tp_size} under sequence parallelism")
+        chunk = S // tp_size
+        r = r[tp_rank * chunk:(tp_rank + 1) * chunk]
+    return r.reshape(-1, K).contiguous()
+
+
+def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
+                sequence_parallel: bool, layer_ids: list[int], topk: int) -> bool:
+    """Arm this stage's routers for one microbatch. Returns False (free routing) when routes is None."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    if routes_BSLK is None or not instances:
+        for inst in instances:
+            inst.clear_router_replay_action()
+        return False
+    _phase_aware_topk()
+    if len(layer_ids) != len(instances):
+        raise RuntimeError(f"{len(instances)} routers on this stage but {len(layer_ids)} MoE layers")
+    if max(layer_ids) >= routes_BSLK.shape[2]:
+        raise MissingRoutes(f"routes cover {routes_BSLK.shape[2]} MoE layers, the model has more")
+    for inst, lid in zip(instances, layer_ids):
+        inst.set_target_indices(router_tokens(routes_BSLK[:, :, lid], lengths_B, tp_rank, tp_size, sequence_parallel, topk))
+        inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    return True
+
+
+def record(instances) -> None:
+    """Switch this stage's routers to RECORD (diagnostics: what would the trainer route?)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for inst in instances:
+        inst.set_router_replay_action(RouterReplayAction.RECORD)
+
+
+def recorded(instances) -> list[torch.Tensor | None]:
+    return [inst.get_recorded_indices() for inst in instances]
+
+
+def clear(instances) -> None:
+    for inst in instances:
+        inst.clear_indices()
+        inst.clear_router_replay_action()

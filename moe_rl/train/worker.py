@@ -1,0 +1,242 @@
+"""One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
+
+    w = TrainWorker(ModelSpec(hf_path), role="policy", optim=OptimSettings(lr=1e-5))
+    out = w.score(batch)                                  # forward only: logp/entropy or values
+    metrics = w.train_step(batch, loss_fn, denominator)   # forward+backward over microbatches, step
+
+Batches are this data-parallel rank's shard; every TP/PP rank of one replica receives the same shard.
+Microbatches run through megatron-core's `get_forward_backward_func` (pipeline schedules included).
+
+Loss scaling. megatron divides each microbatch loss by the number of microbatches and averages
+gradients over data-parallel ranks. Our losses use explicit global denominators (algos/aggregate.py):
+the loss of a microbatch is numerator / global_denominator, and the gradient must be the plain sum
+over microbatches and ranks. So the worker multiplies by (microbatches x dp) before handing the loss
+to megatron, which divides it out again: one explicit factor instead of a hidden mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.train import cpu_compat, model as model_lib, replay
+from moe_rl.train.logprobs import vocab_parallel_logprobs
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    distributed_optimizer: bool = True
+    micro_batch_tokens: int = 4096
+
+
+@dataclass
+class TokenBatch:
+    """A data-parallel shard: right-padded token rows and per-token tensors for the loss.
+
+    input_ids_BS: [B, S] long; lengths_B: [B] valid tokens per row; routes_BSLK: [B, S, L, K] global
+    expert ids per position and MoE layer (None: route freely); tensors: name -> [B, S] or [B] tensors.
+    """
+
+    input_ids_BS: torch.Tensor
+    lengths_B: torch.Tensor
+    routes_BSLK: torch.Tensor | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, idx: slice, multiple: int = 1) -> TokenBatch:
+        """Rows `idx`, cut to their longest length rounded up to `multiple` (sequence parallelism)."""
+        S = int(self.lengths_B[idx].max()) if self.lengths_B[idx].numel() else 1
+        S = -(-S // multiple) * multiple
+
+        def cut(x):
+            if x.dim() < 2:
+                return x[idx]
+            out = x[idx, :S]
+            if out.shape[1] < S:
+                out = torch.nn.functional.pad(out, (0, 0) * (x.dim() - 2) + (0, S - out.shape[1]))
+            return out
+
+        return TokenBatch(cut(self.input_ids_BS), self.lengths_B[idx],
+                          None if self.routes_BSLK is None else cut(self.routes_BSLK),
+                          {k: cut(v) for k, v in self.tensors.items()})
+
+    def microbatches(self, token_budget: int, multiple: int = 1) -> list[TokenBatch]:
+        """Consecutive rows whose padded size B*S_max stays within token_budget (at least one row)."""
+        out, start, B = [], 0, self.input_ids_BS.shape[0]
+        while start < B:
+            end, longest = start, 0
+            while end < B:
+                longest_new = max(longest, int(self.lengths_B[end]))
+                if end > start and longest_new * (end - start + 1) > token_budget:
+                    break
+                longest, end = longest_new, end + 1
+            out.append(self.rows(slice(start, end), multiple))
+            start = end
+        return out
+
+
+class TrainWorker:
+    def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", optim: OptimSettings = OptimSettings(),
+                 seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from moe_rl.weights import hf
+
+        if role not in ("policy", "critic"):
+            raise ValueError(f"role must be 'policy' or 'critic', not {role!r}")
+        cpu_compat.apply()
+        if not torch.cuda.is_available():
+            cpu_compat.seed_model_parallel(seed)
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
+        self.spec, self.role, self.optim_settings = spec, role, optim
+        RouterReplay.clear_global_router_replay_instances()  # process-wide registry: one model per process
+        self.bridge = model_lib.make_bridge(spec)
+        self.config = self.bridge.config
+        module = model_lib.build_gpt(self.bridge, spec, critic=role == "critic")
+        self.replay_instances = list(RouterReplay.global_router_replay_instances)
+        self.moe_layer_ids = replay.moe_layer_ids(module, self.config)
+        if load_weights:
+            hf.load_hf_weights(self.bridge, module, spec.hf_path, skip_output_layer=role == "critic")
+            if role == "critic" and value_head_from and ps.is_pipeline_last_stage():
+                hf.load_value_head(module, value_head_from)
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=optim.distributed_optimizer)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.grad_clip,
+                use_distributed_optimizer=optim.distributed_optimizer, bf16=spec.torch_dtype is torch.bfloat16,
+                params_dtype=spec.torch_dtype,
+            ),
+            [self.model],
+        )
+        self.ps = ps
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------------------------
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
+        ids = mb.input_ids_BS
+        if self.spec.routing_replay:
+            replay.set_targets(self.replay_instances, mb.routes_BSLK, mb.lengths_B,
+                               self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size(),
+                               self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk)
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return model(ids, pos, None)
+
+    def _outputs(self, mb: TokenBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token model outputs for microbatch `mb` from the last stage's output."""
+        if self.role == "critic":
+            return {"values": output.squeeze(-1).float()}
+        logp, ent = vocab_parallel_logprobs(
+            output, mb.input_ids_BS, self.ps.get_tensor_model_parallel_group(),
+            self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size())
+        return {"logp": logp, "entropy": ent}
+
+    def _run(self, microbatches: list[TokenBatch], forward_only: bool, loss_func=None):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func()
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self._forward(mb, model)
+            if loss_func is not None:
+                return out, partial(loss_func, mb)
+            return out, lambda o, non_loss_data=False: self._outputs(mb, o)
+
+        S = max(int(mb.input_ids_BS.shape[1]) for mb in microbatches)
+        B = max(int(mb.input_ids_BS.shape[0]) for mb in microbatches)
+        return fb(
+            forward_step_func=step, data_iterator=iter(microbatches), model=[self.model],
+            num_microbatches=len(microbatches), seq_length=S, micro_batch_size=B, forward_only=forward_only,
+            collect_non_loss_data=forward_only and loss_func is None,
+        )
+
+    def _microbatches(self, batch: TokenBatch) -> list[TokenBatch]:
+        multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple)
+
+    @torch.no_grad()
+    def score(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Forward only. Returns {"logp", "entropy"} (policy) or {"values"} (critic), [B, S], on every rank."""
+        self.module.eval()
+        mbs = self._microbatches(batch)
+        try:
+            results = self._run(mbs, forward_only=True)
+        finally:
+            replay.clear(self.replay_instances)
+        B, S = batch.input_ids_BS.shape
+        out = {}
+        if self.ps.is_pipeline_last_stage():
+            names = list(results[0].keys())
+            for name in names:
+                full = torch.zeros(B, S, dtype=torch.float32)
+                row = 0
+                for mb, res in zip(mbs, results):
+                    b, s = mb.input_ids_BS.shape
+                    full[row:row + b, :s] = res[name].detach().float()
+                    row += b
+                out[name] = full
+        return self._broadcast_from_last_stage(out)
+
+    def _broadcast_from_last_stage(self, out: dict) -> dict:
+        if self.ps.get_pipeline_model_parallel_world_size() == 1:
+            return out
+        box = [out]
+        last = self.ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=last, group=self.ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def train_step(self, batch: TokenBatch, loss_fn: Callable, denominator: torch.Tensor) -> dict[str, float]:
+        """One optimizer update on this shard.
+
+        loss_fn(outputs: dict of [b, s] tensors, mb: TokenBatch) -> (numerator 0-dim tensor, metrics dict)
+        denominator: the global denominator of the whole minibatch (all microbatches, all DP ranks).
+        """
+        self.module.train()
+        mbs = self._microbatches(batch)
+        scale = len(mbs) * self.ps.get_data_parallel_world_size()
+        metrics_acc: dict[str, list[torch.Tensor]] = {}
+
+        def loss_func(mb, output_tensor):
+            numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
+            for k, v in metrics.items():
+                metrics_acc.setdefault(k, []).append(v.detach().float())
+            loss = numerator / denominator.to(numerator.dtype)
+            return loss * scale, {"loss": loss.detach()}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        try:
+            losses = self._run(mbs, forward_only=False, loss_func=loss_func)
+        finally:
+            replay.clear(self.replay_instances)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.steps += 1
+        metrics = {k: float(torch.stack(v).mean()) for k, v in metrics_acc.items()}
+        if self.ps.is_pipeline_last_stage():
+            metrics["loss"] = float(sum(float(x["loss"]) for x in losses))
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_ok"] = float(bool(ok))
+        return metrics
