@@ -362,6 +362,8 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
             raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+    if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
+        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm
     if alg.lam_critic is not None and alg.advantage != "gae":
         raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")

@@ -68,6 +68,7 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
     (["algorithm.advantage=grpo", "algorithm.lam_critic=0.9", "rollout.samples_per_prompt=4"], "algorithm.lam_critic"),
     (["critic.enabled=false"], "critic.enabled"),
+    (["model.moe_dispatcher=allgather", "parallel.pp=2", "parallel.world_size=2"], "model.moe_dispatcher"),
 ])
 def test_incompatible_combinations(overrides, field):
     assert _err(overrides).startswith(field + ":")

@@ -64,7 +64,9 @@ def make_bridge(spec: ModelSpec):
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,
         moe_router_dtype="fp32",
-        variable_seq_lengths=True,
+        # microbatches have their own lengths; only pipeline p2p needs to be told (and the allgather
+        # dispatcher refuses the flag, so it is set only where it matters)
+        variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # the local spec has no grouped GEMM, fused kernels or persistent norms

@@ -23,12 +23,17 @@ class Layout:
     pp: int = 1
     ep: int = 1
     cp: int = 1
-    etp: int = 1  # expert tensor parallelism (1: experts are not split across the tp group)
+    # expert tensor parallelism; None: same as tp (megatron's default). With etp=1 < tp and ep=1 the
+    # experts would be replicated across TP ranks that each see only their own tokens, which
+    # megatron-core does not reduce: check() refuses it.
+    etp: int | None = None
 
     def check(self, world_size: int) -> int:
         model = self.tp * self.pp * self.cp
         if world_size % model:
             raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp={model}")
+        if self.etp is not None and self.etp < self.tp and self.ep == 1:
+            raise ValueError(f"etp={self.etp} < tp={self.tp} needs expert parallelism (ep > 1); use etp=tp")
         return world_size // model
 
 

@@ -117,3 +117,21 @@ def clear(instances) -> None:
     for inst in instances:
         inst.clear_indices()
         inst.clear_router_replay_action()
+
+
+def recorded_routes(instances, B: int, S: int, tp_rank: int, tp_size: int, sequence_parallel: bool, tp_group=None) -> torch.Tensor:
+    """The routes this stage's routers recorded in the last forward, as [B, S, L_stage, K] int64
+    (the inverse of `router_tokens`; TP sequence shards gathered)."""
+    import torch.distributed as dist
+
+    layers = []
+    for inst in instances:
+        r = inst.get_recorded_indices()
+        if r is None:
+            raise RuntimeError("no routes recorded: call record() before the forward pass")
+        if sequence_parallel and tp_size > 1:
+            parts = [torch.empty_like(r) for _ in range(tp_size)]
+            dist.all_gather(parts, r.contiguous(), group=tp_group)
+            r = torch.cat(parts)
+        layers.append(r.reshape(S, B, -1).transpose(0, 1))
+    return torch.stack(layers, dim=2)

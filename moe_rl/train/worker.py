@@ -69,6 +69,32 @@ class TokenBatch:
                           None if self.routes_BSLK is None else cut(self.routes_BSLK),
                           {k: cut(v) for k, v in self.tensors.items()})
 
+    def padded(self, rows: int, length: int) -> TokenBatch:
+        """Append empty rows (length 0) and right-pad every tensor to `length` positions."""
+        B, S = self.input_ids_BS.shape
+
+        def grow(x):
+            if x.dim() < 2:
+                return torch.cat([x, torch.zeros(rows - B, dtype=x.dtype)])
+            pad_s = (0, 0) * (x.dim() - 2) + (0, length - S)
+            x = torch.nn.functional.pad(x, pad_s)
+            return torch.cat([x, torch.zeros((rows - B, *x.shape[1:]), dtype=x.dtype)])
+
+        return TokenBatch(grow(self.input_ids_BS), grow(self.lengths_B),
+                          None if self.routes_BSLK is None else grow(self.routes_BSLK),
+                          {k: grow(v) for k, v in self.tensors.items()})
+
+    def uniform_microbatches(self, rows_per_mb: int, count: int, length: int) -> list[TokenBatch]:
+        """`count` microbatches of exactly [rows_per_mb, length] (empty rows appended)."""
+        full = self.padded(rows_per_mb * count, length)
+        out = []
+        for i in range(count):
+            idx = slice(i * rows_per_mb, (i + 1) * rows_per_mb)
+            out.append(TokenBatch(full.input_ids_BS[idx], full.lengths_B[idx],
+                                  None if full.routes_BSLK is None else full.routes_BSLK[idx],
+                                  {k: v[idx] for k, v in full.tensors.items()}))
+        return out
+
     def microbatches(self, token_budget: int, multiple: int = 1) -> list[TokenBatch]:
         """Consecutive rows whose padded size B*S_max stays within token_budget (at least one row)."""
         out, start, B = [], 0, self.input_ids_BS.shape[0]
@@ -126,8 +152,15 @@ class TrainWorker:
             ),
             [self.model],
         )
+        # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
+        # embedding grads across the pipeline
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
         self.ps = ps
         self.steps = 0
+        self._recording: list[torch.Tensor] | None = None
 
     # ----------------------------------------------------------------------------------------------
 
@@ -137,12 +170,21 @@ class TrainWorker:
 
     def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
         ids = mb.input_ids_BS
-        if self.spec.routing_replay:
+        if self._recording is not None:
+            replay.record(self.replay_instances)
+        elif self.spec.routing_replay:
             replay.set_targets(self.replay_instances, mb.routes_BSLK, mb.lengths_B,
                                self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size(),
                                self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, pos, None)
+        out = model(ids, pos, None)
+        if self._recording is not None:
+            ps = self.ps
+            self._recording.append(replay.recorded_routes(
+                self.replay_instances, ids.shape[0], ids.shape[1], ps.get_tensor_model_parallel_rank(),
+                ps.get_tensor_model_parallel_world_size(), self.config.sequence_parallel,
+                ps.get_tensor_model_parallel_group()))
+        return out
 
     def _outputs(self, mb: TokenBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token model outputs for microbatch `mb` from the last stage's output."""
@@ -175,16 +217,31 @@ class TrainWorker:
 
     def _microbatches(self, batch: TokenBatch) -> list[TokenBatch]:
         multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        if self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1:
+            # the allgather dispatcher gathers equal-sized token blocks across the expert group: give
+            # every data-parallel rank the same microbatch count and shape
+            shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
+            per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
+            return batch.uniform_microbatches(per_mb, -(-rows // per_mb), length)
         return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple)
 
     @torch.no_grad()
-    def score(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        """Forward only. Returns {"logp", "entropy"} (policy) or {"values"} (critic), [B, S], on every rank."""
+    def score(self, batch: TokenBatch, record_routes: bool = False) -> dict[str, torch.Tensor]:
+        """Forward only. Returns {"logp", "entropy"} (policy) or {"values"} (critic), [B, S], on every rank.
+
+        batch.routes_BSLK, when given, is replayed. With record_routes=True the routers choose freely and
+        the result also holds "routes": [B, S, L, K] int64, the trainer's own top-k for every position.
+        """
         self.module.eval()
         mbs = self._microbatches(batch)
+        self._recording = [] if record_routes else None
         try:
             results = self._run(mbs, forward_only=True)
+            recorded = self._recording
         finally:
+            self._recording = None
             replay.clear(self.replay_instances)
         B, S = batch.input_ids_BS.shape
         out = {}
@@ -198,7 +255,29 @@ class TrainWorker:
                     full[row:row + b, :s] = res[name].detach().float()
                     row += b
                 out[name] = full
-        return self._broadcast_from_last_stage(out)
+        out = self._broadcast_from_last_stage(out)
+        if record_routes:
+            out["routes"] = self._gather_stage_routes(recorded, mbs, B, S)
+        return out
+
+    def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[TokenBatch], B: int, S: int) -> torch.Tensor:
+        K = self.config.moe_router_topk
+        mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=torch.long)
+        row = 0
+        for mb, r in zip(mbs, recorded):
+            b = mb.input_ids_BS.shape[0]
+            s = min(r.shape[1], S)
+            mine[row:row + b, :s] = r[:, :s]
+            row += b
+        if self.ps.get_pipeline_model_parallel_world_size() == 1:
+            return mine
+        parts = [None] * self.ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(parts, (self.moe_layer_ids, mine), group=self.ps.get_pipeline_model_parallel_group())
+        L = sum(len(ids) for ids, _ in parts)
+        full = torch.zeros(B, S, L, K, dtype=torch.long)
+        for ids, t in parts:
+            full[:, :, ids] = t
+        return full
 
     def _broadcast_from_last_stage(self, out: dict) -> dict:
         if self.ps.get_pipeline_model_parallel_world_size() == 1:

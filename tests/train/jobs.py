@@ -1,0 +1,47 @@
+"""Rank functions for the Megatron tests (run in spawned gloo ranks by moe_rl.train.launch_local)."""
+
+import torch
+
+B, S = 4, 12
+
+
+def batch_tensors(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 300, (B, S), generator=g)
+    lengths = torch.tensor([12, 7, 10, 9])
+    valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
+    mask = valid & (torch.arange(S) >= 3)  # positions 3.. are "model tokens"
+    adv = torch.randn(B, S, generator=g) * mask
+    return ids, lengths, mask, adv
+
+
+def pg_loss(outputs, mb):
+    """Numerator of a token-sum policy-gradient loss: -sum A * logp over masked tokens."""
+    m = mb.tensors["mask"].float()
+    num = -(mb.tensors["adv"] * outputs["logp"] * m).sum()
+    return num, {"entropy_mean": (outputs["entropy"] * m).sum() / m.sum().clamp(min=1)}
+
+
+def layout_job(rank, world, hf_path, layout, dispatcher, routes):
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(M.ModelSpec(hf_path=hf_path, moe_dispatcher=dispatcher),
+                    # eps 1e-4: Adam does not blow rounding noise in near-zero grads up to full lr steps
+                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    dp, dp_size = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
+    rows = slice(dp * B // dp_size, (dp + 1) * B // dp_size)  # this data-parallel rank's shard
+    free = TokenBatch(ids, lengths)
+    out = {"free": w.score(free, record_routes=True)}
+    out["replay"] = w.score(TokenBatch(ids, lengths, routes))
+    shard = TokenBatch(ids[rows], lengths[rows], routes[rows], {"mask": mask[rows], "adv": adv[rows]})
+    denom = mask.sum().double()  # global denominator of the whole batch
+    routers = [(n, p.detach().clone()) for n, p in w.module.named_parameters() if "router" in n]
+    out["step"] = w.train_step(shard, pg_loss, denom)
+    out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max()) for n, p in routers]
+    out["after_replay"] = w.score(TokenBatch(ids, lengths, routes))
+    out["after_free"] = w.score(free, record_routes=True)
+    out["mbs"] = len(shard.microbatches(24))
+    return out
