@@ -15,6 +15,12 @@ in its way. Each shim below is named, says what it fixes, and is covered by test
                      (their grads are then all-reduced across TP by finalize_model_grads)
   optimizer_type     the optimizer asserts param.type() == 'torch.cuda.FloatTensor'
   gloo_all_to_all    gloo's all_to_all_single wants split sizes as lists, the dispatcher passes tensors
+  optimizer_step     without apex/TE the distributed optimizer keeps torch Adam's per-param "step":
+                     state_dict() of a fresh optimizer (the template a checkpoint loads into) asserts
+                     on the missing step, and load_state_dict() gives every param one shared step
+                     tensor, which Adam then increments once per param per update (wrong bias
+                     correction after resume): give the template a step, and each param its own copy;
+                     the fully-reshardable loader copies every state key but skips "step" (KeyError)
 """
 
 from __future__ import annotations
@@ -268,6 +274,49 @@ def _gloo_all_to_all() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
+def _optimizer_step() -> None:
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if getattr(mdo, "HAVE_APEX_OR_TE", True):
+        return
+    cls = mdo.DistributedOptimizer
+    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
+
+    def state_dict(self):
+        if self.optimizer.state:
+            return original_state_dict(self)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for p in params:  # a loading template: the step value is overwritten by the checkpoint's
+            self.optimizer.state[p]["step"] = torch.tensor(0.0)
+        try:
+            return original_state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                st["step"] = st["step"].detach().clone()
+
+    original_set = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state.get(main_param, {})
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            original_set(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    cls.state_dict = state_dict
+    cls.load_state_dict = load_state_dict
+    cls._set_main_param_and_optimizer_states = set_states
+
+
 SHIMS = {
     "rng_tracker": _rng_tracker,
     "cuda_streams": _cuda_streams,
@@ -276,6 +325,7 @@ SHIMS = {
     "torch_norm_sp": _torch_norm_sp,
     "optimizer_type": _optimizer_type,
     "gloo_all_to_all": _gloo_all_to_all,
+    "optimizer_step": _optimizer_step,
 }
 
 

@@ -45,3 +45,24 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes):
     out["after_free"] = w.score(free, record_routes=True)
     out["mbs"] = len(shard.microbatches(24))
     return out
+
+
+def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
+    """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures."""
+    from moe_rl.train import checkpoint, model as M, parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24),
+                    load_weights=mode == "save")
+    ids, lengths, mask, adv = batch_tensors()
+    batch = TokenBatch(ids, lengths, None, {"mask": mask, "adv": adv})
+    denom = mask.sum().double()
+    if mode == "save":
+        w.train_step(batch, pg_loss, denom)
+        checkpoint.save(w, ckpt_dir, extra={"step": 1, "note": "after one update"})
+        extra = None
+    else:
+        extra = checkpoint.load(w, ckpt_dir)
+    step2 = w.train_step(batch, pg_loss, denom)
+    return {"step2": step2, "after": w.score(TokenBatch(ids, lengths)), "extra": extra, "steps": w.steps}
