@@ -140,18 +140,16 @@ def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
 
     names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
                          bridge.config.num_moe_experts)
+    params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
     for local, te in names.items():
-        param = state[local]
-        rank, size, group = _tp_info(te)
-        shards = [param]
-        if size > 1 and getattr(param, "tensor_model_parallel", False) or (size > 1 and _is_expert(te)):
-            shards = [torch.empty_like(param) for _ in range(size)]
-            dist.all_gather(shards, param.contiguous(), group=group)
-        if size > 1 and len(shards) > 1:
+        param = params.get(local, state[local])
+        _, size, group = _tp_info(te)
+        full = param.detach()
+        if size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(full) for _ in range(size)]
+            dist.all_gather(shards, full.contiguous(), group=group)
             full = _merge_tp(bridge, te, shards, param)
-        else:
-            full = param
         hf_names, tensors = bridge._weight_to_hf_format(te, full)
         yield from zip(hf_names, tensors)
 

@@ -66,3 +66,44 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
         extra = checkpoint.load(w, ckpt_dir)
     step2 = w.train_step(batch, pg_loss, denom)
     return {"step2": step2, "after": w.score(TokenBatch(ids, lengths)), "extra": extra, "steps": w.steps}
+
+
+def hf_roundtrip_job(rank, world, hf_path, layout):
+    """Load HF weights into this layout, export them back; return the exported tensors of this rank."""
+    from moe_rl.train import model as M, parallel
+    from moe_rl.weights import hf
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    from moe_rl.train import cpu_compat
+
+    cpu_compat.seed_model_parallel(0)
+    spec = M.ModelSpec(hf_path=hf_path)
+    bridge = M.make_bridge(spec)
+    module = M.build_gpt(bridge, spec)
+    hf.load_hf_weights(bridge, module, hf_path)
+    return dict(hf.export_hf_weights(bridge, module))
+
+
+def critic_job(rank, world, hf_path, layout):
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(M.ModelSpec(hf_path=hf_path), role="critic", optim=OptimSettings(lr=1e-2, adam_eps=1e-4))
+    ids, lengths, mask, adv = batch_tensors()
+    before = w.score(TokenBatch(ids, lengths))["values"]
+    returns = torch.ones(B, S)
+
+    def value_loss(outputs, mb):
+        m = mb.tensors["mask"].float()
+        return (0.5 * (outputs["values"] - mb.tensors["returns"]).square() * m).sum(), {}
+
+    emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() if w.ps.is_pipeline_first_stage() else None
+    head = w.module.output_layer.weight if w.ps.is_pipeline_last_stage() else None
+    head0 = None if head is None else head.detach().clone()
+    step = w.train_step(TokenBatch(ids, lengths, None, {"mask": mask, "returns": returns}), value_loss, mask.sum().double())
+    after = w.score(TokenBatch(ids, lengths))["values"]
+    backbone = {n: p.detach().clone() for n, p in w.module.named_parameters() if "output_layer" not in n}
+    return {"before": before, "after": after, "step": step, "backbone_names": sorted(backbone),
+            "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
+            "embedding_at_start": emb0}
