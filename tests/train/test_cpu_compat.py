@@ -1,0 +1,112 @@
+"""Each CPU shim of moe_rl.train.cpu_compat, checked in a fresh process (the shims patch torch and
+megatron-core process-wide, so they stay out of the test runner's own process)."""
+
+import pytest
+import torch
+
+from moe_rl.train.launch_local import run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
+
+
+def shim_checks(rank, world):
+    import torch.distributed as dist
+
+    from moe_rl.train import cpu_compat, parallel
+
+    out = {}
+    parallel.init_distributed(parallel.Layout())
+    out["applied"] = list(cpu_compat.APPLIED)
+
+    # rng_tracker: named CPU streams, reproducible, isolated from the default generator
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cpu_compat.seed_model_parallel(7)
+    tracker = get_cuda_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    out["default_untouched"] = torch.equal(before, torch.get_rng_state())
+    cpu_compat.seed_model_parallel(7)
+    with get_cuda_rng_tracker().fork():
+        b = torch.rand(3)
+    out["fork_reproducible"] = torch.equal(a, b)
+    try:
+        get_cuda_rng_tracker().add("model-parallel-rng", 99)
+        out["duplicate_refused"] = False
+    except RuntimeError:
+        out["duplicate_refused"] = True
+
+    # cuda_streams
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.ones(2)
+    x.record_stream(s)
+    torch.cuda.current_stream().wait_stream(s)
+    ev = torch.cuda.Event()
+    ev.record()
+    torch.cuda.synchronize()
+    out["streams_ok"] = True
+
+    # cuda_device
+    out["current_device"] = torch.cuda.current_device()
+    out["cuda_literal_device"] = str(torch.zeros(2, device="cuda").device)
+
+    # te_names
+    from megatron.core.transformer.moe import moe_utils
+
+    out["te_general_gemm"] = moe_utils.te_general_gemm
+
+    # torch_norm_sp
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    # the fields the norm reads from a TransformerConfig with tp > 1 and sequence parallelism
+    cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, params_dtype=torch.float32)
+    norm = WrappedTorchNorm(cfg, 8, eps=1e-6)
+    xin = torch.randn(4, 8)
+    ref = torch.nn.RMSNorm(8, eps=1e-6)
+    out["sp_norm_tagged"] = all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    out["sp_norm_names"] = [n for n, _ in norm.named_parameters()]
+    out["sp_norm_err"] = float((norm(xin) - ref(xin)).abs().max())
+
+    # optimizer_type
+    out["param_type"] = torch.nn.Parameter(torch.zeros(2)).type()
+    out["explicit_type"] = str(torch.zeros(2).type(torch.float64).dtype)
+
+    # gloo_all_to_all: split sizes given as tensors
+    inp = torch.arange(4.0)
+    res = torch.empty(4)
+    dist.all_to_all_single(res, inp, torch.tensor([4]), torch.tensor([4]))
+    out["all_to_all"] = res.tolist()
+
+    # optimizer_step: the distributed optimizer's template state_dict works on a fresh optimizer
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    out["optimizer_step_patched"] = mdo.DistributedOptimizer.state_dict.__name__ == "state_dict" and \
+        "optimizer_step" in cpu_compat.APPLIED
+    return out
+
+
+def test_every_shim_in_a_fresh_process():
+    out = run_ranks(shim_checks, 1)[0]
+    from moe_rl.train import cpu_compat
+
+    assert out["applied"] == list(cpu_compat.SHIMS)
+    assert out["default_untouched"] and out["fork_reproducible"] and out["duplicate_refused"]
+    assert out["streams_ok"]
+    assert out["current_device"] == "cpu" and out["cuda_literal_device"] == "cpu"
+    assert out["te_general_gemm"] is None
+    assert out["sp_norm_tagged"] and out["sp_norm_names"] == ["weight"] and out["sp_norm_err"] < 1e-6
+    assert out["param_type"] == "torch.cuda.FloatTensor" and out["explicit_type"] == "torch.float64"
+    assert out["all_to_all"] == [0.0, 1.0, 2.0, 3.0]
+    assert out["optimizer_step_patched"]  # behaviour covered by test_checkpoint's resume
+
+
+def test_shims_do_nothing_here_when_not_applied():
+    # this process never called apply(): torch is untouched
+    from moe_rl.train import cpu_compat
+
+    assert cpu_compat.needed() and not cpu_compat.APPLIED
+    assert torch.zeros(1).type() == "torch.FloatTensor"
