@@ -24,11 +24,16 @@ OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_FILE = "moe_rl_extra.pt"
 
 
-def _sharded(worker, is_loading: bool) -> dict:
+def _sharded(worker, is_loading: bool, with_optimizer: bool = True) -> dict:
     model_sd = worker.module.sharded_state_dict()
     state = {"model": model_sd}
-    state["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_SHARDING)
+    if with_optimizer:
+        state["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_SHARDING)
     return state
+
+
+def _optimizer_kind(worker) -> str:
+    return "distributed" if worker.ddp_config.use_distributed_optimizer else "plain"
 
 
 def save(worker, path: str | Path, extra: dict | None = None) -> None:
@@ -41,23 +46,33 @@ def save(worker, path: str | Path, extra: dict | None = None) -> None:
     dist_checkpointing.save(_sharded(worker, is_loading=False), str(path),
                             content_metadata=OPTIM_SHARDING)
     if dist.get_rank() == 0:
-        torch.save({"extra": extra or {}, "steps": worker.steps}, path / EXTRA_FILE)
+        torch.save({"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker)}, path / EXTRA_FILE)
     dist.barrier()
 
 
-def load(worker, path: str | Path) -> dict:
+def load(worker, path: str | Path, optimizer: bool = True) -> dict:
+    """Restore model (and optimizer) state into `worker`; returns the saved `extra` dict.
+
+    megatron-core cannot load a distributed optimizer's state (data-parallel > 1) into a plain one
+    (data-parallel 1) or back: such a resume raises, or with optimizer=False restores weights only.
+    """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not (path / EXTRA_FILE).is_file() or not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete moe_rl checkpoint (missing {EXTRA_FILE} or metadata.json)")
-    state = dist_checkpointing.load(_sharded(worker, is_loading=True), str(path))
-    worker.module.load_state_dict(state["model"])
-    worker.optimizer.load_state_dict(state["optimizer"])
     # extra holds only our own plain types (ints, floats, strings, tensors): weights_only loading is safe
     try:
         meta = torch.load(path / EXTRA_FILE, weights_only=True)
     except pickle.UnpicklingError as err:
         raise ValueError(f"{path / EXTRA_FILE} holds more than plain data: {err}") from None
+    if optimizer and meta.get("optimizer", _optimizer_kind(worker)) != _optimizer_kind(worker):
+        raise ValueError(f"{path} holds {meta['optimizer']} optimizer state, this run uses a {_optimizer_kind(worker)} "
+                         "optimizer (data-parallel size changed to or from 1); resume with the same data-parallel "
+                         "size, or load weights only")
+    state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer), str(path))
+    worker.module.load_state_dict(state["model"])
+    if optimizer:
+        worker.optimizer.load_state_dict(state["optimizer"])
     worker.steps = int(meta["steps"])
     return meta["extra"]

@@ -16,7 +16,9 @@ import torch
 
 from moe_rl.train import cpu_compat
 
-FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+# moe_rl name -> (megatron fp8 format, megatron Fp8Recipe)
+FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tensorwise"),
+               "blockwise": ("e4m3", "blockwise"), "mxfp8": ("e4m3", "mxfp8")}
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def make_bridge(spec: ModelSpec):
     if spec.recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec.fp8 != "none":
-        extra.update(fp8="e4m3" if spec.fp8 != "mxfp8" else "e4m3", fp8_recipe=FP8_RECIPES[spec.fp8])
+        fmt, recipe = FP8_RECIPES[spec.fp8]
+        extra.update(fp8=fmt, fp8_recipe=recipe, fp8_param=False)
     if getattr(bridge.hf_config, "model_type", "") == "mixtral":
         extra["moe_router_pre_softmax"] = False  # softmax after top-k, as Mixtral's HF implementation
     if getattr(bridge.hf_config, "rope_theta", None) is None:
@@ -98,8 +101,14 @@ def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     cfg = bridge.config
-    return get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec.layer_spec == "transformer_engine",
-                                      normalization="RMSNorm", vp_stage=vp_stage)
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec.layer_spec == "transformer_engine",
+                                       normalization="RMSNorm", vp_stage=vp_stage)
+    if spec.layer_spec == "local":
+        from moe_rl.train.attention import SdpaAttention
+
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return block
 
 
 class ValueHead(torch.nn.Module):

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_TE_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TE grouped experts
 
 
 class CheckpointMismatch(ValueError):
@@ -64,6 +65,9 @@ def to_te_name(name: str, expert_offset: int = 0) -> str:
     m = _LOCAL_EXPERT.search(name)
     if m:
         return name[: m.start()] + f".mlp.experts.{m.group(2)}.weight{int(m.group(1)) + expert_offset}"
+    m = _TE_EXPERT.search(name)
+    if m:
+        return name[: m.start()] + f".mlp.experts.{m.group(1)}.weight{int(m.group(2)) + expert_offset}"
     return name
 
 

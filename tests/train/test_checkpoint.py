@@ -28,3 +28,10 @@ def test_incomplete_checkpoint_is_refused(tmp_path, tiny_qwen):
     (tmp_path / "half").mkdir()
     with pytest.raises(RuntimeError, match="not a complete moe_rl checkpoint"):
         run_ranks(ckpt_job, 1, (str(tiny_qwen), {}, str(tmp_path / "half"), "load"))
+
+
+def test_distributed_optimizer_state_into_plain_optimizer_is_refused(tmp_path, tiny_qwen):
+    ckpt = tmp_path / "dp2"
+    run_ranks(ckpt_job, 2, (str(tiny_qwen), {}, str(ckpt), "save"))  # DP2: distributed optimizer
+    with pytest.raises(RuntimeError, match="distributed optimizer state, this run uses a plain optimizer"):
+        run_ranks(ckpt_job, 1, (str(tiny_qwen), {}, str(ckpt), "load"))

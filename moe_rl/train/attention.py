@@ -1,0 +1,45 @@
+"""Core attention for the local (non-Transformer-Engine) layer spec, on torch's fused SDPA kernel.
+
+megatron-core's local `DotProductAttention` materialises the [b*h, s, s] score matrix and runs an
+unfused masked softmax; on CPU that is the single largest cost of a step at sequence lengths of a few
+hundred. This module computes the same attention (causal, 1/sqrt(head_dim) scaling, grouped-query
+heads) with `torch.nn.functional.scaled_dot_product_attention`, and plugs into the spec where
+DotProductAttention sits (same constructor and forward signature, tensors [s, b, heads, head_dim]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SdpaAttention(MegatronModule):
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SdpaAttention does not implement context parallelism; use the Transformer Engine spec")
+        self.causal = attn_mask_type == AttnMaskType.causal
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SdpaAttention: packed sequences and attention bias need the Transformer Engine spec")
+        sq, b, heads, hn = query.shape
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        if k.shape[1] != heads:
+            rep = heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = None if attention_mask is None else ~attention_mask.bool()  # megatron: True = masked out
+        causal = self.causal and mask is None
+        if self.causal and mask is not None:
+            mask = mask & torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)

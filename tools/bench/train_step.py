@@ -1,0 +1,122 @@
+"""Benchmark: one training step (forward + backward + optimizer) of a small MoE through the Megatron
+CPU path vs the same model trained with plain transformers, same threads, batch and weights.
+
+Model: Qwen3-MoE, hidden 256, 4 layers, 8 experts top-2, sequence 512 (defaults). Figures, measured
+side by side in this one process (medians over --steps after warm-up):
+
+  megatron_vs_hf       Megatron tokens/s / transformers tokens/s (target >= 0.7)
+  replay_overhead      step time with router replay / without - 1 (target <= 0.03)
+
+The transformers run happens before megatron-core's CPU shims are installed in this process, so it is
+measured on untouched torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def median_time(fn, steps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=args.hidden // 4, num_experts=args.experts, top_k=2, moe_intermediate_size=args.hidden,
+                     max_position_embeddings=max(1024, args.seq))
+    path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_train_step"), spec, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (args.batch, args.seq), generator=g)
+    tokens = ids.numel()
+    print(f"train step: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-2, "
+          f"batch {args.batch} x seq {args.seq}, threads {torch.get_num_threads()}")
+
+    # 1. plain transformers
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.train()
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-6)
+
+    def hf_step():
+        opt.zero_grad(set_to_none=True)
+        out = hf(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+
+    t_hf = median_time(hf_step, args.steps)
+    del hf, opt
+
+    # 2. Megatron CPU path (one rank, gloo)
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    os.environ.setdefault("MASTER_PORT", "29561")
+    parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
+    w = TrainWorker(M.ModelSpec(hf_path=str(path)), optim=OptimSettings(lr=1e-6, micro_batch_tokens=tokens))
+    lengths = torch.full((args.batch,), args.seq)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, 0] = False
+    denom = mask.sum().double()
+
+    def nll(outputs, mb):
+        return -(outputs["logp"] * mb.tensors["mask"]).sum(), {}
+
+    free = TokenBatch(ids, lengths, None, {"mask": mask})
+    routes = w.score(free, record_routes=True)["routes"]
+    replayed = TokenBatch(ids, lengths, routes, {"mask": mask})
+    t_free, t_replay = [], []
+    w.train_step(free, nll, denom)
+    w.train_step(replayed, nll, denom)
+    for _ in range(args.steps):  # interleaved, so machine noise hits both alike
+        t0 = time.perf_counter()
+        w.train_step(free, nll, denom)
+        t_free.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        w.train_step(replayed, nll, denom)
+        t_replay.append(time.perf_counter() - t0)
+    t_mg, t_rp = statistics.median(t_free), statistics.median(t_replay)
+    parallel.shutdown()
+
+    figures = {
+        "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
+        "seq": args.seq, "batch": args.batch, "hf_tokens_per_s": round(tokens / t_hf, 1),
+        "megatron_tokens_per_s": round(tokens / t_mg, 1), "megatron_vs_hf": round(t_hf / t_mg, 3),
+        "replay_overhead": round(t_rp / t_mg - 1, 4),
+    }
+    print(f"transformers   {t_hf * 1e3:8.1f} ms/step  {tokens / t_hf:8.0f} tokens/s")
+    print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf / t_mg:.2f}x transformers; target >= 0.7)")
+    print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * (t_rp / t_mg - 1):+.1f}%; target <= 3%)")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
