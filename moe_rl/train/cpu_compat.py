@@ -4,7 +4,9 @@ megatron-core targets GPUs; on a CPU box (gloo, local layer spec) a handful of C
 in its way. Each shim below is named, says what it fixes, and is covered by tests/train/test_cpu_compat.py.
 `apply()` installs them once, and only when torch has no CUDA; with CUDA it does nothing.
 
-  rng_tracker        model-parallel RNG tracker backed by CPU generators (dropout / init forks)
+  rng_tracker        model-parallel RNG tracker backed by CPU generators (dropout / init forks); the
+                     CUDA-generator save/restore of activation recompute becomes a no-op (the CPU
+                     generator is saved and restored by megatron already)
   cuda_streams       torch.cuda.Stream/Event/current_stream/synchronize and Tensor.record_stream as
                      no-ops (MoE dispatchers, DDP and the optimizer create them)
   cuda_device        torch.cuda.current_device() -> "cpu" (used as a device in many places, some inside
@@ -108,6 +110,10 @@ def _rng_tracker() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # activation recompute saves and restores "the CUDA generator" around each checkpointed block:
+    # there is none, so the (already saved) CPU generator stands in; states are tensors either way
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: None
     # initialize_rng_tracker(force_reset=True) would replace it with a CUDA tracker: keep ours
     mrandom.initialize_rng_tracker = lambda *a, **k: None
 

@@ -107,3 +107,27 @@ def critic_job(rank, world, hf_path, layout):
     return {"before": before, "after": after, "step": step, "backbone_names": sorted(backbone),
             "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
             "embedding_at_start": emb0}
+
+
+def recompute_job(rank, world, hf_path, routes):
+    """Full activation recompute with router replay: the replayed routes must be used again when the
+    layers are recomputed in backward. Also: a valid token without a route is refused."""
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.replay import MissingRoutes
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(M.ModelSpec(hf_path=hf_path, recompute=True),
+                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    shard = TokenBatch(ids, lengths, routes, {"mask": mask, "adv": adv})
+    step = w.train_step(shard, pg_loss, mask.sum().double())
+    after = w.score(TokenBatch(ids, lengths, routes))
+    broken = routes.clone()
+    broken[1, 2, 0, 0] = -1
+    try:
+        w.score(TokenBatch(ids, lengths, broken))
+        refused = None
+    except MissingRoutes as err:
+        refused = str(err)
+    return {"step": step, "after_replay": after, "refused": refused}

@@ -75,3 +75,15 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher):
     total = sum(losses) if "ep" in layout else losses[0]
     assert total == pytest.approx(ref["step"]["loss"], abs=1e-5)
     assert results[0]["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-4)
+
+
+def test_replay_under_activation_recompute(reference, tiny_qwen):
+    from jobs import recompute_job
+
+    routes, ref = reference
+    res = run_ranks(recompute_job, 1, (str(tiny_qwen), routes))[0]
+    valid, _ = _valid()
+    assert res["step"]["loss"] == pytest.approx(ref["step"]["loss"], abs=1e-6)
+    assert res["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(res["after_replay"]["logp"] * valid, ref["after_replay"]["logp"] * valid, **TOL)
+    assert res["refused"] == "sample 1 position 2 has no recorded route"
