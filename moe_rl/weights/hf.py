@@ -181,3 +181,33 @@ def load_value_head(model, hf_path: str | Path) -> bool:
                 head.weight.copy_(w.to(head.weight.dtype))
             return True
     return False
+
+
+def save_hf_checkpoint(named: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path, config_from: str | Path,
+                       shard_mb: float = 2048) -> Path:
+    """Write HF-named tensors as a sharded safetensors checkpoint (with index) next to the config and
+    tokenizer files of `config_from`. Rank-local: call where the full set of tensors is available."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moe_rl.weights.sync import buckets
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(config_from).iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
+            shutil.copy2(f, out / f.name)
+    shards = list(buckets(named, shard_mb))
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(out / name), metadata={"format": "pt"})
+        for n, t in shard:
+            weight_map[n] = name
+            total += t.numel() * t.element_size()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    stale = out / "model.safetensors"
+    if stale.exists():
+        stale.unlink()
+    return out

@@ -1,0 +1,88 @@
+"""Trainer -> rollout-engine weight sync, in buckets, with a version bump.
+
+    for bucket in buckets(export_hf_weights(bridge, model), bucket_mb=64): ...
+
+In-process, buckets of HF-named tensors go straight to `RolloutEngine.update_weights`. Across
+processes (a Ray actor, a separate engine process) a bucket travels as a safetensors file in shared
+memory (/dev/shm): the writer saves it, the reader memory-maps it — no pickling of tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> str:
+    """The transformer layer a HF tensor name belongs to ("" for embeddings, final norm, head)."""
+    m = _LAYER.search(name)
+    return m.group(1) if m else ""
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float,
+            group=layer_of) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of about bucket_mb MiB, never splitting a `group` (by
+    default a transformer layer: the engine finalises a layer's kernels once all its weights arrived).
+    Tensors of one group must come consecutively; a group larger than the limit travels alone."""
+    limit = int(bucket_mb * 2**20)
+    cur, size, cur_group, group_items, group_size = [], 0, None, [], 0
+
+    def flush_group():
+        nonlocal cur, size
+        if cur and size + group_size > limit:
+            out = cur
+            cur, size = [], 0
+            return out
+        return None
+
+    for name, t in named:
+        g = group(name) if group else name
+        if g != cur_group and group_items:
+            full = flush_group()
+            if full:
+                yield full
+            cur.extend(group_items)
+            size += group_size
+            group_items, group_size = [], 0
+        cur_group = g
+        group_items.append((name, t))
+        group_size += t.numel() * t.element_size()
+    if group_items:
+        full = flush_group()
+        if full:
+            yield full
+        cur.extend(group_items)
+    if cur:
+        yield cur
+
+
+def shm_dir() -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    return base
+
+
+def write_bucket(bucket: list[tuple[str, torch.Tensor]], directory: str | Path, index: int) -> Path:
+    """Write one bucket as safetensors; returns its path (atomic: written under a temporary name)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bucket_{index:05d}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def read_bucket(path: str | Path, delete: bool = True) -> list[tuple[str, torch.Tensor]]:
+    tensors = load_file(str(path))
+    if delete:
+        os.unlink(path)
+    return list(tensors.items())

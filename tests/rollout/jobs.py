@@ -1,0 +1,66 @@
+"""Process bodies for rollout tests: vLLM and Megatron each run in their own fresh process."""
+
+import torch
+
+PROMPTS = [[257, 84, 82, 68, 81, 198, 38, 84], [257, 50, 51, 52], [257, 60, 61, 62, 63, 64, 65]]
+
+
+def vllm_sync_job(rank, world, model_path, bucket_dir):
+    import os
+
+    from moe_rl.rollout.engine import EngineSettings, RolloutEngine, Sampling
+    from moe_rl.weights.hf import HFReader
+    from moe_rl.weights.sync import read_bucket
+
+    engine = RolloutEngine(EngineSettings(model_path))
+    s = Sampling(max_tokens=10, seed=7)
+    before = engine.generate(PROMPTS, s)
+    paths = sorted(p for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
+    n = 0
+    for p in paths:  # one bucket at a time, as a separate-process sync delivers them
+        n += engine.update_weights(read_bucket(os.path.join(bucket_dir, p), delete=False), version=1)
+    after = engine.generate(PROMPTS, s)
+    reader = HFReader(model_path)
+    engine.update_weights([(k, reader.get(k)) for k in sorted(reader.names())], version=2)
+    restored = engine.generate(PROMPTS, s)
+    return {"before": before, "after": after, "restored": restored, "synced_tensors": n, "buckets": len(paths),
+            "layers": engine.num_moe_layers}
+
+
+def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.weights.hf import export_hf_weights, save_hf_checkpoint
+    from moe_rl.weights.sync import buckets, write_bucket
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(M.ModelSpec(hf_path=model_path), optim=OptimSettings(lr=3e-3))
+    ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 16, dtype=torch.bool)
+
+    def loss(outputs, mb):
+        return -(outputs["logp"] * mb.tensors["mask"]).sum(), {}
+
+    w.train_step(TokenBatch(ids, torch.full((4,), 16), None, {"mask": mask}), loss, mask.sum().double())
+    n = 0
+    for i, b in enumerate(buckets(export_hf_weights(w.bridge, w.module), bucket_mb)):
+        write_bucket(b, bucket_dir, i)
+        n += 1
+    save_hf_checkpoint(export_hf_weights(w.bridge, w.module), ckpt_dir, model_path)
+    return n
+
+
+def megatron_score_job(rank, world, model_path, sequences, routes):
+    from moe_rl.train import model as M, parallel
+    from moe_rl.train.worker import TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(M.ModelSpec(hf_path=model_path))
+    S = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), S, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in sequences])
+    replayed = w.score(TokenBatch(ids, lengths, routes))
+    free = w.score(TokenBatch(ids, lengths), record_routes=True)
+    return {"replay": replayed["logp"], "free": free["logp"], "free_routes": free["routes"]}

@@ -1,0 +1,67 @@
+"""vLLM rollout engine with weight sync from Megatron: after a sync, vLLM's sampled-token log-probs equal
+Megatron's scoring of the same tokens with the recorded routes replayed (fp32, <= 1e-4); the routing
+record covers every computed position; syncing the old weights back restores the outputs exactly."""
+
+import numpy as np
+import pytest
+import torch
+from jobs import megatron_score_job, megatron_train_export_job, vllm_sync_job
+
+from moe_rl.train.launch_local import run_in_process, run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def synced(tiny_qwen, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync")
+    n_buckets = run_ranks(megatron_train_export_job, 1, (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
+    gen = run_in_process(vllm_sync_job, (str(tiny_qwen), str(root / "buckets")))
+    return root, n_buckets, gen
+
+
+def test_sync_changes_outputs_and_old_weights_restore_them(synced):
+    _, n_buckets, gen = synced
+    assert n_buckets > 1 and gen["buckets"] == n_buckets  # really bucketed
+    assert gen["synced_tensors"] > 0
+    before, after, restored = gen["before"], gen["after"], gen["restored"]
+    assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
+    for b, r in zip(before, restored):
+        assert b.token_ids == r.token_ids and b.logprobs == r.logprobs
+    assert [r.weight_version for r in after] == [1, 1, 1] and restored[0].weight_version == 2
+
+
+def test_routing_record_covers_every_computed_position(synced):
+    _, _, gen = synced
+    for r in gen["after"]:
+        n = len(r.prompt_ids) + len(r.token_ids)
+        rec = r.routes
+        assert rec.experts_PLK.dtype == np.uint8 and rec.experts_PLK.shape[1:] == (gen["layers"], 2)
+        # every prompt and generated position except the last sampled token (never fed back)
+        assert rec.computed_P.all() and rec.experts_PLK.shape[0] == n - 1
+        routes, tail = rec.to_replay(n, top_k=2)
+        assert routes.shape == (n, gen["layers"], 2) and tail == 1
+
+
+def test_vllm_logprobs_match_megatron_with_replayed_routes(synced):
+    root, _, gen = synced
+    after = gen["after"]
+    seqs = [r.prompt_ids + r.token_ids for r in after]
+    S = max(map(len, seqs))
+    routes = torch.zeros(len(seqs), S, gen["layers"], 2, dtype=torch.long)
+    for i, r in enumerate(after):
+        routes[i, : len(seqs[i])] = r.routes.to_replay(len(seqs[i]), 2)[0]
+    out = run_ranks(megatron_score_job, 1, (str(root / "trained"), seqs, routes))[0]
+    max_err, agree, total = 0.0, 0, 0
+    for i, r in enumerate(after):
+        P, n = len(r.prompt_ids), len(seqs[i])
+        mg = out["replay"][i, P:n]
+        max_err = max(max_err, float((mg - torch.tensor(r.logprobs)).abs().max()))
+        same = (out["free_routes"][i, : n - 1].sort(-1).values == routes[i, : n - 1].sort(-1).values).all(-1)
+        agree += int(same.sum())
+        total += same.numel()
+    assert max_err <= 1e-4
+    # without replay the trainer routes for itself; in fp32 with identical weights it agrees with vLLM
+    # (reported as a metric by the loop; bf16 would show the mismatch R3 exists for)
+    print(f"free-routing agreement with vLLM: {agree / total:.4f}, replayed logp max err {max_err:.2e}")
+    assert agree / total > 0.95

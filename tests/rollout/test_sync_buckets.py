@@ -1,0 +1,31 @@
+import torch
+
+from moe_rl.weights.sync import buckets, layer_of, read_bucket, write_bucket
+
+
+def _named():
+    out = [("model.embed_tokens.weight", torch.zeros(100))]
+    for layer in range(3):
+        for part in ("q", "k", "v", "o"):
+            out.append((f"model.layers.{layer}.self_attn.{part}_proj.weight", torch.zeros(50)))
+    out.append(("lm_head.weight", torch.zeros(100)))
+    return out
+
+
+def test_buckets_respect_size_and_never_split_a_layer():
+    named = _named()
+    bs = list(buckets(named, bucket_mb=(4 * 50 * 4 + 1) / 2**20))  # room for one layer
+    assert [n for b in bs for n, _ in b] == [n for n, _ in named]  # nothing lost or reordered
+    for b in bs:
+        layers = {layer_of(n) for n, _ in b} - {""}
+        assert len(layers) <= 1
+    assert len(bs) >= 4
+
+
+def test_one_big_bucket_and_shm_round_trip(tmp_path):
+    named = _named()
+    (only,) = list(buckets(named, bucket_mb=1024))
+    p = write_bucket(only, tmp_path, 0)
+    back = dict(read_bucket(p))
+    assert not p.exists() and set(back) == {n for n, _ in named}
+    assert layer_of("model.layers.12.mlp.gate.weight") == "12" and layer_of("lm_head.weight") == ""
