@@ -15,51 +15,12 @@ per-request buffers. Prefix caching is off, so every turn recomputes — and re-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 
-
-def route_dtype(num_experts: int):
-    return np.uint8 if num_experts <= 256 else np.uint16
-
-
-@dataclass
-class RoutingRecord:
-    experts_PLK: np.ndarray  # [P, L, K] uint8/uint16 global expert ids
-    computed_P: np.ndarray  # [P] bool: position was run through the model
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.experts_PLK.nbytes / max(1, self.experts_PLK.shape[0])
-
-    def missing_positions(self, length: int) -> np.ndarray:
-        """Positions < length without a route, excluding the uncomputable tail (see module doc)."""
-        computed = self.computed_P[:length]
-        if not computed.any():
-            return np.arange(length)
-        last = int(np.nonzero(computed)[0][-1])
-        return np.nonzero(~computed[: last + 1])[0]
-
-    def to_replay(self, length: int, top_k: int) -> tuple[torch.Tensor, int]:
-        """[length, L, K] int64 routes for replay and the number of tail positions filled.
-
-        Raises ValueError if a position before the last computed one has no route (misalignment).
-        """
-        missing = self.missing_positions(length)
-        if missing.size:
-            raise ValueError(f"routing record has no route for positions {missing[:5].tolist()} (of {length})")
-        P, L, K = self.experts_PLK.shape
-        out = torch.empty(length, L, K, dtype=torch.long)
-        n = min(P, length)
-        out[:n] = torch.from_numpy(self.experts_PLK[:n].astype(np.int64))
-        computed = np.zeros(length, dtype=bool)
-        computed[:n] = self.computed_P[:n]
-        tail = ~computed
-        out[torch.from_numpy(tail)] = torch.arange(top_k)
-        return out, int(tail.sum())
+from moe_rl.types import RoutingRecord, route_dtype  # noqa: F401  (re-exported for the engine)
 
 
 class RouteCapture:

@@ -64,3 +64,29 @@ def megatron_score_job(rank, world, model_path, sequences, routes):
     replayed = w.score(TokenBatch(ids, lengths, routes))
     free = w.score(TokenBatch(ids, lengths), record_routes=True)
     return {"replay": replayed["logp"], "free": free["logp"], "free_routes": free["routes"]}
+
+
+def agent_vllm_job(rank, world, model_path):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from moe_rl.rollout.agent import Agent, AgentSettings
+    from moe_rl.rollout.engine import EngineSettings, RolloutEngine
+    from moe_rl.rollout.envs import get_env
+
+    engine = RolloutEngine(EngineSettings(model_path, max_model_len=256))
+    sampled = {}
+    real = engine.agenerate
+
+    async def logged(ids, sampling):
+        res = await real(ids, sampling)
+        sampled.setdefault(tuple(ids[:40]), []).append((len(ids), list(res.token_ids)))
+        return res
+
+    engine.agenerate = logged
+    tok = AutoTokenizer.from_pretrained(model_path)
+    agent = Agent(engine, tok, get_env("guess_number"), {}, AgentSettings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
+    prompts = get_env("guess_number").generate_prompts(4, seed=0)
+    groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
+    return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}

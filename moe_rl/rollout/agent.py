@@ -1,0 +1,206 @@
+"""The agent loop: multi-turn episodes against an environment, token-in / token-out.
+
+    agent = Agent(engine, tokenizer, get_env("guess_number"), {"low": 1, "high": 9}, AgentSettings())
+    trajectories = await agent.run_groups(prompts, samples_per_prompt=4)
+
+One episode: the chat template is applied once to the environment's opening messages; each model turn
+is sampled by the engine from the exact token prefix (the model's own tokens are never decoded and
+re-encoded); the decoded text of the turn goes to the environment; its observation is tokenised as the
+next chat message plus the assistant header and appended with response mask 0. The episode ends when
+the environment says so (completed / tool_error), the token budget or context limit is reached
+(truncated_budget / truncated_context, bootstrapped from the boundary state), the model repeats itself
+(repetition), or the environment fails (env_error; counted, not trained on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from moe_rl.rollout.engine import Sampling
+from moe_rl.types import Outcome, Trajectory, validate_trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    max_turns: int = 4
+    token_budget: int = 128  # model + observation tokens after the prompt; no turn starts past it (the
+    # observation that ends the last turn is still appended as the boundary state)
+    max_model_len: int = 256  # the engine's context limit
+    max_tokens_per_turn: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    repetition_limit: int = 3  # identical consecutive turns that end the episode
+    env_timeout_s: float = 30.0  # a reset/step slower than this is an environment failure
+
+
+@dataclass
+class RolloutStats:
+    outcomes: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)  # reason -> count
+    dropped_groups: int = 0  # DAPO dynamic sampling: groups whose rewards were all equal
+    overlong_filtered: int = 0
+    tool_errors: int = 0
+
+
+class Agent:
+    def __init__(self, engine, tokenizer, env_cls, env_options: dict, settings: AgentSettings):
+        self.engine, self.tok, self.env_cls, self.env_options, self.s = engine, tokenizer, env_cls, env_options, settings
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+        self.stats = RolloutStats()
+
+    # -- tokenisation of non-model content ------------------------------------------------------
+
+    def _prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _observation_ids(self, role: str, text: str, closed: bool) -> list[int]:
+        """Tokens after a model turn: close the turn if the model did not, then the observation message
+        and the next assistant header (all template/environment tokens, response mask 0)."""
+        prefix = "" if closed else "<|im_end|>"
+        return self.tok.encode(f"{prefix}\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                               add_special_tokens=False)
+
+    # -- one episode ----------------------------------------------------------------------------
+
+    async def run_episode(self, prompt: dict, group_id: int = 0, sample_index: int = 0, seed: int | None = None) -> Trajectory:
+        s = self.s
+        env = self.env_cls(**self.env_options)
+        try:
+            messages = await asyncio.wait_for(env.reset(prompt), s.env_timeout_s)
+        except Exception as err:
+            return self._failed(prompt, group_id, sample_index, f"reset: {type(err).__name__}: {err}")
+        ids = self._prompt_ids(messages)
+        prompt_len = len(ids)
+        mask = [False] * prompt_len
+        logps = [0.0] * prompt_len
+        spans, turn_rewards = [], []
+        terminal, outcome, version, routes = 0.0, None, None, None
+        last_texts: list[str] = []
+        tool_errors = 0
+        for turn in range(s.max_turns):
+            budget_left = s.token_budget - (len(ids) - prompt_len)
+            context_left = s.max_model_len - len(ids)
+            if budget_left <= 0:
+                outcome = Outcome.TRUNCATED_BUDGET
+                break
+            if context_left <= 1:
+                outcome = Outcome.TRUNCATED_CONTEXT
+                break
+            sampling = Sampling(max_tokens=min(s.max_tokens_per_turn, budget_left, context_left - 1),
+                                temperature=s.temperature, top_p=s.top_p, stop_token_ids=(self.eos,),
+                                seed=None if seed is None else seed * 1000 + turn)
+            res = await self.engine.agenerate(ids, sampling)
+            version = res.weight_version if version is None else version
+            routes = res.routes
+            start = len(ids)
+            ids.extend(res.token_ids)
+            mask.extend([True] * len(res.token_ids))
+            logps.extend(res.logprobs)
+            if not res.token_ids:
+                outcome = Outcome.TRUNCATED_CONTEXT
+                break
+            spans.append((start, len(ids) - 1))
+            closed = res.token_ids[-1] == self.eos
+            text = self.tok.decode(res.token_ids, skip_special_tokens=True)
+            try:
+                step = await asyncio.wait_for(env.step(text), s.env_timeout_s)
+            except Exception as err:
+                turn_rewards.append(0.0)
+                outcome = Outcome.ENV_ERROR
+                log.warning("environment step failed: %s: %s", type(err).__name__, err)
+                break
+            turn_rewards.append(float(step.reward))
+            tool_errors += int(step.tool_error)
+            if step.done:
+                terminal = float(step.final_reward or 0.0)
+                outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED
+                break
+            last_texts = (last_texts + [text])[-s.repetition_limit:]
+            if len(last_texts) == s.repetition_limit and len(set(last_texts)) == 1:
+                outcome = Outcome.REPETITION
+                break
+            if step.observation is not None:
+                obs = self._observation_ids(env.role_for_observations, step.observation, closed)
+                if len(ids) + len(obs) > s.max_model_len:
+                    outcome = Outcome.TRUNCATED_CONTEXT  # the observation does not fit: boundary lacks it
+                    break
+                ids.extend(obs)
+                mask.extend([False] * len(obs))
+                logps.extend([0.0] * len(obs))
+        if outcome is None:
+            outcome = Outcome.TRUNCATED_BUDGET  # out of turns: the task could go on
+        self.stats.tool_errors += tool_errors
+        return Trajectory(
+            token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
+            terminal_reward=terminal, outcome=outcome, boundary_len=len(ids),
+            weight_version=version if version is not None else getattr(self.engine, "version", 0),
+            prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
+            info={"tool_errors": tool_errors, "turns": len(spans)})
+
+    def _failed(self, prompt, group_id, sample_index, reason) -> Trajectory:
+        log.warning("episode failed before the first turn: %s", reason)
+        return Trajectory([0], [False], [0.0], [], [], 0.0, Outcome.ENV_ERROR, 1, 0, 1, None, group_id, sample_index,
+                          {"error": reason})
+
+    # -- many episodes ----------------------------------------------------------------------------
+
+    def accept(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """Validate each trajectory against the checklist; count and drop the invalid ones."""
+        kept = []
+        for t in trajectories:
+            self.stats.outcomes[t.outcome.value] += 1
+            if t.outcome is Outcome.ENV_ERROR:
+                self.stats.rejected["env_error"] += 1
+                continue
+            problems = validate_trajectory(t, self.s.max_model_len)
+            if problems:
+                for p in problems:
+                    self.stats.rejected[p.split(":")[0]] += 1
+                log.warning("rejected trajectory (group %d sample %d): %s", t.group_id, t.sample_index, "; ".join(problems))
+                continue
+            kept.append(t)
+        return kept
+
+    async def run_groups(self, prompts: list[dict], samples_per_prompt: int, seed: int | None = None,
+                         first_group_id: int = 0) -> list[list[Trajectory]]:
+        """n samples per prompt, all conversations in flight together. Returns validated groups."""
+        tasks = [self.run_episode(p, first_group_id + g, k, None if seed is None else seed + 7919 * (first_group_id + g) + k)
+                 for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
+        done = await asyncio.gather(*tasks)
+        groups: dict[int, list[Trajectory]] = {}
+        for t in self.accept(list(done)):
+            groups.setdefault(t.group_id, []).append(t)
+        return [groups[g] for g in sorted(groups)]
+
+    async def dynamic_sampling(self, next_prompts, groups_wanted: int, samples_per_prompt: int, max_rounds: int,
+                               seed: int | None = None) -> list[list[Trajectory]]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and keep
+        sampling fresh prompts, at most max_rounds rounds. `next_prompts(k)` returns k new prompts."""
+        kept: list[list[Trajectory]] = []
+        gid = 0
+        for round_ in range(max_rounds + 1):
+            need = groups_wanted - len(kept)
+            if need <= 0:
+                break
+            prompts = next_prompts(need)
+            for group in await self.run_groups(prompts, samples_per_prompt, None if seed is None else seed + round_, gid):
+                rewards = {round(t.total_reward, 9) for t in group}
+                if len(group) > 1 and len(rewards) == 1:
+                    self.stats.dropped_groups += 1
+                else:
+                    kept.append(group)
+            gid += len(prompts)
+        return kept[:groups_wanted]
+
+    def overlong_filter(self, trajectories: list[Trajectory]) -> None:
+        """DAPO overlong filtering: truncated samples stay in the batch but get no policy loss."""
+        for t in trajectories:
+            if t.outcome in (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_CONTEXT):
+                t.info["loss_excluded"] = "overlong"
+                self.stats.overlong_filtered += 1

@@ -1,0 +1,50 @@
+"""Prompt datasets: JSONL or Parquet files of rows (dicts) handed to `Environment.reset`.
+
+A malformed row is a `DatasetError` naming the file, the row number and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def load_prompts(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset '{path}' does not exist")
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{i}: not valid JSON ({err.msg})") from None
+            rows.append((i, row))
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as err:
+            raise DatasetError(f"{path}: not a readable Parquet file ({err})") from None
+        rows = list(enumerate(table.to_pylist(), 1))
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format '{path.suffix}' (use .jsonl or .parquet)")
+    out = []
+    for i, row in rows:
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{i}: a row must be an object, got {type(row).__name__}")
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise DatasetError(f"{path}:{i}: missing field(s) {', '.join(missing)}")
+        out.append(row)
+    if not out:
+        raise DatasetError(f"{path}: no rows")
+    return out

@@ -1,0 +1,34 @@
+"""Single-turn verifiable arithmetic (exact match), for group-based methods (GRPO, RLOO, ...).
+
+"What is 3+4?" -> the model answers; reward 1.0 if the first integer in its answer equals the result.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from moe_rl.rollout.envs import Environment, StepResult, register_env
+
+_INT = re.compile(r"-?\d+")
+
+
+@register_env("arithmetic")
+class Arithmetic(Environment):
+    async def reset(self, prompt: dict) -> list[dict]:
+        self.answer = int(prompt["answer"])
+        return [{"role": "user", "content": str(prompt["question"])}]
+
+    async def step(self, action_text: str) -> StepResult:
+        m = _INT.search(action_text)
+        correct = m is not None and int(m.group()) == self.answer
+        return StepResult(None, done=True, final_reward=1.0 if correct else 0.0)
+
+    @classmethod
+    def generate_prompts(cls, n: int, seed: int, max_operand: int = 9, **_) -> list[dict]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+            out.append({"question": f"What is {a}+{b}?", "answer": a + b})
+        return out

@@ -1,0 +1,79 @@
+"""Arithmetic with a calculator tool: tool call -> tool result observation -> verified final answer.
+
+The model may call the tool any number of times, `<calc>12*7+3</calc>`, and sees `<result>87</result>`
+(or `<result>tool_error: ...</result>`) as the next observation; it finishes with `<answer>87</answer>`.
+Reward 1.0 for a correct final answer. The expression is evaluated in the sandbox (a subprocess with
+CPU, memory and time limits and no network) by a restricted evaluator (numbers and + - * / // % **
+with bounded exponents only) — a timeout, crash or bad expression becomes a tool_error observation.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from moe_rl.rollout.envs import Environment, StepResult, register_env
+from moe_rl.rollout.sandbox import run_python
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+
+_EVALUATOR = r"""
+import ast, sys
+ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+       ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+       ast.Pow: lambda a, b: a ** b if abs(b) <= 64 else 1 / 0}
+def ev(n):
+    if isinstance(n, ast.Expression): return ev(n.body)
+    if isinstance(n, ast.Constant) and type(n.value) in (int, float): return n.value
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+        v = ev(n.operand); return -v if isinstance(n.op, ast.USub) else v
+    if isinstance(n, ast.BinOp) and type(n.op) in ops: return ops[type(n.op)](ev(n.left), ev(n.right))
+    raise ValueError("only numbers and + - * / // % ** are allowed")
+v = ev(ast.parse(sys.stdin.read(), mode="eval"))
+print(int(v) if float(v).is_integer() else round(v, 6))
+"""
+
+
+@register_env("calculator")
+class Calculator(Environment):
+    async def reset(self, prompt: dict) -> list[dict]:
+        self.answer = int(prompt["answer"])
+        self.timeout = float(self.options.get("tool_timeout_s", 5.0))
+        self.errors = 0
+        return [{"role": "system", "content": "Use <calc>expr</calc> to compute, then reply <answer>n</answer>."},
+                {"role": "user", "content": str(prompt["question"])}]
+
+    async def step(self, action_text: str) -> StepResult:
+        final = _ANSWER.search(action_text)
+        if final:
+            return StepResult(None, done=True, final_reward=1.0 if int(final.group(1)) == self.answer else 0.0)
+        call = _CALL.search(action_text)
+        if not call:
+            return StepResult("Reply with <calc>expr</calc> or <answer>n</answer>.", reward=-0.05)
+        result = await self.calculate(call.group(1))
+        if result.startswith("tool_error"):
+            self.errors += 1
+            if self.errors >= self.max_tool_errors:
+                return StepResult(f"<result>{result}</result>", done=True, final_reward=0.0, tool_error=True)
+            return StepResult(f"<result>{result}</result>", tool_error=True)
+        return StepResult(f"<result>{result}</result>")
+
+    async def calculate(self, expression: str) -> str:
+        try:
+            res = await run_python(_EVALUATOR, stdin=expression[:200], timeout_s=self.timeout, cpu_s=max(1, int(self.timeout)))
+        except Exception as err:  # the tool itself failed to start: still the model's observation
+            return f"tool_error: {type(err).__name__}"
+        if not res.ok:
+            last = res.stderr.strip().splitlines()[-1:] or [res.reason]
+            return f"tool_error: {res.reason or 'failed'}: {last[0][:120]}"
+        return res.stdout.strip()
+
+    @classmethod
+    def generate_prompts(cls, n: int, seed: int, max_operand: int = 99, **_) -> list[dict]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            a, b, c = (rng.randint(2, max_operand) for _ in range(3))
+            out.append({"question": f"What is {a}*{b}+{c}?", "answer": a * b + c})
+        return out

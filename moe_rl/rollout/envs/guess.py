@@ -1,0 +1,41 @@
+"""Guess the number: a multi-turn game with "higher"/"lower" feedback.
+
+The secret is an integer in [low, high]. Each model turn is one guess (the first integer in the turn);
+the environment answers "higher", "lower" or ends the episode. A random policy already wins sometimes
+(1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns to use the
+observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for each
+wrong guess and -0.1 for a turn without a number in range.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from moe_rl.rollout.envs import Environment, StepResult, register_env
+
+_INT = re.compile(r"-?\d+")
+
+
+@register_env("guess_number")
+class GuessNumber(Environment):
+    async def reset(self, prompt: dict) -> list[dict]:
+        self.low, self.high = int(prompt.get("low", self.options.get("low", 1))), int(prompt.get("high", self.options.get("high", 9)))
+        self.secret = int(prompt["secret"])
+        if not self.low <= self.secret <= self.high:
+            raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
+        return [{"role": "user", "content": f"Guess my number from {self.low} to {self.high}."}]
+
+    async def step(self, action_text: str) -> StepResult:
+        m = _INT.search(action_text)
+        guess = int(m.group()) if m else None
+        if guess is None or not self.low <= guess <= self.high:
+            return StepResult(f"A number from {self.low} to {self.high}.", reward=-0.1)
+        if guess == self.secret:
+            return StepResult(None, done=True, final_reward=1.0, info={"guess": guess})
+        return StepResult("higher" if guess < self.secret else "lower", reward=-0.05, info={"guess": guess})
+
+    @classmethod
+    def generate_prompts(cls, n: int, seed: int, low: int = 1, high: int = 9, **_) -> list[dict]:
+        rng = random.Random(seed)
+        return [{"secret": rng.randint(low, high), "low": low, "high": high} for _ in range(n)]

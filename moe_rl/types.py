@@ -1,0 +1,151 @@
+"""Data contracts between the rollout side and the training side.
+
+A `Trajectory` is one conversation as the model saw it: a single token sequence (prompt, model turns,
+tool and environment observations), with the response mask marking exactly the tokens the model
+sampled. Everything downstream (reward placement, GAE, losses, R3) reads these fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def route_dtype(num_experts: int):
+    return np.uint8 if num_experts <= 256 else np.uint16
+
+
+@dataclass
+class RoutingRecord:
+    experts_PLK: np.ndarray  # [P, L, K] uint8/uint16 global expert ids
+    computed_P: np.ndarray  # [P] bool: position was run through the model
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.experts_PLK.nbytes / max(1, self.experts_PLK.shape[0])
+
+    def missing_positions(self, length: int) -> np.ndarray:
+        """Positions < length without a route, excluding the uncomputable tail (see module doc)."""
+        computed = self.computed_P[:length]
+        if not computed.any():
+            return np.arange(length)
+        last = int(np.nonzero(computed)[0][-1])
+        return np.nonzero(~computed[: last + 1])[0]
+
+    def to_replay(self, length: int, top_k: int) -> tuple[torch.Tensor, int]:
+        """[length, L, K] int64 routes for replay and the number of tail positions filled.
+
+        Raises ValueError if a position before the last computed one has no route (misalignment).
+        """
+        missing = self.missing_positions(length)
+        if missing.size:
+            raise ValueError(f"routing record has no route for positions {missing[:5].tolist()} (of {length})")
+        P, L, K = self.experts_PLK.shape
+        out = torch.empty(length, L, K, dtype=torch.long)
+        n = min(P, length)
+        out[:n] = torch.from_numpy(self.experts_PLK[:n].astype(np.int64))
+        computed = np.zeros(length, dtype=bool)
+        computed[:n] = self.computed_P[:n]
+        tail = ~computed
+        out[torch.from_numpy(tail)] = torch.arange(top_k)
+        return out, int(tail.sum())
+
+
+
+
+class Outcome(str, enum.Enum):
+    COMPLETED = "completed"  # the environment ended the episode (true termination)
+    TRUNCATED_BUDGET = "truncated_budget"  # the episode's token budget ran out (bootstrap)
+    TRUNCATED_CONTEXT = "truncated_context"  # the model's context limit was reached (bootstrap)
+    REPETITION = "repetition"  # the model repeated itself and was cut off (bootstrap)
+    TOOL_ERROR = "tool_error"  # too many failed tool calls; the environment ended the episode
+    ENV_ERROR = "env_error"  # the environment itself failed: reward unreliable, not trained on
+
+    @property
+    def terminated(self) -> bool:
+        """True termination (bootstrap 0) vs truncation (bootstrap from the boundary state)."""
+        return self in (Outcome.COMPLETED, Outcome.TOOL_ERROR, Outcome.ENV_ERROR)
+
+
+@dataclass
+class Trajectory:
+    """One episode. Lists are aligned to token positions 0..N-1.
+
+    token_ids        [N] prompt + model turns + observations (never re-tokenised model output)
+    response_mask    [N] True exactly for tokens sampled by the model
+    logprobs         [N] behaviour log-prob of each sampled token (0.0 elsewhere)
+    spans            model-output spans as inclusive (start, end) positions, in order
+    turn_rewards     one feedback value per span (placed on the span's last token)
+    terminal_reward  R(tau), placed on the last model token
+    boundary_len     tokens of the boundary state s_boundary (the prefix including observations
+                     returned after the last model token); the critic's value at position
+                     boundary_len-1 bootstraps truncated episodes
+    """
+
+    token_ids: list[int]
+    response_mask: list[bool]
+    logprobs: list[float]
+    spans: list[tuple[int, int]]
+    turn_rewards: list[float]
+    terminal_reward: float
+    outcome: Outcome
+    boundary_len: int
+    weight_version: int
+    prompt_len: int
+    routes: RoutingRecord | None = field(default=None, repr=False)
+    group_id: int = 0
+    sample_index: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminated(self) -> bool:
+        return self.outcome.terminated
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.response_mask)
+
+    @property
+    def total_reward(self) -> float:
+        return self.terminal_reward + sum(self.turn_rewards)
+
+
+def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:
+    """The guide's checklist, per trajectory. Returns the violated rules (empty: valid)."""
+    bad = []
+    n = len(t.token_ids)
+    if not (len(t.response_mask) == len(t.logprobs) == n):
+        bad.append("lengths: token_ids, response_mask and logprobs differ in length")
+        return bad
+    if t.prompt_len < 1 or any(t.response_mask[: t.prompt_len]):
+        bad.append("action_mask: prompt tokens are marked as model actions")
+    covered = [False] * n
+    prev_end = -1
+    for b, e in t.spans:
+        if not (prev_end < b <= e < n):
+            bad.append(f"spans: span ({b}, {e}) is out of order or out of range")
+            break
+        for p in range(b, e + 1):
+            covered[p] = True
+        prev_end = e
+    if covered != list(t.response_mask):
+        bad.append("spans: model-output spans do not match the response mask")
+    if len(t.turn_rewards) != len(t.spans):
+        bad.append("turn_rewards: one turn reward per model-output span is required")
+    if any(lp > 1e-4 or lp != lp for lp, m in zip(t.logprobs, t.response_mask) if m):
+        bad.append("policy_roles: a sampled token has no valid behaviour log-prob")
+    if not t.terminated and not (0 < t.boundary_len <= n):
+        bad.append("boundary: a truncated episode needs its boundary state")
+    if t.num_actions == 0:
+        bad.append("empty: no model tokens")
+    if max_len is not None and n > max_len:
+        bad.append(f"length: {n} tokens exceed the context limit {max_len}")
+    if t.routes is not None:
+        missing = t.routes.missing_positions(n)
+        if missing.size:
+            bad.append(f"routes: no routing record for positions {missing[:5].tolist()}")
+    return bad

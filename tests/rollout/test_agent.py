@@ -1,0 +1,202 @@
+"""The agent loop with the real tokenizer and environments. The model's choices come from a scripted
+policy (a test double standing in for the engine, so that masks, spans and rewards can be worked out
+by hand); the end-to-end test with the real vLLM engine is in test_agent_vllm.py."""
+
+import asyncio
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from moe_rl.rollout.agent import Agent, AgentSettings
+from moe_rl.rollout.data import DatasetError, load_prompts
+from moe_rl.rollout.engine import GenerationResult
+from moe_rl.rollout.envs import Environment, StepResult, env_names, get_env
+from moe_rl.types import Outcome, validate_trajectory
+
+
+class ScriptedPolicy:
+    """Emits the given texts as model turns (each closed by <|im_end|>), log-prob -0.5 per token."""
+
+    def __init__(self, tok, turns, close=True):
+        self.tok, self.turns, self.close, self.version, self.calls = tok, list(turns), close, 5, []
+
+    async def agenerate(self, ids, sampling):
+        self.calls.append(list(ids))
+        text = self.turns.pop(0)
+        out = self.tok.encode(text, add_special_tokens=False)
+        if self.close:
+            out.append(self.tok.convert_tokens_to_ids("<|im_end|>"))
+        out = out[: sampling.max_tokens]
+        return GenerationResult("x", list(ids), out, [-0.5] * len(out), "stop", self.version, None)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen):
+    return AutoTokenizer.from_pretrained(tiny_qwen)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
+    policy = ScriptedPolicy(tok, ["5", "7", "6"])
+    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=4, token_budget=200))
+    t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
+    assert t.outcome is Outcome.COMPLETED and t.terminated
+    text = tok.decode(t.token_ids)
+    assert text == ("<|im_start|>user\nGuess my number from 1 to 9.<|im_end|>\n<|im_start|>assistant\n"
+                    "5<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+                    "7<|im_end|>\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n6<|im_end|>")
+    # each turn is "digit" + <|im_end|>: two sampled tokens per span
+    assert [e - b + 1 for b, e in t.spans] == [2, 2, 2]
+    sampled = [i for i, m in enumerate(t.response_mask) if m]
+    assert sampled == [p for b, e in t.spans for p in range(b, e + 1)]
+    assert [tok.decode([t.token_ids[b]]) for b, _ in t.spans] == ["5", "7", "6"]
+    assert t.turn_rewards == [-0.05, -0.05, 0.0] and t.terminal_reward == 1.0
+    assert all(lp == -0.5 for lp, m in zip(t.logprobs, t.response_mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask) if not m)
+    assert t.weight_version == 5 and validate_trajectory(t) == []
+    # token-in: each turn was sampled from exactly the previous tokens (no re-tokenisation)
+    assert policy.calls[2] == t.token_ids[: t.spans[2][0]]
+
+
+def test_truncation_keeps_the_boundary_observation(tok):
+    policy = ScriptedPolicy(tok, ["1", "2"])
+    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=2, token_budget=200))
+    t = run(agent.run_episode({"secret": 9}))
+    assert t.outcome is Outcome.TRUNCATED_BUDGET and not t.terminated
+    # the boundary state includes the observation returned after the last model token
+    assert t.boundary_len == len(t.token_ids)
+    assert tok.decode(t.token_ids).endswith("2<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+    assert not any(t.response_mask[t.spans[-1][1] + 1:])
+
+
+def test_budget_and_context_limits(tok):
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
+                  AgentSettings(max_turns=5, token_budget=30, max_tokens_per_turn=16))
+    t = run(agent.run_episode({"secret": 3}))
+    # no turn starts once the budget is spent; the boundary observation itself may overshoot it
+    assert t.outcome is Outcome.TRUNCATED_BUDGET and len(t.spans) == 1 and t.spans[0][1] - t.prompt_len < 30
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
+                  AgentSettings(max_turns=5, token_budget=500, max_model_len=60))
+    t = run(agent.run_episode({"secret": 3}))
+    assert t.outcome is Outcome.TRUNCATED_CONTEXT and len(t.token_ids) <= 60
+
+
+def test_repetition_outcome(tok):
+    agent = Agent(ScriptedPolicy(tok, ["hmm"] * 5), tok, get_env("guess_number"), {},
+                  AgentSettings(max_turns=5, token_budget=500, repetition_limit=3))
+    t = run(agent.run_episode({"secret": 3}))
+    assert t.outcome is Outcome.REPETITION and len(t.spans) == 3 and t.turn_rewards == [-0.1] * 3
+
+
+class Exploding(Environment):
+    async def reset(self, prompt):
+        return [{"role": "user", "content": "hi"}]
+
+    async def step(self, action_text):
+        raise RuntimeError("environment bug")
+
+
+class Sleepy(Exploding):
+    async def step(self, action_text):
+        await asyncio.sleep(10)
+
+
+def test_environment_failures_are_counted_not_trained(tok):
+    for env, settings in ((Exploding, AgentSettings()), (Sleepy, AgentSettings(env_timeout_s=0.2))):
+        agent = Agent(ScriptedPolicy(tok, ["x"]), tok, env, {}, settings)
+        t = run(agent.run_episode({}))
+        assert t.outcome is Outcome.ENV_ERROR
+        assert agent.accept([t]) == [] and agent.stats.rejected["env_error"] == 1
+
+
+def test_calculator_tool_call_result_and_verified_answer(tok):
+    agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok, get_env("calculator"), {},
+                  AgentSettings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
+    t = run(agent.run_episode({"question": "What is 12*7+3?", "answer": 87}))
+    assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0
+    assert "<|im_start|>user\n<result>87</result><|im_end|>" in tok.decode(t.token_ids)
+    obs_tokens = [i for i in range(t.spans[0][1] + 1, t.spans[1][0])]
+    assert obs_tokens and not any(t.response_mask[i] for i in obs_tokens)
+
+
+@pytest.mark.parametrize("expr, expect", [
+    ("2**99999999", "tool_error"),  # exponent refused
+    ("__import__('os').system('true')", "tool_error"),  # not an arithmetic expression
+    ("9**9**9", "tool_error"),
+    ("1/0", "tool_error: exit code 1: ZeroDivisionError"),
+])
+def test_calculator_failures_become_tool_error_observations(expr, expect):
+    env = get_env("calculator")(tool_timeout_s=2)
+    run(env.reset({"question": "q", "answer": 1}))
+    out = run(env.step(f"<calc>{expr}</calc>"))
+    assert out.tool_error and out.observation.startswith("<result>" + expect)
+
+
+def test_repeated_tool_errors_end_the_episode(tok):
+    agent = Agent(ScriptedPolicy(tok, ["<calc>1/0</calc>"] * 3), tok, get_env("calculator"), {},
+                  AgentSettings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
+    t = run(agent.run_episode({"question": "q", "answer": 1}))
+    assert t.outcome is Outcome.TOOL_ERROR and t.info["tool_errors"] == 3 and t.terminated
+
+
+def test_sandbox_limits_and_no_network():
+    from moe_rl.rollout.sandbox import run_python
+
+    r = run(run_python("while True: pass", timeout_s=1, cpu_s=5))
+    assert not r.ok and r.reason == "timeout"
+    r = run(run_python("x = bytearray(2**30)", memory_mb=128))
+    assert not r.ok and "MemoryError" in r.stderr
+    r = run(run_python("import socket; s = socket.create_connection(('127.0.0.1', 22), timeout=1)"))
+    assert not r.ok and ("unreachable" in r.stderr or "refused" in r.stderr or "OSError" in r.stderr)
+    r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass", timeout_s=10, cpu_s=1))
+    assert not r.ok and r.reason.startswith("killed")
+    assert run(run_python("print(6*7)")).stdout.strip() == "42"
+
+
+def test_group_sampling_and_dynamic_sampling(tok):
+    class Always(ScriptedPolicy):
+        async def agenerate(self, ids, sampling):
+            self.turns = ["5"]
+            return await super().agenerate(ids, sampling)
+
+    agent = Agent(Always(tok, []), tok, get_env("arithmetic"), {}, AgentSettings(max_turns=1))
+    prompts = [{"question": "2+3?", "answer": 5}, {"question": "1+1?", "answer": 2}]
+    groups = run(agent.run_groups(prompts, samples_per_prompt=3))
+    assert [len(g) for g in groups] == [3, 3] and [t.group_id for t in groups[1]] == [1, 1, 1]
+    # every group's rewards are all equal for a deterministic policy: all dropped, bounded rounds
+    kept = run(agent.dynamic_sampling(lambda k: prompts[:k], groups_wanted=2, samples_per_prompt=2, max_rounds=2))
+    assert kept == [] and agent.stats.dropped_groups == 6
+
+
+def test_overlong_filter_marks_truncated(tok):
+    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {}, AgentSettings(max_turns=2))
+    t = run(agent.run_episode({"secret": 9}))
+    agent.overlong_filter([t])
+    assert t.info["loss_excluded"] == "overlong" and agent.stats.overlong_filtered == 1
+
+
+def test_env_registry_and_datasets(tmp_path):
+    assert {"arithmetic", "calculator", "guess_number"} <= set(env_names())
+    with pytest.raises(KeyError, match="did you mean 'guess_number'"):
+        get_env("guess_numbr")
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"secret": 3}) + "\n\n" + json.dumps({"secret": 4}) + "\n")
+    assert [r["secret"] for r in load_prompts(good, ("secret",))] == [3, 4]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"secret": 3}\n{secret: 4}\n')
+    with pytest.raises(DatasetError, match="bad.jsonl:2: not valid JSON"):
+        load_prompts(bad)
+    with pytest.raises(DatasetError, match="p.jsonl:1: missing field"):
+        load_prompts(good, ("question",))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["1+1?"], "answer": [2]}), tmp_path / "p.parquet")
+    assert load_prompts(tmp_path / "p.parquet", ("question", "answer")) == [{"question": "1+1?", "answer": 2}]
+    (tmp_path / "x.csv").write_text("a")
+    with pytest.raises(DatasetError, match="unsupported dataset format"):
+        load_prompts(tmp_path / "x.csv")

