@@ -282,6 +282,23 @@ class TrainWorker:
             full[:, :, ids] = t
         return full
 
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards by name (for the PPO-EWMA anchor)."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def score_with(self, params: dict[str, torch.Tensor], batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Score with other weights (e.g. the EWMA anchor) swapped in, then restore the current ones."""
+        current = {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        named = dict(self.module.named_parameters())
+        try:
+            for n, v in params.items():
+                named[n].copy_(v.to(named[n].dtype))
+            return self.score(batch)
+        finally:
+            for n, v in current.items():
+                named[n].copy_(v)
+
     def _broadcast_from_last_stage(self, out: dict) -> dict:
         if self.ps.get_pipeline_model_parallel_world_size() == 1:
             return out

@@ -1,0 +1,354 @@
+"""The RL driver. One step:
+
+    rollout -> rewards -> old / reference log-probs and values (routes replayed) -> advantages
+    -> critic update -> actor update (epochs x minibatches) -> weight sync -> metrics -> checkpoint
+
+Synchronous mode does these in order. Asynchronous mode starts the next rollout before training on
+the current batch (the engine keeps generating while the trainer trains), syncs weights into the
+running engine between its steps, and drops samples older than `rollout.max_staleness` versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from moe_rl import batch as batching
+from moe_rl.algos import aggregate, checks, correction, registry, rewards as R, stats
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
+from moe_rl.config import RunConfig
+from moe_rl.metrics import Metrics
+
+log = logging.getLogger("moe_rl")
+
+
+def main(cfg: RunConfig) -> int:
+    return Trainer(cfg).run()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.run.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.run.seed)
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def _model_path(self) -> str:
+        cfg = self.cfg
+        if cfg.model.path:
+            return cfg.model.path
+        from moe_rl.tiny import build_tiny_checkpoint
+
+        return str(build_tiny_checkpoint(self.out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
+
+    def _setup(self) -> None:
+        from moe_rl import cluster
+        from moe_rl.rollout.agent import AgentSettings
+        from moe_rl.rollout.engine import EngineSettings
+        from moe_rl.rollout.envs import get_env
+        from moe_rl.train.model import ModelSpec
+        from moe_rl.train.worker import OptimSettings
+
+        cfg = self.cfg
+        path = self._model_path()
+        cluster.start_ray(cfg)
+        spec = ModelSpec(hf_path=path, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec, fp8=cfg.model.fp8,
+                         recompute=cfg.model.recompute, moe_dispatcher=cfg.model.moe_dispatcher,
+                         routing_replay=cfg.rollout.record_routes)
+        tr = cfg.trainer
+        optim = OptimSettings(lr=tr.lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
+                              grad_clip=tr.grad_clip, distributed_optimizer=cfg.parallel.distributed_optimizer,
+                              micro_batch_tokens=tr.micro_batch_tokens)
+        self.policy = cluster.TrainerGroup(cfg, spec, "policy", optim, cfg.run.seed)
+        self.critic = None
+        if cfg.critic_enabled:
+            copt = OptimSettings(**{**optim.__dict__, "lr": cfg.critic.lr})
+            self.critic = cluster.TrainerGroup(cfg, spec, "critic", copt, cfg.run.seed + 1)
+        self.reference = None
+        if cfg.algorithm.kl_loss_coef or cfg.algorithm.kl_reward_coef:
+            self.reference = cluster.TrainerGroup(cfg, spec, "policy", optim, cfg.run.seed + 2)
+        if cfg.algorithm.anchor == "ewma":
+            self.policy.call("init_anchor", cfg.algorithm.ewma_decay)
+        env = cfg.environment
+        self.env_cls = get_env(env.name)
+        agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
+                              max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p)
+        self.rollout = cluster.RolloutActor.options(num_cpus=0).remote(
+            EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
+                           record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb),
+            agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s})
+        self.top_k = ray.get(self.rollout.info.remote())["top_k"]
+        self.model_path = path
+        self.version = 0
+        self.step = 0
+        self.data_pos = 0
+        self.prompts = self._load_prompts()
+
+    def _load_prompts(self) -> list[dict]:
+        env = self.cfg.environment
+        if env.dataset:
+            from moe_rl.rollout.data import load_prompts
+
+            return load_prompts(env.dataset)
+        return self.env_cls.generate_prompts(100_000, seed=self.cfg.run.seed, **env.options)
+
+    def _next_prompts(self) -> list[dict]:
+        n = self.cfg.rollout.prompts_per_step * (1 + (self.cfg.environment.max_resample_rounds if self.cfg.environment.dynamic_sampling else 0))
+        out = [self.prompts[(self.data_pos + i) % len(self.prompts)] for i in range(n)]
+        self.data_pos += n
+        return out
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def _collect(self, seed: int):
+        env = self.cfg.environment
+        prompts = self._next_prompts()
+        return self.rollout.collect.remote(prompts, self.cfg.rollout.samples_per_prompt, seed,
+                                           env.max_resample_rounds if env.dynamic_sampling else 0)
+
+    def _advantages(self, b, logp_old, values, boundary, logp_ref):
+        alg = self.cfg.algorithm
+        rewards = b.rewards
+        m = {}
+        if alg.kl_reward_coef:
+            rewards, k = R.kl_shaped_rewards(rewards, b.logp_mu, logp_ref, b.mask, alg.kl_reward_coef, alg.kl_reward_estimator)
+            m["reward/kl_penalty_mean"] = (k * b.mask).sum() / b.mask.sum().clamp(min=1)
+        score = b.score
+        if alg.overlong_buffer:
+            lengths = b.mask.sum(1)
+            score = score + R.overlong_penalty(lengths, self.cfg.environment.token_budget, alg.overlong_buffer, alg.overlong_penalty)
+        inp = AdvantageInputs(rewards_BT=rewards, mask_BT=b.mask, score_B=score, group_B=b.group,
+                              values_BT=values, terminated_B=b.terminated, boundary_value_B=boundary)
+        hp = AdvantageParams(gamma=alg.gamma, lam=alg.lam, lam_critic=alg.lam_critic,
+                             length_adaptive_alpha=alg.length_adaptive_alpha)
+        adv, returns = registry.get("advantage", alg.advantage)(inp, hp)
+        if alg.whiten_advantages:
+            adv = whiten(adv, b.mask)
+        return adv.float(), returns, m
+
+    def _token_batch(self, b, **tensors):
+        from moe_rl.train.worker import TokenBatch
+
+        return TokenBatch(b.input_ids, b.lengths, b.routes if self.cfg.rollout.record_routes else None, tensors)
+
+    def _train_step(self, trajs, rstats) -> dict:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        t0 = time.perf_counter()
+        timings = {}
+        b = batching.build_batch(trajs, self.top_k if cfg.rollout.record_routes else None)
+        keep, stale = correction.staleness(b.version, self.version, cfg.rollout.max_staleness if cfg.rollout.async_mode else None)
+        if not bool(keep.all()):
+            b = b.select(keep.nonzero().squeeze(1))
+        # --- old / reference log-probs and values, routes replayed
+        t = time.perf_counter()
+        plain = self._token_batch(b)
+        scored = self.policy.score(plain)
+        logp_replay = scored["logp"]
+        if alg.correction == "bypass":
+            logp_old = b.logp_mu
+        elif alg.anchor == "ewma":
+            logp_old = self.policy.score(plain, anchor=True)["logp"]
+        else:
+            logp_old = logp_replay
+        from moe_rl.train.worker import TokenBatch
+
+        # the trainer's own routing (no replay): the mismatch R3 removes, and the routing agreement
+        free = self.policy.score(TokenBatch(b.input_ids, b.lengths, None, {}), record_routes=b.routes is not None)
+        logp_ref = self.reference.score(plain)["logp"] if self.reference else None
+        values = boundary = None
+        critic_out = None
+        if self.critic:
+            critic_out = self.critic.score(plain)["values"]
+            values, boundary = batching.state_values(critic_out, b.boundary_len)
+        timings["timing/score_s"] = time.perf_counter() - t
+        # --- advantages and corrections (pure math)
+        t = time.perf_counter()
+        adv, returns, m = self._advantages(b, logp_old, values, boundary, logp_ref)
+        corr = registry.get("correction", alg.correction)(logp_old, b.logp_mu, b.mask, correction.CorrectionParams(
+            alg.is_cap, alg.seq_is_cap, alg.icepop_min, alg.icepop_max))
+        loss_mask = b.loss_mask & corr.keep_BT
+        checks.check_batch(b.mask, torch.arange(b.input_ids.shape[1]).expand_as(b.mask) < b.lengths.unsqueeze(1), b.rewards,
+                           b.terminated, boundary, b.logp_mu, logp_old, logp_ref, needs_behaviour=corr.needs_behaviour,
+                           needs_reference=bool(alg.kl_loss_coef or alg.kl_reward_coef), needs_boundary=self.critic is not None,
+                           synchronous=False)
+        timings["timing/advantages_s"] = time.perf_counter() - t
+        # --- critic update
+        t = time.perf_counter()
+        out = {}
+        if self.critic:
+            for epoch in range(cfg.trainer.epochs):
+                for rows in self._minibatches(b.size):
+                    mb = self._token_batch(b.select(rows), mask=b.mask[rows], returns=returns[rows].float(),
+                                           values_old=values[rows].float())
+                    denom = aggregate.loss_denominator(b.mask[rows], "token_mean")
+                    if float(denom) > 0:
+                        out.update({f"critic/{k}": v for k, v in self.critic.train(mb, ("value", cfg.critic.value_clip), denom).items()})
+        timings["timing/critic_train_s"] = time.perf_counter() - t
+        # --- actor update
+        t = time.perf_counter()
+        from moe_rl.train.actor import PolicyLossSpec
+
+        spec = PolicyLossSpec(alg.policy_loss, alg.clip_low, alg.clip_high, alg.dual_clip, alg.aggregation,
+                              alg.kl_loss_coef, alg.kl_loss_estimator if alg.kl_loss_estimator != "full" else "k3",
+                              alg.entropy_coef)
+        constant = alg.loss_constant or float(cfg.environment.token_budget)
+        skipped = 0
+        if self.step >= cfg.critic.warmup_steps:
+            for epoch in range(cfg.trainer.epochs):
+                for rows in self._minibatches(b.size):
+                    lm = loss_mask[rows]
+                    w = corr.weight_BT[rows].float()
+                    denom = aggregate.loss_denominator(lm, alg.aggregation, constant, w, alg.self_normalize)
+                    if float(denom) <= 0:
+                        skipped += 1  # empty minibatch: a skip signal, never an epsilon denominator
+                        continue
+                    tensors = dict(loss_mask=lm, adv=adv[rows], logp_old=logp_old[rows].float(), is_weight=w)
+                    if logp_ref is not None:
+                        tensors["logp_ref"] = logp_ref[rows]
+                    res = self.policy.train(self._token_batch(b.select(rows), **tensors), ("policy", spec), denom)
+                    out.update({f"policy/{k}": v for k, v in res.items()})
+        timings["timing/actor_train_s"] = time.perf_counter() - t
+        # --- weight sync
+        t = time.perf_counter()
+        self.version += 1
+        self._sync()
+        timings["timing/sync_s"] = time.perf_counter() - t
+        # --- metrics
+        valid = b.mask
+        n_tok = valid.sum().clamp(min=1)
+        out.update({
+            "reward/mean": b.score.mean(), "reward/max": b.score.max(), "reward/min": b.score.min(),
+            "reward/success_rate": (torch.tensor([t.terminal_reward for t in trajs]) > 0).float().mean(),
+            "rollout/length_mean": b.lengths.float().mean(), "rollout/model_tokens_mean": valid.sum(1).float().mean(),
+            "rollout/turns_mean": torch.tensor([len(t.spans) for t in trajs]).float().mean(),
+            "rollout/samples": b.size, "rollout/rejected": sum(rstats.rejected.values()),
+            "rollout/dropped_groups": rstats.dropped_groups, "rollout/tool_errors": rstats.tool_errors,
+            "policy/advantage_mean": (adv * valid).sum() / n_tok, "policy/skipped_minibatches": skipped,
+            "correction/logp_mismatch_mean": ((logp_replay - b.logp_mu).abs() * valid).sum() / n_tok,
+            "correction/logp_mismatch_max": ((logp_replay - b.logp_mu).abs() * valid).max(),
+            "correction/logp_mismatch_no_replay": ((free["logp"] - b.logp_mu).abs() * valid).sum() / n_tok,
+            "correction/staleness_mean": stale["staleness_mean"], "correction/stale_dropped": stale["stale_dropped"],
+            "routing/filled_tail_positions": b.routes_filled,
+        })
+        for k, v in rstats.outcomes.items():
+            out[f"rollout/outcome_{k}"] = v / max(1, sum(rstats.outcomes.values()))
+        out.update({f"correction/{k}": v for k, v in corr.metrics.items()})
+        if b.routes is not None and "routes" in free:
+            attn = torch.arange(b.input_ids.shape[1]).expand_as(valid) < (b.lengths - 1).unsqueeze(1)
+            same = (free["routes"].sort(-1).values == b.routes.sort(-1).values).all(-1)  # [B, S, L]
+            out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
+        if self.critic:
+            out["critic/explained_variance"] = stats.explained_variance(values, returns, valid)
+        step_s = time.perf_counter() - t0
+        train_s = timings["timing/critic_train_s"] + timings["timing/actor_train_s"]
+        out.update(timings)
+        out["perf/train_tokens_per_s"] = float(b.lengths.sum()) * cfg.trainer.epochs / max(train_s, 1e-9)
+        out["timing/train_step_s"] = step_s
+        return out
+
+    def _minibatches(self, n: int) -> list[torch.Tensor]:
+        k = max(1, min(self.cfg.trainer.minibatches, n))
+        g = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.step)
+        perm = torch.randperm(n, generator=g)
+        return [perm[i::k] for i in range(k)]
+
+    def _sync(self) -> None:
+        from moe_rl.weights.sync import shm_dir
+
+        d = shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}"
+        paths = [p for ps in self.policy.call("export_weights", str(d), self.cfg.rollout.weight_sync_bucket_mb) for p in ps]
+        ray.get(self.rollout.update_weights.remote(paths, self.version))
+        shutil.rmtree(d, ignore_errors=True)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def _ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save(self) -> Path:
+        root = self._ckpt_root()
+        final = root / f"step_{self.step:06d}"
+        tmp = root / f".step_{self.step:06d}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {"step": self.step, "version": self.version, "data_pos": self.data_pos}
+        self.policy.call("save", str(tmp / "policy"), state)
+        if self.critic:
+            self.critic.call("save", str(tmp / "critic"), state)
+        torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                    "np_rng": np.random.get_state()}, tmp / "loop_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
+        for old in sorted(root.glob("step_*"))[: -self.cfg.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _resume_dir(self) -> Path | None:
+        r = self.cfg.checkpoint.resume
+        if r == "never":
+            return None
+        if r != "auto":
+            if not (Path(r) / "loop_state.pt").is_file():
+                raise FileNotFoundError(f"checkpoint.resume: {r} is not a complete checkpoint")
+            return Path(r)
+        done = sorted(p for p in self._ckpt_root().glob("step_*") if (p / "loop_state.pt").is_file())
+        return done[-1] if done else None
+
+    def load(self, path: Path) -> None:
+        self.policy.call("load", str(path / "policy"))
+        if self.critic:
+            self.critic.call("load", str(path / "critic"))
+        st = torch.load(path / "loop_state.pt", weights_only=False)  # written by this program (RNG state tuples)
+        self.step, self.version, self.data_pos = st["step"], st["version"], st["data_pos"]
+        torch.set_rng_state(st["torch_rng"])
+        random.setstate(st["py_rng"])
+        np.random.set_state(st["np_rng"])
+        self._sync()
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self._setup()
+        resume = self._resume_dir()
+        if resume is not None:
+            self.load(resume)
+            log.info("resumed from %s at step %d", resume, self.step)
+        metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)
+        history = []
+        try:
+            pending = self._collect(cfg.run.seed * 1000 + self.step) if self.step < cfg.run.steps else None
+            while self.step < cfg.run.steps:
+                t0 = time.perf_counter()
+                trajs, rstats = ray.get(pending)
+                gen_s = time.perf_counter() - t0
+                # async: the next rollout runs while this batch trains (bounded by max_staleness)
+                nxt = self.step + 1
+                pending = self._collect(cfg.run.seed * 1000 + nxt) if cfg.rollout.async_mode and nxt < cfg.run.steps else None
+                if not trajs:
+                    raise RuntimeError("no valid trajectories this step (see rollout/rejected); check the environment")
+                out = self._train_step(trajs, rstats)
+                out["timing/generate_wait_s"] = gen_s
+                out["perf/generate_tokens_per_s"] = sum(sum(t.response_mask) for t in trajs) / max(gen_s, 1e-9)
+                out["timing/step_s"] = time.perf_counter() - t0
+                self.step += 1
+                history.append(metrics.log(self.step, out))
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == cfg.run.steps:
+                    self.save()
+                if pending is None and self.step < cfg.run.steps:
+                    pending = self._collect(cfg.run.seed * 1000 + self.step)
+        finally:
+            metrics.close()
+        torch.save(history, self.out / "history.pt")
+        return 0
