@@ -73,6 +73,10 @@ class TrainActor:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.worker.optimizer.param_groups:
+            group["lr"] = lr
+
     def init_anchor(self, beta: float) -> None:
         from moe_rl.algos.anchor import EwmaAnchor
 
@@ -172,6 +176,10 @@ class RolloutActor:
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         self.agent = Agent(self.engine, tok, get_env(env_name), env_options, agent_settings)
         self.top_k = self.engine.top_k
+        self.settings = agent_settings
+
+    def agent_settings(self):
+        return self.settings
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0):
         from moe_rl.rollout.agent import RolloutStats

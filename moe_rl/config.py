@@ -242,9 +242,18 @@ class TrainerSection:
     epochs: int = 1
     minibatches: int = 1
     micro_batch_tokens: int = 2048
+    # supervised warm start on the environment's scripted-expert episodes before RL (0: none)
+    warm_start_steps: int = 0
+    warm_start_lr: float = 1e-3
+    warm_start_batch: int = 16
+    eval_prompts: int = 0  # held-out prompts scored before the first and after the last RL step
 
     def check(self) -> None:
         _in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
+        _in_range("trainer.warm_start_steps", self.warm_start_steps, 0, None)
+        _in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
+        _positive("trainer.warm_start_batch", self.warm_start_batch)
+        _in_range("trainer.eval_prompts", self.eval_prompts, 0, None)
         _in_range("trainer.weight_decay", self.weight_decay, 0.0, None)
         _in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
         _in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)

@@ -316,17 +316,65 @@ class Trainer:
         np.random.set_state(st["np_rng"])
         self._sync()
 
+    # -- warm start and evaluation -------------------------------------------------------------------
+
+    def warm_start(self) -> dict:
+        """Supervised warm start on scripted-expert episodes (see rollout/demos.py); returns metrics."""
+        import asyncio
+
+        from transformers import AutoTokenizer
+
+        from moe_rl.rollout.agent import Agent
+        from moe_rl.rollout.demos import ExpertPolicy
+        from moe_rl.train.worker import TokenBatch
+
+        cfg, tr = self.cfg, self.cfg.trainer
+        tok = AutoTokenizer.from_pretrained(self.model_path)
+        settings = ray.get(self.rollout.agent_settings.remote())
+        agent = Agent(ExpertPolicy(tok, self.env_cls, cfg.run.seed), tok, self.env_cls,
+                      {**cfg.environment.options}, settings)
+        demo_prompts = self.env_cls.generate_prompts(tr.warm_start_steps * tr.warm_start_batch, seed=cfg.run.seed + 31337,
+                                                     **cfg.environment.options)
+        self.policy.call("set_lr", tr.warm_start_lr)
+        nll = []
+        for i in range(tr.warm_start_steps):
+            prompts = demo_prompts[i * tr.warm_start_batch:(i + 1) * tr.warm_start_batch]
+            trajs = [t for g in asyncio.run(agent.run_groups(prompts, 1)) for t in g]
+            b = batching.build_batch(trajs, None)
+            res = self.policy.train(TokenBatch(b.input_ids, b.lengths, None, {"loss_mask": b.mask}), ("sft", None),
+                                    b.mask.sum().double())
+            nll.append(res.get("nll", float("nan")))
+        self.policy.call("set_lr", tr.lr)
+        self._sync()
+        return {"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll)}
+
+    def evaluate(self) -> dict:
+        """Mean reward on held-out prompts (a seed the training prompts never use), one sample each."""
+        env = self.cfg.environment
+        prompts = self.env_cls.generate_prompts(self.cfg.trainer.eval_prompts, seed=self.cfg.run.seed + 424242, **env.options)
+        trajs, _ = ray.get(self.rollout.collect.remote(prompts, 1, 99991, 0))
+        scores = torch.tensor([t.total_reward for t in trajs])
+        success = torch.tensor([float(t.terminal_reward > 0) for t in trajs])
+        return {"eval/reward_mean": scores.mean(), "eval/success_rate": success.mean(), "eval/samples": len(trajs)}
+
     # -- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> int:
         cfg = self.cfg
         self._setup()
         resume = self._resume_dir()
+        summary = {}
         if resume is not None:
             self.load(resume)
             log.info("resumed from %s at step %d", resume, self.step)
+        elif cfg.trainer.warm_start_steps:
+            summary.update(self.warm_start())
         metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)
         history = []
+        if cfg.trainer.eval_prompts and resume is None:
+            summary.update({f"{k}_before": float(v) for k, v in self.evaluate().items()})
+            metrics.log(0, {**self.evaluate_cached(summary), **{k: v for k, v in summary.items() if k.startswith("warm")}},
+                        advance=False)
         try:
             pending = self._collect(cfg.run.seed * 1000 + self.step) if self.step < cfg.run.steps else None
             while self.step < cfg.run.steps:
@@ -348,7 +396,29 @@ class Trainer:
                     self.save()
                 if pending is None and self.step < cfg.run.steps:
                     pending = self._collect(cfg.run.seed * 1000 + self.step)
+            if cfg.trainer.eval_prompts:
+                after = self.evaluate()
+                summary.update({f"{k}_after": float(v) for k, v in after.items()})
+                metrics.log(self.step, after, advance=False)
         finally:
             metrics.close()
         torch.save(history, self.out / "history.pt")
+        self._report(summary, history)
         return 0
+
+    @staticmethod
+    def evaluate_cached(summary: dict) -> dict:
+        return {k[: -len("_before")]: v for k, v in summary.items() if k.endswith("_before")}
+
+    def _report(self, summary: dict, history: list[dict]) -> None:
+        import json
+
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        lines = [f"run finished: {self.step} steps, output in {self.out}"]
+        if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
+            lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
+                         f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")
+        if history:
+            lines.append(f"training reward: first step {history[0].get('reward/mean', float('nan')):.3f}, "
+                         f"last step {history[-1].get('reward/mean', float('nan')):.3f}")
+        print("\n".join(lines), flush=True)

@@ -37,7 +37,7 @@ class Metrics:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, values: dict[str, object]) -> dict[str, float]:
+    def log(self, step: int, values: dict[str, object], advance: bool = True) -> dict[str, float]:
         clean = {}
         for k, v in values.items():
             f = scalar(v)
@@ -48,7 +48,7 @@ class Metrics:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()
-        if self.bar is not None:
+        if self.bar is not None and advance:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
                                  len=f"{clean.get('rollout/length_mean', float('nan')):.0f}")

@@ -39,6 +39,7 @@ class EngineSettings:
     record_routes: bool = True
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 128
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,13 @@ class RolloutEngine:
         hf = AutoConfig.from_pretrained(settings.model_path)
         self.num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
         self.top_k = hf.num_experts_per_tok
+        # Per-request seeds make rollouts reproducible; vLLM cannot rewind a seeded CPU generator when a
+        # chunked prefill discards a sample ("CPU Generator does not use offset"), so a step's token
+        # budget is large enough that prefills are not chunked on CPU.
         kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
-                      enforce_eager=True, seed=settings.seed, enable_prefix_caching=False)
+                      enforce_eager=True, seed=settings.seed, enable_prefix_caching=False,
+                      max_num_seqs=settings.max_num_seqs,
+                      max_num_batched_tokens=max(8192, settings.max_model_len * settings.max_num_seqs))
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         self.llm = LLM(**kwargs)
@@ -172,12 +178,19 @@ class RolloutEngine:
         return await fut
 
     async def _drive(self) -> None:
-        while self._pending:
-            await asyncio.sleep(0)  # let conversations submit their next turns first
-            for r in self._step():
-                fut = self._pending.pop(r.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(r)
+        try:
+            while self._pending:
+                await asyncio.sleep(0)  # let conversations submit their next turns first
+                for r in self._step():
+                    fut = self._pending.pop(r.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(r)
+        except BaseException as err:  # never leave a conversation waiting forever: fail them all
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            raise
 
     # -- weights --------------------------------------------------------------------------------
 

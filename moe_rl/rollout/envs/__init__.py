@@ -51,6 +51,11 @@ class Environment:
         raise NotImplementedError
 
     @classmethod
+    def expert_turn(cls, conversation: str, rng) -> str:
+        """A scripted expert's next turn given the conversation so far (for supervised warm starts)."""
+        raise NotImplementedError(f"{cls.__name__} has no scripted expert")
+
+    @classmethod
     def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
         """Prompts for environments that make their own (used when no dataset is configured)."""
         raise NotImplementedError(f"{cls.__name__} needs a dataset (environment.dataset)")

@@ -25,6 +25,11 @@ class Arithmetic(Environment):
         return StepResult(None, done=True, final_reward=1.0 if correct else 0.0)
 
     @classmethod
+    def expert_turn(cls, conversation: str, rng) -> str:
+        """Answers with a random number of the right size (format only)."""
+        return str(rng.randint(0, 18))
+
+    @classmethod
     def generate_prompts(cls, n: int, seed: int, max_operand: int = 9, **_) -> list[dict]:
         rng = random.Random(seed)
         out = []

@@ -36,6 +36,13 @@ class GuessNumber(Environment):
         return StepResult("higher" if guess < self.secret else "lower", reward=-0.05, info={"guess": guess})
 
     @classmethod
+    def expert_turn(cls, conversation: str, rng) -> str:
+        """A format-only expert: a uniformly random number in range each turn, ignoring the feedback.
+        It wins sometimes; using the "higher"/"lower" observations is left for RL to learn."""
+        low, high = (int(x) for x in re.search(r"from (-?\d+) to (-?\d+)", conversation).groups())
+        return str(rng.randint(low, high))
+
+    @classmethod
     def generate_prompts(cls, n: int, seed: int, low: int = 1, high: int = 9, **_) -> list[dict]:
         rng = random.Random(seed)
         return [{"secret": rng.randint(low, high), "low": low, "high": high} for _ in range(n)]
