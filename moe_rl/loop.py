@@ -239,13 +239,15 @@ class Trainer:
             "correction/logp_mismatch_max": ((logp_replay - b.logp_mu).abs() * valid).max(),
             "correction/logp_mismatch_no_replay": ((free["logp"] - b.logp_mu).abs() * valid).sum() / n_tok,
             "correction/staleness_mean": stale["staleness_mean"], "correction/stale_dropped": stale["stale_dropped"],
-            "routing/filled_tail_positions": b.routes_filled,
+            "routing/filled_tail_positions_per_sample": b.routes_filled / max(1, b.size),
         })
         for k, v in rstats.outcomes.items():
             out[f"rollout/outcome_{k}"] = v / max(1, sum(rstats.outcomes.values()))
         out.update({f"correction/{k}": v for k, v in corr.metrics.items()})
         if b.routes is not None and "routes" in free:
-            attn = torch.arange(b.input_ids.shape[1]).expand_as(valid) < (b.lengths - 1).unsqueeze(1)
+            # positions that influence a sampled token: everything before each sample's last model token
+            last = R.last_action_index(b.mask)
+            attn = torch.arange(b.input_ids.shape[1]).expand_as(valid) < last.unsqueeze(1)
             same = (free["routes"].sort(-1).values == b.routes.sort(-1).values).all(-1)  # [B, S, L]
             out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
         if self.critic:
