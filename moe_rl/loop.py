@@ -375,6 +375,7 @@ class Trainer:
         history = []
         if cfg.trainer.eval_prompts and resume is None:
             summary.update({f"{k}_before": float(v) for k, v in self.evaluate().items()})
+        if summary:  # warm start and the evaluation before RL, at step 0
             metrics.log(0, {**self.evaluate_cached(summary), **{k: v for k, v in summary.items() if k.startswith("warm")}},
                         advance=False)
         try:
