@@ -54,13 +54,15 @@ def _cmd_train(args) -> int:
     from moe_rl import config
 
     cfg = config.load_config(args.config, args.overrides)
+    from moe_rl import loop
+    from moe_rl.rollout.data import DatasetError
+    from moe_rl.rollout.sandbox import SandboxUnavailable
+    from moe_rl.weights.hf import CheckpointMismatch
+
     try:
-        from moe_rl import loop
-    except ImportError:
-        return _fail(
-            f"config '{args.config}' is valid, but this build has no RL driver yet (moe_rl/loop.py lands with "
-            "the RL-loop issue); nothing was trained", EXIT_UNAVAILABLE)
-    return loop.main(cfg)
+        return loop.main(cfg)
+    except (DatasetError, CheckpointMismatch, SandboxUnavailable, FileNotFoundError) as err:
+        raise UserError(str(err)) from None
 
 
 def _cmd_tiny(args) -> int:

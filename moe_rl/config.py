@@ -163,6 +163,11 @@ class EnvironmentSection:
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
+        from moe_rl.rollout.envs import env_names
+
+        if self.name not in env_names():
+            raise ConfigError("environment.name", f"unknown environment '{self.name}'{_did_you_mean(self.name, env_names())}; "
+                              f"choose one of {', '.join(env_names())}")
         _positive("environment.max_turns", self.max_turns)
         _positive("environment.token_budget", self.token_budget)
         _in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)

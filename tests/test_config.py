@@ -54,6 +54,7 @@ def test_out_of_range():
 def test_unregistered_method_names_are_rejected_with_choices():
     msg = _err(["algorithm.policy_loss=gsp"])
     assert "did you mean 'gspo'" in msg and "cispo" in msg
+    assert "did you mean 'guess_number'" in _err(["environment.name=guess_numbr"])
 
 
 @pytest.mark.parametrize("overrides, field", [
