@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -459,6 +463,8 @@ def _coerce(tp, value: Any, path: str):
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
     elif tp is str:
         if isinstance(value, str):
             return value
