@@ -39,3 +39,12 @@ def test_list_registered_methods():
 def test_unknown_benchmark_is_a_user_error():
     out = run("bench", "no_such_bench")
     assert out.returncode == 2 and "available:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_gae_benchmark_runs_and_ends_with_json():
+    import json
+
+    out = run("bench", "gae", "--B", "4", "--T", "64", "--repeats", "1", "--loop-rows", "4")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "gae" and figures["max_abs_err"] < 1e-5 and figures["speedup_vs_loop"] > 0

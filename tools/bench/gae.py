@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+from _timing import median_time
 
 from moe_rl.algos.gae import masked_gae, reverse_loop_gae
 
@@ -37,15 +37,6 @@ def span_mask(B: int, T: int, obs_frac: float, gen: torch.Generator) -> torch.Te
     pos = torch.arange(T).expand(B, T).contiguous()
     span_idx = torch.searchsorted(ends, pos, right=True)
     return span_idx % 2 == 0
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -67,8 +58,8 @@ def main() -> None:
     print(f"masked GAE  B={B} T={T}  observation tokens {1 - mask.float().mean():.1%}  threads {torch.get_num_threads()}")
 
     masked_gae(rewards, values, mask, terminated, boundary, gamma, lam)  # build/warm the kernel
-    fast = timed(lambda: masked_gae(rewards, values, mask, terminated, boundary, gamma, lam), args.repeats)
-    torch_path = timed(lambda: masked_gae(rewards, values, mask, terminated, boundary, gamma, lam, backend="torch"),
+    fast = median_time(lambda: masked_gae(rewards, values, mask, terminated, boundary, gamma, lam), args.repeats)
+    torch_path = median_time(lambda: masked_gae(rewards, values, mask, terminated, boundary, gamma, lam, backend="torch"),
                        max(3, args.repeats // 2))
 
     def floor_pass():
@@ -78,7 +69,7 @@ def main() -> None:
         return a, b
 
     floor_pass()
-    floor = timed(floor_pass, args.repeats)
+    floor = median_time(floor_pass, args.repeats)
 
     rows = min(args.loop_rows, B)
     ones = torch.ones(B, dtype=torch.bool)

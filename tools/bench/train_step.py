@@ -21,17 +21,7 @@ import tempfile
 import time
 
 import torch
-
-
-def median_time(fn, steps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from _timing import median_time
 
 
 def main() -> None:
@@ -72,7 +62,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
 
-    t_hf = median_time(hf_step, args.steps)
+    t_hf = median_time(hf_step, args.steps, warmup=1)
     del hf, opt
 
     # 2. Megatron CPU path (one rank, gloo)
