@@ -34,6 +34,10 @@ def main(cfg: RunConfig) -> int:
     return Trainer(cfg).run()
 
 
+def say(msg: str) -> None:
+    print(f"[moe-rl] {msg}", flush=True)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -61,6 +65,7 @@ class Trainer:
 
         cfg = self.cfg
         path = self._model_path()
+        say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and a vLLM engine")
         cluster.start_ray(cfg)
         spec = ModelSpec(hf_path=path, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec, fp8=cfg.model.fp8,
                          recompute=cfg.model.recompute, moe_dispatcher=cfg.model.moe_dispatcher,
@@ -338,6 +343,7 @@ class Trainer:
         demo_prompts = self.env_cls.generate_prompts(tr.warm_start_steps * tr.warm_start_batch, seed=cfg.run.seed + 31337,
                                                      **cfg.environment.options)
         self.policy.call("set_lr", tr.warm_start_lr)
+        say(f"supervised warm start: {tr.warm_start_steps} steps on scripted-expert episodes")
         nll = []
         for i in range(tr.warm_start_steps):
             prompts = demo_prompts[i * tr.warm_start_batch:(i + 1) * tr.warm_start_batch]
@@ -353,6 +359,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Mean reward on held-out prompts (a seed the training prompts never use), one sample each."""
         env = self.cfg.environment
+        say(f"evaluating on {self.cfg.trainer.eval_prompts} held-out prompts")
         prompts = self.env_cls.generate_prompts(self.cfg.trainer.eval_prompts, seed=self.cfg.run.seed + 424242, **env.options)
         trajs, _ = ray.get(self.rollout.collect.remote(prompts, 1, 99991, 0))
         scores = torch.tensor([t.total_reward for t in trajs])
@@ -368,7 +375,7 @@ class Trainer:
         summary = {}
         if resume is not None:
             self.load(resume)
-            log.info("resumed from %s at step %d", resume, self.step)
+            say(f"resumed from {resume} at step {self.step}")
         elif cfg.trainer.warm_start_steps:
             summary.update(self.warm_start())
         metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)

