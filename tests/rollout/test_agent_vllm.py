@@ -2,7 +2,7 @@
 mask marks exactly the tokens the engine sampled, and the routing record is aligned across turns."""
 
 import pytest
-from jobs import agent_vllm_job
+from rollout_jobs import agent_vllm_job
 
 from moe_rl.train.launch_local import run_in_process
 from moe_rl.types import validate_trajectory

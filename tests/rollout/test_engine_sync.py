@@ -5,7 +5,7 @@ record covers every computed position; syncing the old weights back restores the
 import numpy as np
 import pytest
 import torch
-from jobs import megatron_score_job, megatron_train_export_job, vllm_sync_job
+from rollout_jobs import megatron_score_job, megatron_train_export_job, vllm_sync_job
 
 from moe_rl.train.launch_local import run_in_process, run_ranks
 

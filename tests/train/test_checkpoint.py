@@ -3,7 +3,7 @@ weights after it (which depend on the restored Adam moments and step count) matc
 
 import pytest
 import torch
-from jobs import B, S, batch_tensors, ckpt_job
+from train_jobs import B, S, batch_tensors, ckpt_job
 
 from moe_rl.train.launch_local import run_ranks
 

@@ -3,7 +3,7 @@ logits, log-probs and one-step loss as a single rank (fp32, <= 1e-5), with and w
 
 import pytest
 import torch
-from jobs import B, S, batch_tensors, layout_job
+from train_jobs import B, S, batch_tensors, layout_job
 
 from moe_rl.train.launch_local import run_ranks
 
@@ -78,7 +78,7 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher):
 
 
 def test_replay_under_activation_recompute(reference, tiny_qwen):
-    from jobs import recompute_job
+    from train_jobs import recompute_job
 
     routes, ref = reference
     res = run_ranks(recompute_job, 1, (str(tiny_qwen), routes))[0]
