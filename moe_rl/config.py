@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import yaml
 
-
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 

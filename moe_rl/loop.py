@@ -22,7 +22,8 @@ import ray
 import torch
 
 from moe_rl import batch as batching
-from moe_rl.algos import aggregate, checks, correction, registry, rewards as R, stats
+from moe_rl.algos import aggregate, checks, correction, registry, stats
+from moe_rl.algos import rewards as R
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
 from moe_rl.config import RunConfig
 from moe_rl.metrics import Metrics

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow

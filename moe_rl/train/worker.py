@@ -23,7 +23,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from moe_rl.train import cpu_compat, model as model_lib, replay
+from moe_rl.train import cpu_compat, replay
+from moe_rl.train import model as model_lib
 from moe_rl.train.logprobs import vocab_parallel_logprobs
 
 

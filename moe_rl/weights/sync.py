@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -28,7 +28,8 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
 
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
     from moe_rl.weights.hf import export_hf_weights, save_hf_checkpoint
     from moe_rl.weights.sync import buckets, write_bucket
@@ -51,7 +52,8 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
 
 
 def megatron_score_job(rank, world, model_path, sequences, routes):
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout())

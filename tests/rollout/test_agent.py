@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from moe_rl.rollout.agent import Agent, AgentSettings
 from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
-from moe_rl.rollout.envs import Environment, StepResult, env_names, get_env
+from moe_rl.rollout.envs import Environment, env_names, get_env
 from moe_rl.types import Outcome, validate_trajectory
 
 

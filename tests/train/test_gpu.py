@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def te_job(rank, world, hf_path, fp8, tp):
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout(tp=tp))

@@ -23,7 +23,8 @@ def pg_loss(outputs, mb):
 
 
 def layout_job(rank, world, hf_path, layout, dispatcher, routes):
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
@@ -49,7 +50,8 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes):
 
 def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures."""
-    from moe_rl.train import checkpoint, model as M, parallel
+    from moe_rl.train import checkpoint, parallel
+    from moe_rl.train import model as M
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
@@ -70,7 +72,8 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
 
 def hf_roundtrip_job(rank, world, hf_path, layout):
     """Load HF weights into this layout, export them back; return the exported tensors of this rank."""
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.weights import hf
 
     parallel.init_distributed(parallel.Layout(**layout))
@@ -85,7 +88,8 @@ def hf_roundtrip_job(rank, world, hf_path, layout):
 
 
 def critic_job(rank, world, hf_path, layout):
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
@@ -112,7 +116,8 @@ def critic_job(rank, world, hf_path, layout):
 def recompute_job(rank, world, hf_path, routes):
     """Full activation recompute with router replay: the replayed routes must be used again when the
     layers are recomputed in backward. Also: a valid token without a route is refused."""
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.replay import MissingRoutes
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 

@@ -66,7 +66,8 @@ def main() -> None:
     del hf, opt
 
     # 2. Megatron CPU path (one rank, gloo)
-    from moe_rl.train import model as M, parallel
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     os.environ.setdefault("MASTER_PORT", "29561")
