@@ -377,6 +377,9 @@ class Trainer:
         if resume is not None:
             self.load(resume)
             say(f"resumed from {resume} at step {self.step}")
+            if self.step >= cfg.run.steps:
+                say(f"this run already reached run.steps={cfg.run.steps}; raise run.steps to continue, or use a "
+                    f"new run.output_dir (or checkpoint.resume=never) to start over")
         elif cfg.trainer.warm_start_steps:
             summary.update(self.warm_start())
         metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)
