@@ -181,7 +181,8 @@ class RolloutActor:
     def agent_settings(self):
         return self.settings
 
-    async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0):
+    async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,
+                      first_group_id: int = 0):
         from moe_rl.rollout.agent import RolloutStats
 
         self.agent.stats = RolloutStats()
@@ -194,17 +195,17 @@ class RolloutActor:
                 return out
 
             groups = await self.agent.dynamic_sampling(next_prompts, len(prompts) // (dynamic + 1) or 1,
-                                                       samples_per_prompt, dynamic, seed)
+                                                       samples_per_prompt, dynamic, seed, first_group_id)
         else:
-            groups = await self.agent.run_groups(prompts, samples_per_prompt, seed)
+            groups = await self.agent.run_groups(prompts, samples_per_prompt, seed, first_group_id)
         return [t for g in groups for t in g], self.agent.stats
 
     async def update_weights(self, paths: list[str], version: int) -> int:
         from moe_rl.weights.sync import read_bucket
 
         n = 0
-        for p in paths:
-            n += self.engine.update_weights(read_bucket(p), version)
+        for p in paths:  # files stay for the other engines; the driver removes the directory
+            n += self.engine.update_weights(read_bucket(p, delete=False), version)
             await asyncio.sleep(0)
         return n
 

@@ -90,10 +90,11 @@ class Trainer:
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
                               max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p)
-        self.rollout = cluster.RolloutActor.options(num_cpus=0).remote(
+        self.engines = [cluster.RolloutActor.options(num_cpus=0).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
                            record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb),
-            agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s})
+            agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s}) for _ in range(cfg.rollout.num_engines)]
+        self.rollout = self.engines[0]  # evaluation and settings
         self.top_k = ray.get(self.rollout.info.remote())["top_k"]
         self.model_path = path
         self.version = 0
@@ -118,10 +119,29 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------------------
 
     def _collect(self, seed: int):
+        """Split this step's prompts over the engines; returns their pending results."""
         env = self.cfg.environment
         prompts = self._next_prompts()
-        return self.rollout.collect.remote(prompts, self.cfg.rollout.samples_per_prompt, seed,
-                                           env.max_resample_rounds if env.dynamic_sampling else 0)
+        k = len(self.engines)
+        bounds = [len(prompts) * i // k for i in range(k + 1)]
+        return [e.collect.remote(prompts[bounds[i]:bounds[i + 1]], self.cfg.rollout.samples_per_prompt, seed,
+                                 env.max_resample_rounds if env.dynamic_sampling else 0, bounds[i])
+                for i, e in enumerate(self.engines) if bounds[i + 1] > bounds[i]]
+
+    @staticmethod
+    def _gather(pending):
+        """Merge the engines' trajectories and rollout statistics."""
+        from moe_rl.rollout.agent import RolloutStats
+
+        trajs, stats = [], RolloutStats()
+        for t, st in ray.get(pending):
+            trajs.extend(t)
+            stats.outcomes.update(st.outcomes)
+            stats.rejected.update(st.rejected)
+            stats.dropped_groups += st.dropped_groups
+            stats.overlong_filtered += st.overlong_filtered
+            stats.tool_errors += st.tool_errors
+        return trajs, stats
 
     def _advantages(self, b, logp_old, values, boundary, logp_ref):
         alg = self.cfg.algorithm
@@ -276,7 +296,7 @@ class Trainer:
 
         d = shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}"
         paths = [p for ps in self.policy.call("export_weights", str(d), self.cfg.rollout.weight_sync_bucket_mb) for p in ps]
-        ray.get(self.rollout.update_weights.remote(paths, self.version))
+        ray.get([e.update_weights.remote(paths, self.version) for e in self.engines])
         shutil.rmtree(d, ignore_errors=True)
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -393,7 +413,7 @@ class Trainer:
             pending = self._collect(cfg.run.seed * 1000 + self.step) if self.step < cfg.run.steps else None
             while self.step < cfg.run.steps:
                 t0 = time.perf_counter()
-                trajs, rstats = ray.get(pending)
+                trajs, rstats = self._gather(pending)
                 gen_s = time.perf_counter() - t0
                 # async: the next rollout runs while this batch trains (bounded by max_staleness)
                 nxt = self.step + 1

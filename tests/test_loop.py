@@ -89,3 +89,15 @@ def test_async_run_respects_staleness_bound(tmp_path):
     lags = [h["correction/staleness_mean"] for h in hist]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
     assert all(h["correction/stale_dropped"] == 0 for h in hist)
+
+
+def test_two_rollout_engines_share_the_step(reference, tmp_path):
+    ref_out, _ = reference
+    out = tmp_path / "two_engines"
+    run_train(out, "rollout.num_engines=2", "run.steps=1", "checkpoint.every=0")
+    hist = torch.load(out / "history.pt", weights_only=False)
+    ref = torch.load(ref_out / "history.pt", weights_only=False)
+    assert hist[0]["rollout/samples"] == ref[0]["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
+    # per-episode seeds follow the global prompt-group id, so the engines sample what one engine would
+    assert hist[0]["reward/mean"] == pytest.approx(ref[0]["reward/mean"], abs=1e-6)
+    assert hist[0]["rollout/length_mean"] == pytest.approx(ref[0]["rollout/length_mean"], abs=1e-6)

@@ -179,11 +179,11 @@ class Agent:
         return [groups[g] for g in sorted(groups)]
 
     async def dynamic_sampling(self, next_prompts, groups_wanted: int, samples_per_prompt: int, max_rounds: int,
-                               seed: int | None = None) -> list[list[Trajectory]]:
+                               seed: int | None = None, first_group_id: int = 0) -> list[list[Trajectory]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and keep
         sampling fresh prompts, at most max_rounds rounds. `next_prompts(k)` returns k new prompts."""
         kept: list[list[Trajectory]] = []
-        gid = 0
+        gid = first_group_id
         for round_ in range(max_rounds + 1):
             need = groups_wanted - len(kept)
             if need <= 0:
