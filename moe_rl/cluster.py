@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from dataclasses import asdict
 
 import ray
 import torch
@@ -211,7 +210,3 @@ class RolloutActor:
 
     def info(self) -> dict:
         return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version}
-
-
-def settings_dict(obj) -> dict:
-    return asdict(obj)

@@ -10,7 +10,6 @@ running engine between its steps, and drops samples older than `rollout.max_stal
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -27,9 +26,6 @@ from moe_rl.algos import rewards as R
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
 from moe_rl.config import RunConfig
 from moe_rl.metrics import Metrics
-
-log = logging.getLogger("moe_rl")
-
 
 def main(cfg: RunConfig) -> int:
     return Trainer(cfg).run()
