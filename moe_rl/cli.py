@@ -4,6 +4,7 @@
     moe-rl train configs/quickstart.yaml run.steps=2
     moe-rl tiny runs/tiny --arch mixtral
     moe-rl bench gae
+    moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf
 
 User errors print one line `moe-rl: error: ...` and exit with code 2; never a traceback.
 """
@@ -18,7 +19,6 @@ from pathlib import Path
 from moe_rl.config import ConfigError
 
 EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "tools" / "bench"
 
@@ -57,11 +57,11 @@ def _cmd_train(args) -> int:
     from moe_rl import loop
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
-    from moe_rl.weights.hf import CheckpointMismatch
+    from moe_rl.train.checkpoint import CheckpointError
 
     try:
         return loop.main(cfg)
-    except (DatasetError, CheckpointMismatch, SandboxUnavailable, FileNotFoundError) as err:
+    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError) as err:
         raise UserError(str(err)) from None
 
 
@@ -86,8 +86,24 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    return _fail("checkpoint conversion (HF <-> Megatron) is not in this build yet; it lands with the "
-                 "conversion issue", EXIT_UNAVAILABLE)
+    from moe_rl.train.checkpoint import CheckpointError
+    from moe_rl.train.parallel import Layout
+    from moe_rl.weights import convert
+
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    try:
+        layout.check(convert.ranks_for(layout))
+        print(f"converting {args.src} -> {args.out} with tp {args.tp} pp {args.pp} ep {args.ep} "
+              f"({convert.ranks_for(layout)} rank(s))", file=sys.stderr)
+        if args.direction == "hf-to-mcore":
+            done = convert.hf_to_mcore(args.src, args.out, layout, role="critic" if args.critic else "policy",
+                                       dtype=args.dtype, value_head_from=args.value_head_from)
+        else:
+            done = convert.mcore_to_hf(args.src, args.out, hf_config=args.hf_config, layout=layout)
+    except (CheckpointError, ValueError, FileNotFoundError) as err:
+        raise UserError(str(err)) from None
+    print(convert.describe(done))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,8 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_cmd_bench)
 
     v = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron formats",
-                       description="Hugging Face safetensors <-> Megatron dist checkpoints (not in this build yet).")
-    v.add_argument("rest", nargs=argparse.REMAINDER)
+                       description="Hugging Face safetensors <-> Megatron dist checkpoints (policy or critic). "
+                       "The layout (--tp/--pp/--ep) splits the work over local ranks; the dist checkpoint itself "
+                       "loads into any layout. mcore-to-hf also exports trained RL checkpoints "
+                       "(runs/NAME/checkpoints/step_N/policy or .../critic).",
+                       epilog="e.g. moe-rl convert hf-to-mcore models/base ckpt/base --tp 2 --ep 2;  "
+                       "moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf")
+    v.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    v.add_argument("src", help="HF model directory (hf-to-mcore) or Megatron dist checkpoint (mcore-to-hf)")
+    v.add_argument("out", help="output directory (must be new or empty)")
+    for flag in ("tp", "pp", "ep"):
+        v.add_argument(f"--{flag}", type=int, default=1, help=f"{flag.upper()} size of the ranks that convert")
+    v.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
+    v.add_argument("--critic", action="store_true", help="hf-to-mcore: build the critic (value head from score.weight if present)")
+    v.add_argument("--value-head-from", help="hf-to-mcore --critic: reward-model checkpoint holding the value head")
+    v.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf-to-mcore: storage dtype (default: the checkpoint's)")
+    v.add_argument("--hf-config", help="mcore-to-hf: base model directory (default: the checkpoint's hf_config/)")
     v.set_defaults(fn=_cmd_convert)
     return p
 

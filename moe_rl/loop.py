@@ -26,6 +26,8 @@ from moe_rl.algos import rewards as R
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
 from moe_rl.config import RunConfig
 from moe_rl.metrics import Metrics
+from moe_rl.weights.hf import HF_CONFIG_DIR, copy_hf_config
+
 
 def main(cfg: RunConfig) -> int:
     return Trainer(cfg).run()
@@ -312,6 +314,8 @@ class Trainer:
             self.critic.call("save", str(tmp / "critic"), state)
         torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
                     "np_rng": np.random.get_state()}, tmp / "loop_state.pt")
+        for role in ("policy", "critic") if self.critic else ("policy",):
+            copy_hf_config(self.model_path, tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
         for old in sorted(root.glob("step_*"))[: -self.cfg.checkpoint.keep]:

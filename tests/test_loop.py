@@ -61,6 +61,30 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert ckpts == ["step_000002", "step_000003"]  # keep: 2, no partial directory left
 
 
+def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
+    """`moe-rl convert mcore-to-hf` on an RL checkpoint: the policy as a causal LM with updated
+    weights, the critic as a one-label token-classification model; both load in transformers."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from moe_rl.weights.hf import HFReader
+
+    out, _ = reference
+    step = out / "checkpoints" / "step_000003"
+    for role in ("policy", "critic"):
+        proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf", str(step / role),
+                               str(tmp_path / role)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    base, policy = HFReader(out / "base_model"), HFReader(tmp_path / "policy")
+    assert policy.names() == base.names()
+    moved = [n for n in base.names() if not torch.equal(base.get(n), policy.get(n))]
+    assert len(moved) > len(base.names()) // 2  # warm start and three RL steps updated the weights
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        assert torch.isfinite(AutoModelForCausalLM.from_pretrained(tmp_path / "policy")(ids).logits).all()
+        values = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")(ids).logits
+    assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the trained value head
+
+
 def test_kill9_then_resume_reproduces_the_next_step(reference, tmp_path):
     ref_out, _ = reference
     out = tmp_path / "killed"

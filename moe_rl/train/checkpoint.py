@@ -1,12 +1,20 @@
-"""Megatron dist checkpoints of a TrainWorker: model and optimizer state, reshardable.
+"""Megatron dist checkpoints: a TrainWorker's model and optimizer state, or a model alone; reshardable.
 
     save(worker, "ckpt/step_10/policy", extra={"step": 10})
     extra = load(worker, "ckpt/step_10/policy")   # into any TP/PP/EP/DP layout
+    save_model(module, "ckpt/converted")           # weights only (what `moe-rl convert` writes)
+    load_model(module, "ckpt/converted")
 
 The model is saved as sharded tensors (torch_dist format), the distributed optimizer with the
 `fully_reshardable` layout (optimizer state keyed by model parameter, so it reshards across TP/PP/EP/DP; the default fully-sharded-model-space layout fails on CPU/gloo), so a checkpoint written
 with TP2 or PP2 loads into TP1/PP1 and back. The Adam step lives in each param group's state and is
-restored with it. `extra` is a small picklable dict stored beside (written by rank 0 only).
+restored with it. `extra` is a small dict of plain data stored beside (written by rank 0 only).
+
+Loading never unpickles arbitrary objects: torch's checkpoint index (`.metadata`, a pickle) is first
+read with an unpickler that admits only torch's checkpoint metadata classes, dtypes and sizes
+(`read_metadata`); the other files are JSON, safetensors-like tensor data, or read with
+`torch.load(weights_only=True)`. The same index lets `check_model_fits` name every tensor whose
+name or shape differs from the model before anything is loaded.
 
 Atomicity of a whole RL checkpoint (policy + critic + loop state) is the caller's job: write into a
 temporary directory and rename it (see moe_rl.loop).
@@ -22,6 +30,73 @@ import torch.distributed as dist
 
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_FILE = "moe_rl_extra.pt"
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                     "torch.distributed.checkpoint.filesystem")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, unsafe, or does not fit the model."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES or (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout")}:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"checkpoint index refers to {module}.{name}, which is not checkpoint metadata: refusing to load it")
+
+
+def read_metadata(path: str | Path):
+    """torch.distributed.checkpoint Metadata of a dist checkpoint, read with the restricted unpickler."""
+    path = Path(path)
+    for needed in (EXTRA_FILE, "metadata.json", ".metadata"):
+        if not (path / needed).is_file():
+            raise CheckpointError(f"{path} is not a complete moe_rl checkpoint (missing {needed})")
+    with open(path / ".metadata", "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError) as err:
+            raise CheckpointError(f"{path / '.metadata'} is not a readable checkpoint index: {err}") from None
+
+
+def read_extra(path: str | Path) -> dict:
+    """The small plain-data record saved beside the tensors (steps, optimizer kind, caller's extra)."""
+    read_metadata(path)
+    # only our own plain types (ints, floats, strings, tensors): weights_only loading is safe
+    try:
+        return torch.load(Path(path) / EXTRA_FILE, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{Path(path) / EXTRA_FILE} holds more than plain data: {err}") from None
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in a dist checkpoint, by sharded key."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_metadata(path)
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _model_tensors(sharded: dict) -> dict[str, tuple[int, ...]]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = dict(sharded)
+    apply_factories(sharded)
+    return {t.key: tuple(t.global_shape) for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
+
+
+def check_model_fits(module, path: str | Path) -> None:
+    """Raise CheckpointError naming the model tensors the checkpoint lacks or holds with another shape."""
+    saved = tensor_shapes(path)
+    wanted = _model_tensors(module.sharded_state_dict())
+    missing = sorted(k for k in wanted if k not in saved)
+    wrong = sorted(f"{k} {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k])
+    if missing or wrong:
+        parts = ([f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}"] if missing else []) + \
+                ([f"{len(wrong)} shape mismatch(es), e.g. {'; '.join(wrong[:3])}"] if wrong else [])
+        raise CheckpointError(f"{path} does not fit this model's architecture: {'; '.join(parts)}")
 
 
 def _sharded(worker, is_loading: bool, with_optimizer: bool = True) -> dict:
@@ -36,18 +111,38 @@ def _optimizer_kind(worker) -> str:
     return "distributed" if worker.ddp_config.use_distributed_optimizer else "plain"
 
 
-def save(worker, path: str | Path, extra: dict | None = None) -> None:
+def _save(state: dict, path: Path, record: dict) -> None:
     from megatron.core import dist_checkpointing
 
-    path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(worker, is_loading=False), str(path),
-                            content_metadata=OPTIM_SHARDING)
+    dist_checkpointing.save(state, str(path), content_metadata=OPTIM_SHARDING)
     if dist.get_rank() == 0:
-        torch.save({"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker)}, path / EXTRA_FILE)
+        torch.save(record, path / EXTRA_FILE)
     dist.barrier()
+
+
+def save(worker, path: str | Path, extra: dict | None = None) -> None:
+    _save(_sharded(worker, is_loading=False), Path(path),
+          {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker), "role": worker.role})
+
+
+def save_model(module, path: str | Path, extra: dict | None = None) -> None:
+    """Weights only (no optimizer state): what conversion writes; loads with `load_model` or
+    `load(worker, path, optimizer=False)`."""
+    _save({"model": module.sharded_state_dict()}, Path(path), {"extra": extra or {}, "steps": 0, "optimizer": "none"})
+
+
+def load_model(module, path: str | Path) -> dict:
+    """Restore model weights into `module` (any layout); returns the saved record."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_extra(path)
+    check_model_fits(module, path)
+    state = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(path))
+    module.load_state_dict(state["model"])
+    return meta
 
 
 def load(worker, path: str | Path, optimizer: bool = True) -> dict:
@@ -59,17 +154,15 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not (path / EXTRA_FILE).is_file() or not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete moe_rl checkpoint (missing {EXTRA_FILE} or metadata.json)")
-    # extra holds only our own plain types (ints, floats, strings, tensors): weights_only loading is safe
-    try:
-        meta = torch.load(path / EXTRA_FILE, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(f"{path / EXTRA_FILE} holds more than plain data: {err}") from None
-    if optimizer and meta.get("optimizer", _optimizer_kind(worker)) != _optimizer_kind(worker):
-        raise ValueError(f"{path} holds {meta['optimizer']} optimizer state, this run uses a {_optimizer_kind(worker)} "
-                         "optimizer (data-parallel size changed to or from 1); resume with the same data-parallel "
-                         "size, or load weights only")
+    meta = read_extra(path)
+    saved_kind = meta.get("optimizer", _optimizer_kind(worker))
+    if optimizer and saved_kind == "none":
+        raise CheckpointError(f"{path} holds weights only (no optimizer state); load it with optimizer=False")
+    if optimizer and saved_kind != _optimizer_kind(worker):
+        raise CheckpointError(f"{path} holds {saved_kind} optimizer state, this run uses a {_optimizer_kind(worker)} "
+                              "optimizer (data-parallel size changed to or from 1); resume with the same data-parallel "
+                              "size, or load weights only")
+    check_model_fits(worker.module, path)
     state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer), str(path))
     worker.module.load_state_dict(state["model"])
     if optimizer:

@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from moe_rl.train.checkpoint import CheckpointError
+
+HF_CONFIG_DIR = "hf_config"  # a Megatron checkpoint's copy of its HF config and tokenizer files
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TE grouped experts
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model (names, shapes or architecture)."""
 
 
@@ -108,15 +112,20 @@ def _tp_info(te_name: str):
 
 
 @torch.no_grad()
-def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool = False) -> None:
-    """Fill this rank's shard of `model` from a Hugging Face checkpoint (any TP/PP/EP layout)."""
+def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool = False,
+                    progress: Callable[[Iterable], Iterable] = iter) -> set[str]:
+    """Fill this rank's shard of `model` from a Hugging Face checkpoint (any TP/PP/EP layout).
+
+    Returns the HF tensor names this rank read (callers check that nothing in the checkpoint is unused).
+    """
     from megatron.core import parallel_state as ps
 
     reader = HFReader(hf_path)
     names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
                          bridge.config.num_moe_experts)
     state = _unwrap(model).state_dict()
-    for local, te in names.items():
+    used: set[str] = set()
+    for local, te in progress(list(names.items())):
         param = state[local]
         if local.endswith("output_layer.weight") and skip_output_layer:
             continue
@@ -124,6 +133,7 @@ def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool 
             hf_names = bridge._weight_name_mapping_mcore_to_hf(te)
         except NotImplementedError:
             raise CheckpointMismatch(f"no Hugging Face mapping for model parameter '{te}' ({type(bridge).__name__})") from None
+        used.update(hf_names)
         full = bridge._weight_to_mcore_format(te, [reader.get(n) for n in hf_names])
         rank, size, _ = _tp_info(te)
         if size > 1 and full.shape != param.shape:
@@ -131,14 +141,29 @@ def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool 
         if full.shape != param.shape:
             raise CheckpointMismatch(f"'{te}': checkpoint shape {tuple(full.shape)} does not fit the model's {tuple(param.shape)}")
         param.copy_(full.to(param.dtype))
+    return used
+
+
+def owns_replica(expert: bool = False) -> bool:
+    """Whether this rank writes the one copy of a (dense or expert) tensor its replicas all hold:
+    TP rank 0 of the first data-parallel (and context-parallel) replica, or for experts expert-TP rank
+    0 of the first expert-data-parallel replica."""
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    return (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
 
 
 @torch.no_grad()
-def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every parameter this rank owns (TP shards gathered).
+def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only: bool = False,
+                      progress: Callable[[Iterable], Iterable] = iter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every parameter this rank holds (TP shards gathered).
 
     Every TP rank of a group yields the same tensors; PP stages and EP ranks yield their own layers
-    and experts. Collective: all TP ranks must iterate together.
+    and experts; with owned_only, only the rank that `owns_replica` yields each tensor. Collective:
+    all TP ranks must iterate together.
     """
     from megatron.core import parallel_state as ps
 
@@ -146,7 +171,10 @@ def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
                          bridge.config.num_moe_experts)
     params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
-    for local, te in names.items():
+    owner = {False: owns_replica(False), True: owns_replica(True)}
+    for local, te in progress(list(names.items())):
+        if local.endswith("output_layer.weight") and skip_output_layer:
+            continue
         param = params.get(local, state[local])
         _, size, group = _tp_info(te)
         full = param.detach()
@@ -154,6 +182,8 @@ def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
             shards = [torch.empty_like(full) for _ in range(size)]
             dist.all_gather(shards, full.contiguous(), group=group)
             full = _merge_tp(bridge, te, shards, param)
+        if owned_only and not owner[_is_expert(te)]:
+            continue
         hf_names, tensors = bridge._weight_to_hf_format(te, full)
         yield from zip(hf_names, tensors)
 
@@ -183,31 +213,46 @@ def load_value_head(model, hf_path: str | Path) -> bool:
     return False
 
 
-def save_hf_checkpoint(named: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path, config_from: str | Path,
-                       shard_mb: float = 2048) -> Path:
-    """Write HF-named tensors as a sharded safetensors checkpoint (with index) next to the config and
-    tokenizer files of `config_from`. Rank-local: call where the full set of tensors is available."""
-    import shutil
+def copy_hf_config(src: str | Path, dst: str | Path) -> Path:
+    """Copy config, generation config and tokenizer files (no weights) from `src` into `dst`."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
+            shutil.copy2(f, dst / f.name)
+    return dst
 
+
+def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, prefix: str = "model",
+                 shard_mb: float = 2048) -> dict[str, tuple[str, int]]:
+    """Write HF-named tensors as safetensors files `{prefix}-00001.safetensors`, ... of about shard_mb;
+    returns {name: (file, bytes)} for the index."""
     from safetensors.torch import save_file
 
     from moe_rl.weights.sync import buckets
 
+    written = {}
+    for i, shard in enumerate(buckets(named, shard_mb)):
+        file = f"{prefix}-{i + 1:05d}.safetensors"
+        save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(Path(out_dir) / file), metadata={"format": "pt"})
+        written.update({n: (file, t.numel() * t.element_size()) for n, t in shard})
+    return written
+
+
+def write_index(out_dir: str | Path, written: dict[str, tuple[str, int]]) -> Path:
+    """model.safetensors.index.json for the files `write_shards` wrote (a stale single-file
+    model.safetensors is removed so loaders read the index)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in Path(config_from).iterdir():
-        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
-            shutil.copy2(f, out / f.name)
-    shards = list(buckets(named, shard_mb))
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(out / name), metadata={"format": "pt"})
-        for n, t in shard:
-            weight_map[n] = name
-            total += t.numel() * t.element_size()
+    total = sum(size for _, size in written.values())
+    weight_map = {n: file for n, (file, _) in sorted(written.items())}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    stale = out / "model.safetensors"
-    if stale.exists():
-        stale.unlink()
+    (out / "model.safetensors").unlink(missing_ok=True)
     return out
+
+
+def save_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, config_from: str | Path,
+                       shard_mb: float = 2048) -> Path:
+    """Write HF-named tensors as a sharded safetensors checkpoint (with index) next to the config and
+    tokenizer files of `config_from`. Rank-local: call where the full set of tensors is available."""
+    out = copy_hf_config(config_from, out_dir)
+    return write_index(out, write_shards(named, out, shard_mb=shard_mb))

@@ -1,0 +1,242 @@
+"""Checkpoint conversion: Hugging Face safetensors <-> Megatron dist checkpoints.
+
+    hf_to_mcore("models/base", "ckpt/mcore", Layout(tp=2, ep=2))          # policy (or role="critic")
+    mcore_to_hf("runs/x/checkpoints/step_000300/policy", "export/hf")    # trained RL checkpoint -> HF
+
+A Megatron dist checkpoint is layout-free (sharded tensors with global shapes), so the layout used to
+convert only decides how the work is split: each of the layout's ranks reads the HF tensors of its own
+shard (safetensors; pickled `.bin` checkpoints are refused) and writes it, and on the way back each
+rank exports the layers and experts it owns. The ranks run as local processes (gloo on CPU, NCCL on
+GPU); the calling process merges their results and writes the HF index.
+
+Checks, each a one-line `CheckpointMismatch`/`CheckpointError`:
+- the HF checkpoint holds exactly the tensors the architecture needs (a config that disagrees with the
+  weights, e.g. another layer or expert count, is refused before anything is written);
+- a dist checkpoint fits the architecture it is exported with (names and global shapes, read from
+  its index with a restricted unpickler, see moe_rl.train.checkpoint).
+
+Every Megatron checkpoint we write carries the HF config and tokenizer files in `hf_config/`, so it
+exports without being told the architecture (RL checkpoints get them from the loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_rl.train.checkpoint import CheckpointError
+from moe_rl.train.parallel import Layout
+from moe_rl.weights.hf import (
+    HF_CONFIG_DIR,
+    CheckpointMismatch,
+    HFReader,
+    copy_hf_config,
+    write_index,
+    write_shards,
+)
+
+VALUE_HEAD = "score.weight"  # the critic's scalar head, as transformers' *ForTokenClassification (num_labels=1)
+
+
+@dataclass(frozen=True)
+class Converted:
+    out: Path
+    tensors: int
+    bytes: int
+    role: str
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise CheckpointMismatch(f"{path} is not a Hugging Face model directory (no config.json)")
+    if not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
+        raise CheckpointMismatch(f"{path} holds pickled .bin weights only; convert them to safetensors first "
+                                 "(pickles can run code when loaded, so they are never read here)")
+
+
+def _progress(items, desc: str, on: bool):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="tensor", disable=not on, leave=False, mininterval=1.0)
+
+
+def _build(hf_config: str, dtype: str, role: str, layout: Layout):
+    from moe_rl.train import cpu_compat, parallel
+    from moe_rl.train import model as M
+
+    parallel.init_distributed(layout)
+    if not torch.cuda.is_available():
+        cpu_compat.seed_model_parallel(0)
+    spec = M.ModelSpec(hf_path=hf_config, dtype=dtype, routing_replay=False)
+    try:
+        bridge = M.make_bridge(spec)
+    except (ValueError, KeyError) as err:
+        raise CheckpointMismatch(f"{hf_config}: architecture not supported by the bridge registry: {err}") from None
+    return bridge, M.build_gpt(bridge, spec, critic=role == "critic")
+
+
+def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, role: str, dtype: str,
+                      value_head_from: str | None) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.train import checkpoint
+    from moe_rl.weights import hf as H
+
+    bridge, module = _build(hf, dtype, role, layout)
+    used = H.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic",
+                             progress=lambda it: _progress(it, "HF -> Megatron", rank == 0))
+    everyone: list[set[str]] = [set()] * world
+    dist.all_gather_object(everyone, used)
+    unused = sorted(HFReader(hf).names() - set().union(*everyone) - ({"lm_head.weight", VALUE_HEAD} if role == "critic" else set()))
+    if unused:  # every rank sees the same list: all refuse before anything is written
+        raise CheckpointMismatch(f"{hf} holds {len(unused)} tensor(s) its config does not describe "
+                                 f"(e.g. {', '.join(unused[:3])}): the config and the weights disagree")
+    if role == "critic" and ps.is_pipeline_last_stage():
+        H.load_value_head(module, value_head_from or hf)
+    checkpoint.save_model(module, out, extra={"role": role, "converted_from": str(hf)})
+
+
+def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layout: Layout, role: str,
+                      dtype: str, shard_mb: float) -> dict[str, tuple[str, int]]:
+    """Load this rank's shard, export the tensors it owns; returns {HF name: (file, bytes)}."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.train import checkpoint
+    from moe_rl.weights import hf as H
+
+    bridge, module = _build(hf_config, dtype, role, layout)
+    checkpoint.load_model(module, ckpt)
+    # one copy of each tensor: TP rank 0 of the first data-parallel replica (expert tensors: of the
+    # first expert-data-parallel replica)
+    mine = H.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True,
+                               progress=lambda it: _progress(it, "Megatron -> HF", rank == 0))
+    if role == "critic" and ps.is_pipeline_last_stage() and H.owns_replica():
+        mine = itertools.chain(mine, [(VALUE_HEAD, module.output_layer.weight.detach())])
+    return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb)
+
+
+def _run(fn, world: int, args: tuple):
+    from moe_rl.train.launch_local import run_ranks
+
+    try:
+        return run_ranks(fn, world, args, timeout=24 * 3600)
+    except RuntimeError as err:
+        # a rank's CheckpointError (or CheckpointMismatch) is the user's error: show its one line
+        for kind in (CheckpointMismatch, CheckpointError):
+            marker = f"{kind.__name__}: "
+            if marker in str(err):
+                raise kind(str(err).split(marker)[-1].strip().splitlines()[0]) from None
+        raise
+
+
+def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, role: str = "policy",
+                dtype: str | None = None, value_head_from: str | None = None) -> Converted:
+    """Write a Megatron dist checkpoint (weights only) of the policy or critic from an HF checkpoint.
+
+    dtype: float32 | bfloat16; None keeps the checkpoint's own (so the round trip is bitwise).
+    """
+    hf, out, layout = Path(hf), Path(out), layout or Layout()
+    if not hf.is_dir():
+        raise CheckpointError(f"{hf}: no such model directory")
+    _check_hf_dir(hf)
+    if role not in ("policy", "critic"):
+        raise CheckpointMismatch(f"role must be policy or critic, not {role!r}")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
+    dtype = dtype or _stored_dtype(hf)
+    try:
+        _run(_hf_to_mcore_rank, ranks_for(layout), (str(hf), str(out), layout, role, dtype, value_head_from))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    copy_hf_config(hf, out / HF_CONFIG_DIR)
+    shapes = _tensor_bytes(out)
+    return Converted(out, len(shapes), sum(shapes.values()), role)
+
+
+def _stored_dtype(hf: Path) -> str:
+    reader = HFReader(hf)
+    dtype = reader.get(next(iter(sorted(reader.names())))).dtype
+    return {torch.bfloat16: "bfloat16"}.get(dtype, "float32")
+
+
+def ranks_for(layout: Layout) -> int:
+    """Ranks for a layout, with the smallest data-parallel size that holds its experts (tp*cp*dp must
+    split into etp*ep)."""
+    dense, experts = layout.tp * layout.cp, (layout.etp or layout.tp) * layout.ep
+    return layout.pp * math.lcm(dense, experts)
+
+
+def _tensor_bytes(ckpt: Path) -> dict[str, int]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from moe_rl.train.checkpoint import read_metadata
+
+    md = read_metadata(ckpt)
+    return {k: v.size.numel() * v.properties.dtype.itemsize for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def checkpoint_role_and_dtype(ckpt: str | Path) -> tuple[str, str]:
+    """'policy' or 'critic' (a scalar output layer), and the stored floating dtype."""
+    from moe_rl.train.checkpoint import read_metadata
+
+    md = read_metadata(ckpt).state_dict_metadata
+    head = md.get("output_layer.weight")
+    role = "critic" if head is not None and tuple(head.size)[0] == 1 else "policy"
+    emb = md.get("embedding.word_embeddings.weight") or head
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(getattr(getattr(emb, "properties", None), "dtype", None), "float32")
+    return role, dtype
+
+
+def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None, layout: Layout | None = None,
+                shard_mb: float = 4096) -> Converted:
+    """Export a Megatron dist checkpoint (converted, or a trained policy/critic) as an HF checkpoint."""
+    ckpt, out, layout = Path(ckpt), Path(out), layout or Layout()
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt}: no such checkpoint directory")
+    hf_config = Path(hf_config) if hf_config else ckpt / HF_CONFIG_DIR
+    if not (hf_config / "config.json").is_file():
+        raise CheckpointMismatch(f"no Hugging Face config for {ckpt}: it has no {HF_CONFIG_DIR}/ directory; "
+                                 "name the base model's directory with --hf-config")
+    role, dtype = checkpoint_role_and_dtype(ckpt)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        parts = _run(_mcore_to_hf_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    written: dict[str, tuple[str, int]] = {}
+    for part in parts:
+        if written.keys() & part.keys():
+            raise RuntimeError(f"two ranks exported {sorted(written.keys() & part.keys())[:3]} (ownership bug)")
+        written.update(part)
+    copy_hf_config(hf_config, out)
+    if role == "critic":
+        _critic_config(out / "config.json")
+    write_index(out, written)
+    return Converted(out, len(written), sum(size for _, size in written.values()), role)
+
+
+def _critic_config(path: Path) -> None:
+    """A critic exports as a token-classification model with one label: backbone + `score` [1, hidden]."""
+    cfg = json.loads(path.read_text())
+    cfg["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in cfg.get("architectures", [])]
+    cfg["num_labels"] = 1
+    cfg["id2label"], cfg["label2id"] = {"0": "value"}, {"value": 0}
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def describe(result: Converted) -> str:
+    return (f"{result.role} checkpoint written to {result.out}: {result.tensors} tensors, "
+            f"{result.bytes / 2**20:.1f} MiB")
+
