@@ -1,15 +1,21 @@
 """Ray placement: trainer ranks (policy, critic, reference) and rollout engines as actors.
 
 One machine: the run starts a local Ray (the default). A cluster: `cluster.address` (or RAY_ADDRESS)
-names it. Colocated placement (the default) time-shares the same CPUs/GPUs: actors reserve no CPU so
-trainers and engines fit on a 2-core box; separate placement gives each group its own resources.
-Inside a trainer group, torch.distributed (gloo on CPU, NCCL on GPU) connects the ranks.
+names it (launch/ starts one on SLURM). One placement group holds a bundle per trainer rank and per
+engine; `cluster.placement` packs them onto as few nodes as possible or spreads them over the nodes.
+Colocated (the default) bundles reserve almost no CPU, so trainers and engines time-share a 2-core
+box; separate placement gives each actor a CPU (and a GPU where there is one).
+
+Inside a trainer group, torch.distributed (gloo on CPU, NCCL on GPU) connects the ranks through rank
+0's node. Weight sync writes safetensors buckets to each trainer node's /dev/shm; an engine on the
+same node reads the files, an engine on another node receives the bytes through Ray's object store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 
 import ray
@@ -26,16 +32,59 @@ def start_ray(cfg: RunConfig) -> None:
                         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
                             [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
+        ray.init(address=address, runtime_env=env, log_to_driver=False, _node_ip_address=node_ip)
     else:
         ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
                  log_to_driver=False)
 
 
-def _free_port() -> int:
+@ray.remote(num_cpus=0)
+def _node_address() -> tuple[str, int]:
+    """(this node's IP, a free TCP port on it): where a trainer group's rank 0 listens."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class Placement:
+    """The run's placement group: one bundle per trainer rank and per engine, in the order given.
+
+        place = Placement(cfg, {"policy": 2, "critic": 2, "engine": 1})
+        Actor.options(**place.options("policy", 0)).remote(...)
+    """
+
+    def __init__(self, cfg: RunConfig, counts: dict[str, int], timeout_s: float = 300.0):
+        from ray.util.placement_group import placement_group
+
+        self.colocate = cfg.cluster.colocate
+        self.slots: dict[str, list[int]] = {}
+        bundles = []
+        for role, n in counts.items():
+            self.slots[role] = list(range(len(bundles), len(bundles) + n))
+            res = self.resources(role)
+            bundles += [{"CPU": max(res["num_cpus"], 0.01), **({"GPU": res["num_gpus"]} if "num_gpus" in res else {})}] * n
+        self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise RuntimeError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
+                               f"cluster resources: {ray.cluster_resources()}")
+
+    def resources(self, role: str) -> dict:
+        res = {"num_cpus": 0 if self.colocate else 1}
+        if torch.cuda.is_available():
+            res["num_gpus"] = 0.5 if self.colocate else 1
+        return res
+
+    def options(self, role: str, i: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {**self.resources(role), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=self.slots[role][i])}
+
+    def address(self, role: str) -> tuple[str, int]:
+        """IP and a free port of the node holding the role's first bundle (its rank 0)."""
+        return ray.get(_node_address.options(**{**self.options(role, 0), "num_cpus": 0, "num_gpus": 0}).remote())
 
 
 @ray.remote
@@ -54,7 +103,7 @@ class TrainActor:
         self.anchor = None
 
     def node(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+        return ray.util.get_node_ip_address()
 
     def score(self, batch, record_routes: bool = False, anchor: bool = False):
         if anchor and self.anchor is not None:
@@ -82,18 +131,20 @@ class TrainActor:
         self.anchor = EwmaAnchor(self.worker.local_params(), beta)
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[str]:
+        """Write the tensors this rank owns (each (pp, ep) shard once) as buckets in `directory` on this
+        node; all ranks take part (TP shards are gathered)."""
         from moe_rl.weights.hf import export_hf_weights
         from moe_rl.weights.sync import buckets, write_bucket
 
-        named = export_hf_weights(self.worker.bridge, self.worker.module)
-        paths = [str(write_bucket(b, directory, i)) for i, b in enumerate(buckets(named, bucket_mb))]
-        ps = self.worker.ps
-        owner = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        if not owner:  # every (pp, ep) owner writes its own layers once
-            for p in paths:
-                os.unlink(p)
-            return []
-        return paths
+        named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
+        return [str(write_bucket(b, directory, i)) for i, b in enumerate(buckets(named, bucket_mb))]
+
+    def bucket_bytes(self, path: str) -> bytes:
+        """A bucket's bytes, for an engine on another node."""
+        return open(path, "rb").read()
+
+    def drop_weights(self, directory: str) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
 
     def save(self, path: str, extra: dict) -> None:
         from moe_rl.train import checkpoint
@@ -112,22 +163,33 @@ class TrainActor:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: RunConfig, spec, role: str, optim, seed: int, load_weights: bool = True):
+    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
+                 load_weights: bool = True):
         from moe_rl.train.parallel import Layout
 
         par = cfg.parallel
         layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
         world = par.world_size
-        port = _free_port()
-        res = {"num_cpus": 0} if cfg.cluster.colocate else {"num_cpus": 1}
-        if torch.cuda.is_available():
-            res["num_gpus"] = 0.5 if cfg.cluster.colocate else 1
-        self.actors = [TrainActor.options(**res).remote(r, world, "127.0.0.1", port, spec, role, optim, seed, layout,
-                                                        load_weights) for r in range(world)]
+        addr, port = place.address(slot)
+        self.actors = [TrainActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
+                                                                         layout, load_weights) for r in range(world)]
         self.dp = par.dp
         self.world = world
         self.tp_cp = par.tp * par.cp
-        ray.get([a.node.remote() for a in self.actors])
+        self.nodes = ray.get([a.node.remote() for a in self.actors])
+
+    def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
+        """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""
+        paths = self.call("export_weights", directory, bucket_mb)
+        return [(node, p, a) for node, a, ps in zip(self.nodes, self.actors, paths, strict=True) for p in ps]
+
+    @staticmethod
+    def buckets_for(exported: list[tuple[str, str, object]], node: str) -> list:
+        """What an engine on `node` reads: paths on its own node, object refs to the bytes otherwise."""
+        return [p if n == node else a.bucket_bytes.remote(p) for n, p, a in exported]
+
+    def drop_weights(self, directory: str) -> None:
+        self.call("drop_weights", directory)
 
     def _shard(self, batch, rank: int):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
@@ -199,14 +261,18 @@ class RolloutActor:
             groups = await self.agent.run_groups(prompts, samples_per_prompt, seed, first_group_id)
         return [t for g in groups for t in g], self.agent.stats
 
-    async def update_weights(self, paths: list[str], version: int) -> int:
+    async def update_weights(self, buckets: list, version: int) -> int:
+        """Load weight buckets: paths on this node (files stay for the other engines; the trainers
+        remove them), or refs to bucket bytes from trainers on other nodes."""
         from moe_rl.weights.sync import read_bucket
 
         n = 0
-        for p in paths:  # files stay for the other engines; the driver removes the directory
-            n += self.engine.update_weights(read_bucket(p, delete=False), version)
+        for b in buckets:
+            source = await b if isinstance(b, ray.ObjectRef) else b
+            n += self.engine.update_weights(read_bucket(source, delete=False), version)
             await asyncio.sleep(0)
         return n
 
     def info(self) -> dict:
-        return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version}
+        return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
+                "node": ray.util.get_node_ip_address()}

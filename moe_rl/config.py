@@ -311,6 +311,10 @@ class ClusterSection:
     address: str = ""  # empty: start a local Ray (or use RAY_ADDRESS when set)
     num_cpus: int | None = None
     colocate: bool = True  # trainer and rollout time-share the same resources
+    # how the run's Ray placement group lays trainer ranks and engines out over nodes: pack (fill a node
+    # first), spread (across nodes, best effort) or strict_spread (one bundle per node)
+    placement: Literal["pack", "spread", "strict_spread"] = "pack"
+    node_ip: str = ""  # this (driver) node's address when the machine has several (e.g. SLURM on one host)
 
     def check(self) -> None:
         if self.num_cpus is not None:

@@ -73,14 +73,18 @@ class Trainer:
         optim = OptimSettings(lr=tr.lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
                               grad_clip=tr.grad_clip, distributed_optimizer=cfg.parallel.distributed_optimizer,
                               micro_batch_tokens=tr.micro_batch_tokens)
-        self.policy = cluster.TrainerGroup(cfg, spec, "policy", optim, cfg.run.seed)
+        use_reference = bool(cfg.algorithm.kl_loss_coef or cfg.algorithm.kl_reward_coef)
+        n = cfg.parallel.world_size
+        place = cluster.Placement(cfg, {"policy": n, "critic": n if cfg.critic_enabled else 0,
+                                        "reference": n if use_reference else 0, "engine": cfg.rollout.num_engines})
+        self.policy = cluster.TrainerGroup(cfg, place, "policy", spec, "policy", optim, cfg.run.seed)
         self.critic = None
         if cfg.critic_enabled:
             copt = OptimSettings(**{**optim.__dict__, "lr": cfg.critic.lr})
-            self.critic = cluster.TrainerGroup(cfg, spec, "critic", copt, cfg.run.seed + 1)
+            self.critic = cluster.TrainerGroup(cfg, place, "critic", spec, "critic", copt, cfg.run.seed + 1)
         self.reference = None
-        if cfg.algorithm.kl_loss_coef or cfg.algorithm.kl_reward_coef:
-            self.reference = cluster.TrainerGroup(cfg, spec, "policy", optim, cfg.run.seed + 2)
+        if use_reference:
+            self.reference = cluster.TrainerGroup(cfg, place, "reference", spec, "policy", optim, cfg.run.seed + 2)
         if cfg.algorithm.anchor == "ewma":
             self.policy.call("init_anchor", cfg.algorithm.ewma_decay)
         env = cfg.environment
@@ -88,12 +92,17 @@ class Trainer:
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
                               max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p)
-        self.engines = [cluster.RolloutActor.options(num_cpus=0).remote(
+        self.engines = [cluster.RolloutActor.options(**place.options("engine", i)).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
                            record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb),
-            agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s}) for _ in range(cfg.rollout.num_engines)]
+            agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s}) for i in range(cfg.rollout.num_engines)]
         self.rollout = self.engines[0]  # evaluation and settings
-        self.top_k = ray.get(self.rollout.info.remote())["top_k"]
+        infos = ray.get([e.info.remote() for e in self.engines])
+        self.top_k = infos[0]["top_k"]
+        self.engine_nodes = [i["node"] for i in infos]
+        groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference}
+        say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in groups.items() if g]
+                                      + [f"engines on {', '.join(self.engine_nodes)}"]))
         self.model_path = path
         self.version = 0
         self.step = 0
@@ -292,10 +301,11 @@ class Trainer:
     def _sync(self) -> None:
         from moe_rl.weights.sync import shm_dir
 
-        d = shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}"
-        paths = [p for ps in self.policy.call("export_weights", str(d), self.cfg.rollout.weight_sync_bucket_mb) for p in ps]
-        ray.get([e.update_weights.remote(paths, self.version) for e in self.engines])
-        shutil.rmtree(d, ignore_errors=True)
+        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}")
+        exported = self.policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
+        ray.get([e.update_weights.remote(self.policy.buckets_for(exported, node), self.version)
+                 for e, node in zip(self.engines, self.engine_nodes, strict=True)])
+        self.policy.drop_weights(d)
 
     # -- checkpoints --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -80,8 +80,11 @@ def write_bucket(bucket: list[tuple[str, torch.Tensor]], directory: str | Path, 
     return path
 
 
-def read_bucket(path: str | Path, delete: bool = True) -> list[tuple[str, torch.Tensor]]:
-    tensors = load_file(str(path))
+def read_bucket(source: str | Path | bytes, delete: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """A bucket from its file (removed after reading with delete=True) or from its bytes."""
+    if isinstance(source, bytes):
+        return list(load(source).items())
+    tensors = load_file(str(source))
     if delete:
-        os.unlink(path)
+        os.unlink(source)
     return list(tensors.items())
