@@ -120,8 +120,23 @@ class SlurmCluster:
     def logs(self) -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}" for f in sorted((self.root / "logs").glob("*")))
 
+    def cancel_jobs(self, timeout_s: float = 90.0) -> None:
+        """Cancel every job of this cluster and wait for them to end (their steps outlive slurmd)."""
+        def queued() -> list[str]:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env)
+            return out.stdout.split()
+
+        jobs = queued()
+        if jobs:
+            subprocess.run(["scancel", *jobs], env=self.env)
+        deadline = time.monotonic() + timeout_s
+        while queued() and time.monotonic() < deadline:
+            time.sleep(1)
+
     def stop(self) -> None:
-        """Stop the daemons started here (slurmd, slurmctld, munged; in that order)."""
+        """Cancel the cluster's jobs, then stop the daemons started here (slurmd, slurmctld, munged)."""
+        if self.procs:
+            self.cancel_jobs()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

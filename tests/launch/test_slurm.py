@@ -1,0 +1,109 @@
+"""launch/slurm_ray.sbatch on a real two-node SLURM cluster (munged, slurmctld and two slurmd on
+127.0.0.10 and 127.0.0.11, started and stopped by this module): a short quickstart whose trainer
+ranks and engine spread over both nodes (two policy ranks talk gloo across the nodes), a run that
+fails, and a cancelled run. Each must leave no Ray process of its job behind."""
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from slurm_cluster import NODES, SlurmCluster
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "launch" / "slurm_ray.sbatch"
+SHORT = ["run.steps=3", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4", "trainer.eval_prompts=0",
+         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "logging.progress_bar=false",
+         "checkpoint.every=0", "cluster.placement=spread", "parallel.world_size=2"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM test runs its daemons as root (as on CI)")
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def submit(slurm, tmp: Path, *overrides: str, wait: bool = True):
+    logs = tmp / "logs"
+    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(_port()), "OMP_NUM_THREADS": "1"}
+    argv = ["sbatch", "--parsable", f"--output={tmp / 'job.out'}", *(["--wait"] if wait else []),
+            str(SCRIPT), "configs/quickstart.yaml", f"run.output_dir={tmp / 'run'}", *SHORT, *overrides]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    job = proc.stdout.strip().split(";")[0] if proc.stdout.strip() else ""  # "id;cluster"
+    return proc, job, logs
+
+
+def job_processes(job: str) -> list[str]:
+    """Command lines of live processes that belong to the job's Ray session (its temp dir)."""
+    out = subprocess.run(["ps", "-eww", "-o", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"moe_rl_ray_{job}" in line and not line.startswith("Z")]
+
+
+def explain(slurm, tmp: Path) -> str:
+    texts = [f"--- {f}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp.rglob("*.log")) + [tmp / "job.out"] if f.exists()]
+    return "\n".join(texts) + slurm.logs()[-3000:]
+
+
+def test_quickstart_runs_across_both_nodes(slurm, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc, job, logs = submit(slurm, tmp_path)
+    assert proc.returncode == 0, explain(slurm, tmp_path)
+    driver = (logs / f"driver-{list(NODES)[0]}.log").read_text()
+    placement = next(line for line in driver.splitlines() if "placement:" in line)
+    for ip in NODES.values():  # workers on both nodes took part
+        assert ip in placement, placement
+    policy_nodes = placement.split("policy ranks on ")[1].split(";")[0]
+    assert sorted(policy_nodes.split(", ")) == sorted(NODES.values())  # one gloo group across the nodes
+    assert "run finished: 3 steps" in driver
+    for node in NODES:  # per-node logs
+        assert "Ray runtime started" in (logs / f"ray-{node}.log").read_text()
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    assert "driver exited with 0" in (logs / "driver.log").read_text()
+    time.sleep(1)
+    assert job_processes(job) == []
+
+
+def test_failing_driver_shuts_the_cluster_down(slurm, tmp_path):
+    proc, job, logs = submit(slurm, tmp_path, "algorithm.no_such_knob=1")
+    assert proc.returncode != 0
+    assert "no_such_knob" in (logs / f"driver-{list(NODES)[0]}.log").read_text()
+    assert "driver exited with 2" in (logs / "driver.log").read_text()
+    time.sleep(1)
+    assert job_processes(job) == [], explain(slurm, tmp_path)
+
+
+def test_cancelled_job_stops_everything_it_started(slurm, tmp_path):
+    proc, job, logs = submit(slurm, tmp_path, wait=False)
+    assert proc.returncode == 0 and job, proc.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (logs / "driver.log").exists() and "Ray cluster up" in (logs / "driver.log").read_text():
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the job never brought its Ray cluster up:\n" + explain(slurm, tmp_path))
+    assert job_processes(job)  # Ray is running for this job
+    subprocess.run(["scancel", job], env=slurm.env, check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job], env=slurm.env, capture_output=True, text=True).stdout
+        if not queued.strip() and not job_processes(job):
+            break
+        time.sleep(1)
+    assert job_processes(job) == [], explain(slurm, tmp_path)
+    assert "cancelled" in (logs / "driver.log").read_text()
