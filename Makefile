@@ -11,4 +11,5 @@ quickstart: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/moe-rl train configs/quickstart.yaml
 
 test: setup
+	@bash tools/setup_slurm.sh
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

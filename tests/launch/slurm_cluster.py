@@ -45,7 +45,6 @@ class SlurmCluster:
         self.root = Path(root)
         self.cpus, self.memory = cpus_per_node, memory_mb
         self.procs: list[subprocess.Popen] = []
-        self.pidfiles: list[Path] = []
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
@@ -77,12 +76,10 @@ class SlurmCluster:
 
     # -- daemons ------------------------------------------------------------------------------------
 
-    def _start(self, argv: list[str], log: str, pidfile: Path | None = None) -> None:
-        out = open(self.root / "logs" / log, "ab")
-        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                           start_new_session=True))
-        if pidfile:
-            self.pidfiles.append(pidfile)
+    def _start(self, argv: list[str], log: str) -> None:
+        with open(self.root / "logs" / log, "ab") as out:
+            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                               start_new_session=True))
 
     def start(self, timeout_s: float = 60.0) -> SlurmCluster:
         missing = missing_binaries()
@@ -91,9 +88,12 @@ class SlurmCluster:
                                "apt-get install slurm-wlm slurmctld slurmd slurm-client munge")
         self._write_config()
         r = self.root
+        key = r / "munge.key"  # this cluster's own key
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
         self._start([_which("munged"), "--foreground", "--force", f"--socket={r / 'munge.sock'}",
                      f"--pid-file={r / 'munged.pid'}", f"--seed-file={r / 'munge.seed'}",
-                     f"--log-file={r / 'logs/munged.log'}", "--key-file=/etc/munge/munge.key"], "munged.out")
+                     f"--log-file={r / 'logs/munged.log'}", f"--key-file={key}"], "munged.out")
         self._wait(lambda: (r / "munge.sock").exists(), timeout_s, "munged")
         self._start([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         for name in NODES:

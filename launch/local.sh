@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# moe_rl on one machine: the run starts its own Ray (all CPUs and GPUs of this machine) and stops it
+# at the end.
+#
+#   launch/local.sh configs/quickstart.yaml run.steps=50
+#
+# Knobs: MOE_RL_VENV (default: the checkout's .venv), OMP_NUM_THREADS (default 1: trainer ranks and
+# engines share the cores), MOE_RL_LOG (default runs/<time>.log; the console shows it too).
+set -euo pipefail
+CONFIG=${1:?usage: launch/local.sh CONFIG [section.key=value ...]}
+shift
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${MOE_RL_VENV:-$REPO/.venv}
+LOG=${MOE_RL_LOG:-$REPO/runs/$(date +%Y%m%d-%H%M%S).log}
+[ -x "$VENV/bin/moe-rl" ] || { echo "launch/local.sh: no environment at $VENV (run: make setup)" >&2; exit 1; }
+mkdir -p "$(dirname "$LOG")"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+cd "$REPO"
+echo "[launch/local] $VENV/bin/moe-rl train $CONFIG $* (log: $LOG)"
+"$VENV/bin/moe-rl" train "$CONFIG" "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
