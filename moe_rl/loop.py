@@ -85,8 +85,6 @@ class Trainer:
         self.reference = None
         if use_reference:
             self.reference = cluster.TrainerGroup(cfg, place, "reference", spec, "policy", optim, cfg.run.seed + 2)
-        if cfg.algorithm.anchor == "ewma":
-            self.policy.call("init_anchor", cfg.algorithm.ewma_decay)
         env = cfg.environment
         self.env_cls = get_env(env.name)
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
@@ -188,10 +186,13 @@ class Trainer:
         plain = self._token_batch(b)
         scored = self.policy.score(plain)
         logp_replay = scored["logp"]
+        anchor_gap = None
         if alg.correction == "bypass":
             logp_old = b.logp_mu
         elif alg.anchor == "ewma":
             logp_old = self.policy.score(plain, anchor=True)["logp"]
+            # how far the anchor pi_{theta_bar} sits from the current policy (0 at the first RL step)
+            anchor_gap = ((logp_old - logp_replay).abs() * b.mask).sum() / b.mask.sum().clamp(min=1)
         else:
             logp_old = logp_replay
         from moe_rl.train.worker import TokenBatch
@@ -288,6 +289,8 @@ class Trainer:
         step_s = time.perf_counter() - t0
         train_s = timings["timing/critic_train_s"] + timings["timing/actor_train_s"]
         out.update(timings)
+        if anchor_gap is not None:
+            out["policy/anchor_logp_gap"] = anchor_gap
         out["perf/train_tokens_per_s"] = float(b.lengths.sum()) * cfg.trainer.epochs / max(train_s, 1e-9)
         out["timing/train_step_s"] = step_s
         return out
@@ -308,6 +311,10 @@ class Trainer:
         self.policy.drop_weights(d)
 
     # -- checkpoints --------------------------------------------------------------------------------
+
+    def _init_anchor(self) -> None:
+        if self.cfg.algorithm.anchor == "ewma":
+            self.policy.call("init_anchor", self.cfg.algorithm.ewma_decay)
 
     def _ckpt_root(self) -> Path:
         return self.out / "checkpoints"
@@ -405,13 +412,16 @@ class Trainer:
         resume = self._resume_dir()
         summary = {}
         if resume is not None:
+            self._init_anchor()  # its state comes back with the checkpoint
             self.load(resume)
             say(f"resumed from {resume} at step {self.step}")
             if self.step >= cfg.run.steps:
                 say(f"this run already reached run.steps={cfg.run.steps}; raise run.steps to continue, or use a "
                     f"new run.output_dir (or checkpoint.resume=never) to start over")
-        elif cfg.trainer.warm_start_steps:
-            summary.update(self.warm_start())
+        else:
+            if cfg.trainer.warm_start_steps:
+                summary.update(self.warm_start())
+            self._init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
         metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)
         history = []
         if cfg.trainer.eval_prompts and resume is None:

@@ -125,3 +125,19 @@ def test_two_rollout_engines_share_the_step(reference, tmp_path):
     # per-episode seeds follow the global prompt-group id, so the engines sample what one engine would
     assert hist[0]["reward/mean"] == pytest.approx(ref[0]["reward/mean"], abs=1e-6)
     assert hist[0]["rollout/length_mean"] == pytest.approx(ref[0]["rollout/length_mean"], abs=1e-6)
+
+
+def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
+    """PPO-EWMA: the anchor equals the policy at the first RL step (it starts after the warm start),
+    then lags behind it; a resumed run restores the anchor and reproduces the uninterrupted step 3."""
+    ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5"]
+    full = tmp_path / "full"
+    run_train(full, *ewma, "checkpoint.every=0")
+    gaps = [h["policy/anchor_logp_gap"] for h in torch.load(full / "history.pt", weights_only=False)]
+    assert gaps[0] == 0.0 and gaps[1] > 0 and gaps[2] > 0, gaps
+    split = tmp_path / "split"
+    run_train(split, *ewma, "run.steps=2")
+    run_train(split, *ewma, "run.steps=3")  # resume: auto, from step 2
+    resumed = torch.load(split / "history.pt", weights_only=False)
+    assert len(resumed) == 1
+    assert resumed[0]["policy/anchor_logp_gap"] == pytest.approx(gaps[2], rel=1e-4, abs=1e-6)
