@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     k = sub.add_parser("tiny", help="build a tiny random MoE checkpoint (Hugging Face format) locally",
-                       description="Write a random Qwen3-MoE or Mixtral checkpoint with a byte-level tokenizer "
+                       description="Write a random Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert) checkpoint with a byte-level tokenizer "
                        "and chat template: loadable by transformers, vLLM and mbridge.")
     k.add_argument("out", help="output directory")
-    k.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+    k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe")
     k.add_argument("--seed", type=int, default=0)
     k.set_defaults(fn=_cmd_tiny)
 

@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 # Schema
 # --------------------------------------------------------------------------------------------------
 
-Arch = Literal["qwen3_moe", "mixtral"]
+Arch = Literal["qwen3_moe", "mixtral", "qwen2_moe"]  # qwen2_moe: with a gated shared expert
 FP8Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
 
 

@@ -50,7 +50,7 @@ def build_tokenizer(out_dir: str | Path):
 
 
 def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
-    """A transformers config for `spec` (Qwen3-MoE or Mixtral), fp32, untied embeddings."""
+    """A transformers config for `spec` (Qwen3-MoE, Mixtral or Qwen2-MoE), fp32, untied embeddings."""
     common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
@@ -70,7 +70,17 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
         from transformers import MixtralConfig
 
         return MixtralConfig(**common, num_local_experts=spec.num_experts, intermediate_size=spec.moe_intermediate_size)
-    raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe or mixtral")
+    if spec.arch == "qwen2_moe":  # routed experts plus one sigmoid-gated shared expert; q/k/v biases
+        from transformers import Qwen2MoeConfig
+
+        common.pop("head_dim")  # hidden_size / num_attention_heads
+        return Qwen2MoeConfig(
+            **common, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.moe_intermediate_size, intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[], output_router_logits=False,
+            use_sliding_window=False,
+        )
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral or qwen2_moe")
 
 
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel = TinyModel(), seed: int = 0, overwrite: bool = False) -> Path:

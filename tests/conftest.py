@@ -28,3 +28,12 @@ def tiny_mixtral(tmp_path_factory):
 
 def moe_rl_cli() -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory):
+    """Qwen2-MoE: routed experts plus a sigmoid-gated shared expert, q/k/v biases."""
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), TinyModel(arch="qwen2_moe"), seed=0)

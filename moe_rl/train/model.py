@@ -89,6 +89,8 @@ def make_bridge(spec: ModelSpec):
         extra.update(fp8=fmt, fp8_recipe=recipe, fp8_param=False)
     if getattr(bridge.hf_config, "model_type", "") == "mixtral":
         extra["moe_router_pre_softmax"] = False  # softmax after top-k, as Mixtral's HF implementation
+    if getattr(bridge.hf_config, "shared_expert_intermediate_size", 0):
+        extra["moe_shared_expert_gate"] = True  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
     if getattr(bridge.hf_config, "rope_theta", None) is None:
         params = getattr(bridge.hf_config, "rope_parameters", None) or {}
         bridge.hf_config.rope_theta = params.get("rope_theta", 10000.0)  # transformers 5 moved it

@@ -12,8 +12,9 @@ from moe_rl.train.launch_local import run_in_process, run_ranks
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def synced(tiny_qwen, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen", "qwen2_moe"])  # qwen2_moe: with a gated shared expert
+def synced(request, tmp_path_factory):
+    tiny_qwen = request.getfixturevalue(f"tiny_{request.param}")
     root = tmp_path_factory.mktemp("sync")
     n_buckets = run_ranks(megatron_train_export_job, 1, (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
     gen = run_in_process(vllm_sync_job, (str(tiny_qwen), str(root / "buckets")))

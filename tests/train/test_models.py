@@ -11,14 +11,17 @@ from moe_rl.weights.hf import HFReader
 pytestmark = pytest.mark.slow
 
 
-def test_mixtral_logprobs_match_transformers(tiny_mixtral):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_logprobs_match_transformers(arch, request):
+    """Mixtral (softmax after top-k) and Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias)."""
     from transformers import AutoModelForCausalLM
 
+    path = request.getfixturevalue(f"tiny_{arch}")
     routes = torch.zeros(B, S, 2, 2, dtype=torch.long)
-    res = run_ranks(layout_job, 1, (str(tiny_mixtral), {}, "alltoall", routes))[0]
+    res = run_ranks(layout_job, 1, (str(path), {}, "alltoall", routes))[0]
     ids, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
-    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral)
+    model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits.float(), -1)
     ref = torch.zeros(B, S)
@@ -26,8 +29,10 @@ def test_mixtral_logprobs_match_transformers(tiny_mixtral):
     torch.testing.assert_close(res["free"]["logp"] * valid, ref * valid, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"ep": 2}, {"pp": 2}])
-def test_hf_round_trip_is_bitwise(tiny_qwen, layout):
+@pytest.mark.parametrize("arch,layout", [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
+                                         ("qwen2_moe", {"tp": 2})])
+def test_hf_round_trip_is_bitwise(arch, layout, request):
+    tiny_qwen = request.getfixturevalue(f"tiny_{arch}")
     world = 1 if not layout else 2
     parts = run_ranks(hf_roundtrip_job, world, (str(tiny_qwen), layout))
     exported = {}
