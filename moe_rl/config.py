@@ -113,6 +113,9 @@ class ParallelSection:
     def check(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "world_size"):
             _positive(f"parallel.{name}", getattr(self, name))
+        if self.cp > 1:
+            raise ConfigError("parallel.cp", f"{self.cp}: context parallelism is not wired into the trainer yet "
+                              "(sequences are not split over CP ranks); use 1")
         model_par = self.tp * self.pp * self.cp
         if self.world_size % model_par:
             raise ConfigError("parallel.world_size",
@@ -250,6 +253,9 @@ class TrainerSection:
     epochs: int = 1
     minibatches: int = 1
     micro_batch_tokens: int = 2048
+    # THD packing: each microbatch's sequences end to end in one row (no compute on padding); not with
+    # model.moe_dispatcher=allgather under expert parallelism, which needs equal-shaped microbatches
+    pack_sequences: bool = True
     # supervised warm start on the environment's scripted-expert episodes before RL (0: none)
     warm_start_steps: int = 0
     warm_start_lr: float = 1e-3

@@ -72,7 +72,7 @@ class Trainer:
         tr = cfg.trainer
         optim = OptimSettings(lr=tr.lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
                               grad_clip=tr.grad_clip, distributed_optimizer=cfg.parallel.distributed_optimizer,
-                              micro_batch_tokens=tr.micro_batch_tokens)
+                              micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences)
         use_reference = bool(cfg.algorithm.kl_loss_coef or cfg.algorithm.kl_reward_coef)
         n = cfg.parallel.world_size
         place = cluster.Placement(cfg, {"policy": n, "critic": n if cfg.critic_enabled else 0,

@@ -5,6 +5,8 @@ unfused masked softmax; on CPU that is the single largest cost of a step at sequ
 hundred. This module computes the same attention (causal, 1/sqrt(head_dim) scaling, grouped-query
 heads) with `torch.nn.functional.scaled_dot_product_attention`, and plugs into the spec where
 DotProductAttention sits (same constructor and forward signature, tensors [s, b, heads, head_dim]).
+Packed sequences (THD, `PackedSeqParams`): tensors [t, heads, head_dim], attention within each
+sequence of cu_seqlens.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class SdpaAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SdpaAttention: packed sequences and attention bias need the Transformer Engine spec")
+        if attention_bias is not None:
+            raise NotImplementedError("SdpaAttention: attention bias needs the Transformer Engine spec")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, hn = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         if k.shape[1] != heads:
@@ -43,3 +47,21 @@ class SdpaAttention(MegatronModule):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _packed(self, query, key, value, params):
+        """THD: query/key/value [t, heads, head_dim], sequences at params.cu_seqlens_q; each attends
+        causally within itself only. Returns [t, heads * head_dim]."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SdpaAttention: packed format {params.qkv_format!r}; only 'thd'")
+        t, heads, hn = query.shape
+        bounds = params.cu_seqlens_q.tolist()
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
+            if k.shape[1] != heads:
+                rep = heads // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal, scale=self.scale)
+            outs.append(o[0].transpose(0, 1))  # [n, h, d]
+        return torch.cat(outs).reshape(t, heads * hn)

@@ -6,6 +6,8 @@
 
 Batches are this data-parallel rank's shard; every TP/PP rank of one replica receives the same shard.
 Microbatches run through megatron-core's `get_forward_backward_func` (pipeline schedules included).
+With `pack_sequences` a microbatch's rows reach the model packed end to end (THD, train/packing.py);
+the loss functions still see [b, s] tensors.
 
 Loss scaling. megatron divides each microbatch loss by the number of microbatches and averages
 gradients over data-parallel ranks. Our losses use explicit global denominators (algos/aggregate.py):
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.logprobs import vocab_parallel_logprobs
+from moe_rl.train.packing import Packing
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class OptimSettings:
     grad_clip: float = 1.0
     distributed_optimizer: bool = True
     micro_batch_tokens: int = 4096
+    pack_sequences: bool = False  # THD: each microbatch's sequences end to end in one row (train/packing.py)
 
 
 @dataclass
@@ -96,15 +100,18 @@ class TokenBatch:
                                   {k: v[idx] for k, v in full.tensors.items()}))
         return out
 
-    def microbatches(self, token_budget: int, multiple: int = 1) -> list[TokenBatch]:
-        """Consecutive rows whose padded size B*S_max stays within token_budget (at least one row)."""
+    def microbatches(self, token_budget: int, multiple: int = 1, packed: bool = False) -> list[TokenBatch]:
+        """Consecutive rows whose padded size B*S_max (packed: sum of lengths) stays within
+        token_budget (at least one row)."""
         out, start, B = [], 0, self.input_ids_BS.shape[0]
         while start < B:
-            end, longest = start, 0
+            end, longest, total = start, 0, 0
             while end < B:
                 longest_new = max(longest, int(self.lengths_B[end]))
-                if end > start and longest_new * (end - start + 1) > token_budget:
+                cost = total + int(self.lengths_B[end]) if packed else longest_new * (end - start + 1)
+                if end > start and cost > token_budget:
                     break
+                total += int(self.lengths_B[end])
                 longest, end = longest_new, end + 1
             out.append(self.rows(slice(start, end), multiple))
             start = end
@@ -172,31 +179,55 @@ class TrainWorker:
     def module(self):
         return self.model.module
 
+    def _uniform_microbatches(self) -> bool:
+        # the allgather dispatcher gathers equal-sized token blocks across the expert group
+        return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
+
+    def _packing(self, mb: TokenBatch) -> Packing | None:
+        if not self.optim_settings.pack_sequences or self._uniform_microbatches():
+            return None
+        multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        return Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
+
     def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
-        ids = mb.input_ids_BS
+        ps, pk = self.ps, self._packing(mb)
+        ids, lengths, routes = mb.input_ids_BS, mb.lengths_B, mb.routes_BSLK
+        if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
+            ids, lengths = pk.pack(ids), torch.tensor([pk.real])
+            routes = None if routes is None else pk.pack(routes, fill=-1)
         if self._recording is not None:
             replay.record(self.replay_instances)
         elif self.spec.routing_replay:
-            replay.set_targets(self.replay_instances, mb.routes_BSLK, mb.lengths_B,
-                               self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size(),
+            replay.set_targets(self.replay_instances, routes, lengths,
+                               ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                                self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk)
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        out = model(ids, pos, None)
+        if pk is None:
+            out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        else:
+            out = model(ids, pk.positions(), None, packed_seq_params=pk.seq_params())
         if self._recording is not None:
-            ps = self.ps
-            self._recording.append(replay.recorded_routes(
+            rec = replay.recorded_routes(
                 self.replay_instances, ids.shape[0], ids.shape[1], ps.get_tensor_model_parallel_rank(),
                 ps.get_tensor_model_parallel_world_size(), self.config.sequence_parallel,
-                ps.get_tensor_model_parallel_group()))
+                ps.get_tensor_model_parallel_group())
+            self._recording.append(rec if pk is None else pk.unpack(rec))
         return out
 
     def _outputs(self, mb: TokenBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token model outputs for microbatch `mb` from the last stage's output."""
+        """Per-token model outputs [b, s] for microbatch `mb` from the last stage's output."""
+        pk = self._packing(mb)
         if self.role == "critic":
-            return {"values": output.squeeze(-1).float()}
+            values = output.squeeze(-1).float()
+            return {"values": values if pk is None else pk.unpack(values)}
+        ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
         logp, ent = vocab_parallel_logprobs(
-            output, mb.input_ids_BS, self.ps.get_tensor_model_parallel_group(),
+            output, ids, self.ps.get_tensor_model_parallel_group(),
             self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size())
+        if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
+            logp, ent = (pk.unpack(x) for x in (logp, ent))
+            first = torch.zeros_like(logp)
+            first[:, 0] = 1
+            logp, ent = logp * (1 - first), ent * (1 - first)
         return {"logp": logp, "entropy": ent}
 
     def _run(self, microbatches: list[TokenBatch], forward_only: bool, loss_func=None):
@@ -221,15 +252,14 @@ class TrainWorker:
 
     def _microbatches(self, batch: TokenBatch) -> list[TokenBatch]:
         multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-        if self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1:
-            # the allgather dispatcher gathers equal-sized token blocks across the expert group: give
-            # every data-parallel rank the same microbatch count and shape
+        if self._uniform_microbatches():
+            # give every data-parallel rank the same microbatch count and shape (unpacked)
             shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
             per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
             return batch.uniform_microbatches(per_mb, -(-rows // per_mb), length)
-        return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple)
+        return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self.optim_settings.pack_sequences)
 
     @torch.no_grad()
     def score(self, batch: TokenBatch, record_routes: bool = False) -> dict[str, torch.Tensor]:

@@ -54,16 +54,24 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     assert float(changed) > 0 and float(gap) > 0
 
 
-@pytest.mark.parametrize("layout, dispatcher", [
-    ({"tp": 2}, "alltoall"),
-    ({"ep": 2}, "alltoall"),
-    ({"ep": 2}, "allgather"),
-    ({"pp": 2}, "alltoall"),
+@pytest.mark.parametrize("layout, dispatcher, pack", [
+    ({"tp": 2}, "alltoall", False),
+    ({"ep": 2}, "alltoall", False),
+    ({"ep": 2}, "allgather", False),
+    ({"pp": 2}, "alltoall", False),
+    # packed sequences (THD): one row per microbatch, positions restart per sequence, attention stays
+    # inside each sequence; scores, routes and the update equal the padded single rank's
+    ({}, "alltoall", True),
+    ({"tp": 2}, "alltoall", True),
+    ({"pp": 2}, "alltoall", True),
+    ({"ep": 2}, "alltoall", True),
+    ({"ep": 2}, "allgather", True),  # needs equal-shaped microbatches: stays padded
 ])
-def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher):
+def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pack):
     routes, ref = reference
     valid, _ = _valid()
-    results = run_ranks(layout_job, 2, (str(tiny_qwen), layout, dispatcher, routes))
+    world = 2 if layout else 1
+    results = run_ranks(layout_job, world, (str(tiny_qwen), layout, dispatcher, routes, pack))
     for res in results:
         for key in ("free", "replay", "after_replay", "after_free"):
             for name in ("logp", "entropy"):

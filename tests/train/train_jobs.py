@@ -22,7 +22,7 @@ def pg_loss(outputs, mb):
     return num, {"entropy_mean": (outputs["entropy"] * m).sum() / m.sum().clamp(min=1)}
 
 
-def layout_job(rank, world, hf_path, layout, dispatcher, routes):
+def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
@@ -30,7 +30,7 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes):
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path, moe_dispatcher=dispatcher),
                     # eps 1e-4: Adam does not blow rounding noise in near-zero grads up to full lr steps
-                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     dp, dp_size = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
     rows = slice(dp * B // dp_size, (dp + 1) * B // dp_size)  # this data-parallel rank's shard
@@ -123,7 +123,7 @@ def recompute_job(rank, world, hf_path, routes):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(M.ModelSpec(hf_path=hf_path, recompute=True),
-                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     shard = TokenBatch(ids, lengths, routes, {"mask": mask, "adv": adv})
     step = w.train_step(shard, pg_loss, mask.sum().double())

@@ -6,6 +6,8 @@ side by side in this one process (medians over --steps after warm-up):
 
   megatron_vs_hf       Megatron tokens/s / transformers tokens/s (target >= 0.7)
   replay_overhead      step time with router replay / without - 1 (target <= 0.03)
+  packed_speedup       variable-length rows (lengths uniform in [seq/8, seq]): step time right-padded /
+                       packed (THD), same rows, same loss
 
 The transformers run happens before megatron-core's CPU shims are installed in this process, so it is
 measured on untouched torch.
@@ -14,6 +16,7 @@ measured on untouched torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -95,6 +98,26 @@ def main() -> None:
         w.train_step(replayed, nll, denom)
         t_replay.append(time.perf_counter() - t0)
     t_mg, t_rp = statistics.median(t_free), statistics.median(t_replay)
+
+    # 3. variable-length rows: right-padded microbatches vs packed (THD) ones
+    rows = 4 * args.batch
+    var_len = torch.randint(args.seq // 8, args.seq + 1, (rows,), generator=g)
+    var_ids = torch.randint(0, 300, (rows, args.seq), generator=g)
+    var_mask = (torch.arange(args.seq) < var_len.unsqueeze(1)) & (torch.arange(args.seq) > 0)
+    var = TokenBatch(var_ids, var_len, None, {"mask": var_mask})
+    var_denom = var_mask.sum().double()
+    padded_settings = w.optim_settings
+    packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)
+    t_pad, t_pack, loss = [], [], {}
+    for i in range(args.steps + 1):
+        for name, settings, acc in (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack)):
+            w.optim_settings = settings
+            t0 = time.perf_counter()
+            loss[name] = w.train_step(var, nll, var_denom)["loss"]
+            if i:  # the first round warms up
+                acc.append(time.perf_counter() - t0)
+    w.optim_settings = padded_settings
+    t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
     parallel.shutdown()
 
     figures = {
@@ -102,10 +125,15 @@ def main() -> None:
         "seq": args.seq, "batch": args.batch, "hf_tokens_per_s": round(tokens / t_hf, 1),
         "megatron_tokens_per_s": round(tokens / t_mg, 1), "megatron_vs_hf": round(t_hf / t_mg, 3),
         "replay_overhead": round(t_rp / t_mg - 1, 4),
+        "variable_rows": rows, "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
+        "packed_speedup": round(t_pd / t_pk, 3),
     }
     print(f"transformers   {t_hf * 1e3:8.1f} ms/step  {tokens / t_hf:8.0f} tokens/s")
     print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf / t_mg:.2f}x transformers; target >= 0.7)")
     print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * (t_rp / t_mg - 1):+.1f}%; target <= 3%)")
+    print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when right-padded): "
+          f"padded {t_pd * 1e3:.1f} ms/step, packed {t_pk * 1e3:.1f} ms/step ({t_pd / t_pk:.2f}x); "
+          f"loss per token {loss['padded'] / float(var_denom):.6f} vs {loss['packed'] / float(var_denom):.6f}")
     print(json.dumps(figures))
 
 

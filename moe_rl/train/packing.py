@@ -1,0 +1,67 @@
+"""Sequence packing (THD): the valid tokens of a microbatch's rows laid end to end in one row.
+
+Right-padded rows [B, S] spend compute on padding: B * S_max tokens for sum(lengths) real ones.
+Packed, the model sees one row of T = sum(lengths) tokens (plus a few padding tokens so T divides
+the sequence-parallel size) and megatron-core's `PackedSeqParams` (qkv_format "thd") tell rotary
+embeddings and attention where each sequence starts, so positions restart at 0 and no token attends
+across a sequence boundary.
+
+    p = Packing.of(lengths_B, multiple=tp)
+    ids_1T = p.pack(ids_BS)                   # [1, T]
+    logits -> p.unpack(x_1T, S)               # back to [B, S] (zeros beyond each row's length)
+
+Everything the loss sees stays [B, S]: packing lives between the microbatch and the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Packing:
+    valid_BS: torch.Tensor  # [B, S] bool: positions that hold real tokens
+    cu_seqlens: torch.Tensor  # [n + 1] int32 offsets of the packed sequences (a padding tail is its own)
+    total: int  # T: packed length (real tokens + padding tail)
+    real: int  # real tokens
+
+    @staticmethod
+    def of(lengths_B: torch.Tensor, S: int, multiple: int = 1) -> Packing:
+        lengths = lengths_B.long()
+        valid = torch.arange(S).expand(len(lengths), S) < lengths.unsqueeze(1)
+        real = int(lengths.sum())
+        total = max(multiple, -(-real // multiple) * multiple)
+        seqs = [int(n) for n in lengths if n > 0] + ([total - real] if total > real else [])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(seqs, dtype=torch.int32).cumsum(0)
+        return Packing(valid, cu, total, real)
+
+    def pack(self, x_BS: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
+        """[B, S, ...] -> [1, T, ...]: valid positions in row order, then the padding tail (= fill)."""
+        flat = x_BS[self.valid_BS]
+        tail = self.total - self.real
+        if tail:
+            pad = torch.as_tensor(fill, dtype=x_BS.dtype).expand(tail, *x_BS.shape[2:])
+            flat = torch.cat([flat, pad])
+        return flat.unsqueeze(0)
+
+    def unpack(self, x_1T: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [B, S, ...] (zeros where a row has no token); differentiable."""
+        B, S = self.valid_BS.shape
+        out = x_1T.new_zeros(B, S, *x_1T.shape[2:])
+        out[self.valid_BS] = x_1T[0, : self.real]
+        return out
+
+    def positions(self) -> torch.Tensor:
+        """[1, T] position of each packed token inside its own sequence."""
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+        return (torch.arange(self.total) - starts).unsqueeze(0)
+
+    def seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
