@@ -55,13 +55,14 @@ def _cmd_train(args) -> int:
 
     cfg = config.load_config(args.config, args.overrides)
     from moe_rl import loop
+    from moe_rl.cluster import PlacementError
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.train.checkpoint import CheckpointError
 
     try:
         return loop.main(cfg)
-    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError) as err:
+    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError) as err:
         raise UserError(str(err)) from None
 
 

@@ -39,6 +39,10 @@ def start_ray(cfg: RunConfig) -> None:
                  log_to_driver=False)
 
 
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the run's actors."""
+
+
 @ray.remote(num_cpus=0)
 def _node_address() -> tuple[str, int]:
     """(this node's IP, a free TCP port on it): where a trainer group's rank 0 listens."""
@@ -57,29 +61,32 @@ class Placement:
     def __init__(self, cfg: RunConfig, counts: dict[str, int], timeout_s: float = 300.0):
         from ray.util.placement_group import placement_group
 
-        self.colocate = cfg.cluster.colocate
+        self.resources = {"num_cpus": 0 if cfg.cluster.colocate else 1}  # per actor (trainer rank or engine)
+        if torch.cuda.is_available():
+            self.resources["num_gpus"] = 0.5 if cfg.cluster.colocate else 1
+        # a bundle may not be empty: colocated actors reserve a hundredth of a CPU
+        bundle = {"CPU": max(self.resources["num_cpus"], 0.01), **({"GPU": self.resources["num_gpus"]} if "num_gpus" in self.resources else {})}
         self.slots: dict[str, list[int]] = {}
         bundles = []
         for role, n in counts.items():
             self.slots[role] = list(range(len(bundles), len(bundles) + n))
-            res = self.resources(role)
-            bundles += [{"CPU": max(res["num_cpus"], 0.01), **({"GPU": res["num_gpus"]} if "num_gpus" in res else {})}] * n
+            bundles += [bundle] * n
+        have = ray.cluster_resources()
+        for kind in bundle:
+            need = sum(b[kind] for b in bundles)
+            if need > have.get(kind, 0) + 1e-9:
+                raise PlacementError(f"the run needs {need:g} {kind} for {len(bundles)} actors ({counts}), the Ray cluster "
+                                   f"has {have.get(kind, 0):g}; use cluster.colocate=true or a larger cluster")
         self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
-            raise RuntimeError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
+            raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
                                f"cluster resources: {ray.cluster_resources()}")
-
-    def resources(self, role: str) -> dict:
-        res = {"num_cpus": 0 if self.colocate else 1}
-        if torch.cuda.is_available():
-            res["num_gpus"] = 0.5 if self.colocate else 1
-        return res
 
     def options(self, role: str, i: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {**self.resources(role), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        return {**self.resources, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=self.slots[role][i])}
 
     def address(self, role: str) -> tuple[str, int]:

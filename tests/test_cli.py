@@ -48,3 +48,11 @@ def test_gae_benchmark_runs_and_ends_with_json():
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "gae" and figures["max_abs_err"] < 1e-5 and figures["speedup_vs_loop"] > 0
+
+
+def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):
+    """Separate placement on 2 CPUs: policy, critic and engine each need a CPU of their own."""
+    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", "cluster.colocate=false",
+              "cluster.num_cpus=2", "trainer.warm_start_steps=0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: the run needs 3 CPU for 3 actors")

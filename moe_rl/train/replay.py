@@ -59,6 +59,16 @@ def moe_layer_ids(module, config) -> list[int]:
     return ids
 
 
+def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> None:
+    """Raise MissingRoutes naming the first valid position (row, position) without a route (< 0)."""
+    B, S = routes_BSLK.shape[:2]
+    valid = torch.arange(S).expand(B, S) < lengths_B.unsqueeze(1)
+    missing = (routes_BSLK < 0).flatten(2).any(-1) & valid
+    if bool(missing.any()):
+        b, s = (int(x) for x in missing.nonzero()[0])
+        raise MissingRoutes(f"sample {b} position {s} has no recorded route")
+
+
 def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
                   sequence_parallel: bool, topk: int) -> torch.Tensor:
     """[B, S, K] routes of one layer -> the [tokens, K] int64 array this rank's router sees."""
@@ -66,11 +76,8 @@ def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: in
     if K != topk:
         raise MissingRoutes(f"routes carry top-{K} experts, the model routes top-{topk}")
     r = routes_BSK.long()
+    check_complete(r.unsqueeze(2), lengths_B)
     pad = torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1)
-    missing = (r < 0).any(-1) & ~pad
-    if bool(missing.any()):
-        b, s = (int(x) for x in missing.nonzero()[0])
-        raise MissingRoutes(f"sample {b} position {s} has no recorded route")
     r = torch.where(pad.unsqueeze(-1), torch.arange(K).expand(B, S, K), r)
     r = r.transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
     if sequence_parallel and tp_size > 1:

@@ -193,6 +193,8 @@ class TrainWorker:
         ps, pk = self.ps, self._packing(mb)
         ids, lengths, routes = mb.input_ids_BS, mb.lengths_B, mb.routes_BSLK
         if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
+            if routes is not None:
+                replay.check_complete(routes, lengths)  # errors name the sample, not the packed position
             ids, lengths = pk.pack(ids), torch.tensor([pk.real])
             routes = None if routes is None else pk.pack(routes, fill=-1)
         if self._recording is not None:

@@ -85,11 +85,12 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
     assert results[0]["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-4)
 
 
-def test_replay_under_activation_recompute(reference, tiny_qwen):
+@pytest.mark.parametrize("pack", [False, True])
+def test_replay_under_activation_recompute(reference, tiny_qwen, pack):
     from train_jobs import recompute_job
 
     routes, ref = reference
-    res = run_ranks(recompute_job, 1, (str(tiny_qwen), routes))[0]
+    res = run_ranks(recompute_job, 1, (str(tiny_qwen), routes, pack))[0]
     valid, _ = _valid()
     assert res["step"]["loss"] == pytest.approx(ref["step"]["loss"], abs=1e-6)
     assert res["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-5)

@@ -113,7 +113,7 @@ def critic_job(rank, world, hf_path, layout):
             "embedding_at_start": emb0}
 
 
-def recompute_job(rank, world, hf_path, routes):
+def recompute_job(rank, world, hf_path, routes, pack=False):
     """Full activation recompute with router replay: the replayed routes must be used again when the
     layers are recomputed in backward. Also: a valid token without a route is refused."""
     from moe_rl.train import model as M
