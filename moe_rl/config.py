@@ -113,9 +113,6 @@ class ParallelSection:
     def check(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "world_size"):
             _positive(f"parallel.{name}", getattr(self, name))
-        if self.cp > 1:
-            raise ConfigError("parallel.cp", f"{self.cp}: context parallelism is not wired into the trainer yet "
-                              "(sequences are not split over CP ranks); use 1")
         model_par = self.tp * self.pp * self.cp
         if self.world_size % model_par:
             raise ConfigError("parallel.world_size",
@@ -254,7 +251,8 @@ class TrainerSection:
     minibatches: int = 1
     micro_batch_tokens: int = 2048
     # THD packing: each microbatch's sequences end to end in one row (no compute on padding); not with
-    # model.moe_dispatcher=allgather under expert parallelism, which needs equal-shaped microbatches
+    # model.moe_dispatcher=allgather under expert parallelism, which needs equal-shaped microbatches,
+    # nor with context parallelism (rows are split into CP chunks instead)
     pack_sequences: bool = True
     # supervised warm start on the environment's scripted-expert episodes before RL (0: none)
     warm_start_steps: int = 0

@@ -64,7 +64,6 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["parallel.pp=2", "parallel.world_size=2", "model.tiny.num_layers=3"], "parallel.pp"),
     (["parallel.tp=2", "parallel.world_size=3"], "parallel.world_size"),
     (["parallel.tp=2", "parallel.world_size=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel"),
-    (["parallel.cp=2", "parallel.world_size=2"], "parallel.cp"),  # the trainer does not split sequences over CP
     (["model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=delayed", "model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=mxfp8"], "model.fp8"),

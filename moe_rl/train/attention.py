@@ -6,7 +6,8 @@ hundred. This module computes the same attention (causal, 1/sqrt(head_dim) scali
 heads) with `torch.nn.functional.scaled_dot_product_attention`, and plugs into the spec where
 DotProductAttention sits (same constructor and forward signature, tensors [s, b, heads, head_dim]).
 Packed sequences (THD, `PackedSeqParams`): tensors [t, heads, head_dim], attention within each
-sequence of cu_seqlens.
+sequence of cu_seqlens. Context parallelism: keys and values gathered from the CP ranks, causal mask
+on global positions (moe_rl.train.context).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class SdpaAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("SdpaAttention does not implement context parallelism; use the Transformer Engine spec")
+        self.cp = config.context_parallel_size
+        if self.cp > 1 and attn_mask_type != AttnMaskType.causal:
+            raise ValueError("SdpaAttention's context parallelism is causal only")
         self.causal = attn_mask_type == AttnMaskType.causal
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
@@ -35,6 +37,8 @@ class SdpaAttention(MegatronModule):
             raise NotImplementedError("SdpaAttention: attention bias needs the Transformer Engine spec")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp > 1:
+            return self._context_parallel(query, key, value)
         sq, b, heads, hn = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         if k.shape[1] != heads:
@@ -46,6 +50,27 @@ class SdpaAttention(MegatronModule):
             mask = mask & torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _context_parallel(self, query, key, value):
+        """This CP rank's queries (its two chunks, moe_rl.train.context) against every rank's keys and
+        values, gathered; the causal mask compares global positions."""
+        from megatron.core import parallel_state as ps
+
+        from moe_rl.train.context import gather_sequence, local_positions
+
+        group = ps.get_context_parallel_group()
+        key, value = gather_sequence(key, 0, group), gather_sequence(value, 0, group)
+        sq, b, heads, hn = query.shape
+        S = key.shape[0]
+        q_pos = local_positions(S, self.cp, ps.get_context_parallel_rank())
+        allowed = torch.arange(S).unsqueeze(0) <= q_pos.unsqueeze(1)  # [sq, S]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if k.shape[1] != heads:
+            rep = heads // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
     def _packed(self, query, key, value, params):

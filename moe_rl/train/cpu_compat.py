@@ -168,13 +168,16 @@ def _cuda_streams() -> None:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Rewrites device='cuda' (or cuda:N) in tensor factory calls to cpu."""
+    """Rewrites device='cuda' (or cuda:N) in tensor factory calls to cpu, and drops pin_memory=True
+    (no pinned allocator without an accelerator; rotary embeddings under context parallelism ask)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         dev = kwargs.get("device")
         if dev is not None and "cuda" in str(dev):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
 
 

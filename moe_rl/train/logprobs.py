@@ -24,14 +24,24 @@ def vocab_parallel_logprobs(
     logits_BSV: [B, S, V/tp] this rank's vocabulary slice (rank r holds ids [r*V/tp, (r+1)*V/tp)).
     tokens_BS:  [B, S] token ids (global vocabulary).
     """
+    logp, ent = target_logprobs(logits_BSV[:, :-1], tokens_BS[:, 1:], tp_group, tp_rank, tp_size, with_entropy)
+    pad = torch.zeros(logp.shape[0], 1, dtype=logp.dtype, device=logp.device)
+    return torch.cat([pad, logp], 1), (torch.cat([pad, ent], 1) if ent is not None else None)
+
+
+def target_logprobs(
+    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(z_t)[y_t] and the entropy of softmax(z_t) at every position t, [B, S] each, without
+    a shift: logits at t score targets at t (callers align them, e.g. y_t = x_{t+1})."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     def all_sum(x):
         return reduce_from_tensor_model_parallel_region(x) if tp_size > 1 else x
 
-    B, S, Vp = logits_BSV.shape
-    z = logits_BSV[:, :-1].float()  # predicts tokens 1..S-1
-    target = tokens_BS[:, 1:]
+    Vp = logits_BSV.shape[-1]
+    z = logits_BSV.float()
     m = z.detach().amax(-1)
     if tp_size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
@@ -39,7 +49,7 @@ def vocab_parallel_logprobs(
     e = z.exp()
     s = all_sum(e.sum(-1))
     start = tp_rank * Vp
-    local = target - start
+    local = targets_BS - start
     inside = (local >= 0) & (local < Vp)
     z_t = z.gather(-1, local.clamp(0, Vp - 1).unsqueeze(-1)).squeeze(-1) * inside
     z_t = all_sum(z_t)
@@ -49,5 +59,4 @@ def vocab_parallel_logprobs(
     if with_entropy:
         pz = all_sum((e * z).sum(-1)) / s
         ent = log_s - pz
-    pad = torch.zeros(B, 1, dtype=logp.dtype, device=logp.device)
-    return torch.cat([pad, logp], 1), (torch.cat([pad, ent], 1) if ent is not None else None)
+    return logp, ent

@@ -60,6 +60,7 @@ def make_bridge(spec: ModelSpec):
         pipeline_dtype=spec.torch_dtype,
         bf16=spec.torch_dtype is torch.bfloat16,
         sequence_parallel=sp,
+        context_parallel_size=ps.get_context_parallel_world_size(),
         moe_token_dispatcher_type=spec.moe_dispatcher,
         moe_enable_routing_replay=spec.routing_replay,
         moe_router_load_balancing_type="none",

@@ -69,6 +69,14 @@ def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> None:
         raise MissingRoutes(f"sample {b} position {s} has no recorded route")
 
 
+def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """Routes with every padding position (>= the row's length) set to experts 0..K-1 (any valid
+    choice: padding never reaches a loss)."""
+    B, S, _, K = routes_BSLK.shape
+    pad = (torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1))[:, :, None, None]
+    return torch.where(pad, torch.arange(K).expand_as(routes_BSLK), routes_BSLK.long())
+
+
 def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
                   sequence_parallel: bool, topk: int) -> torch.Tensor:
     """[B, S, K] routes of one layer -> the [tokens, K] int64 array this rank's router sees."""
@@ -77,8 +85,7 @@ def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: in
         raise MissingRoutes(f"routes carry top-{K} experts, the model routes top-{topk}")
     r = routes_BSK.long()
     check_complete(r.unsqueeze(2), lengths_B)
-    pad = torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1)
-    r = torch.where(pad.unsqueeze(-1), torch.arange(K).expand(B, S, K), r)
+    r = fill_padding(r.unsqueeze(2), lengths_B).squeeze(2)
     r = r.transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
     if sequence_parallel and tp_size > 1:
         if S % tp_size:

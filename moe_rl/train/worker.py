@@ -13,7 +13,9 @@ Loss scaling. megatron divides each microbatch loss by the number of microbatche
 gradients over data-parallel ranks. Our losses use explicit global denominators (algos/aggregate.py):
 the loss of a microbatch is numerator / global_denominator, and the gradient must be the plain sum
 over microbatches and ranks. So the worker multiplies by (microbatches x dp) before handing the loss
-to megatron, which divides it out again: one explicit factor instead of a hidden mean.
+to megatron, which divides it out again: one explicit factor instead of a hidden mean. Under context
+parallelism every CP rank computes the whole loss from gathered outputs (train/context.py), and the
+factor also divides out the cp megatron multiplies in.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch.distributed as dist
 
 from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
-from moe_rl.train.logprobs import vocab_parallel_logprobs
+from moe_rl.train.context import gather_sequence, local_positions
+from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
 from moe_rl.train.packing import Packing
 
 
@@ -170,6 +173,7 @@ class TrainWorker:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
         self.ps = ps
+        self.cp = ps.get_context_parallel_world_size()
         self.steps = 0
         self._recording: list[torch.Tensor] | None = None
 
@@ -184,7 +188,7 @@ class TrainWorker:
         return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
 
     def _packing(self, mb: TokenBatch) -> Packing | None:
-        if not self.optim_settings.pack_sequences or self._uniform_microbatches():
+        if not self.optim_settings.pack_sequences or self._uniform_microbatches() or self.cp > 1:
             return None
         multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         return Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
@@ -192,39 +196,53 @@ class TrainWorker:
     def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
         ps, pk = self.ps, self._packing(mb)
         ids, lengths, routes = mb.input_ids_BS, mb.lengths_B, mb.routes_BSLK
+        if routes is not None and (pk is not None or self.cp > 1):
+            replay.check_complete(routes, lengths)  # errors name the sample and position, not the shard's
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
         if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
-            if routes is not None:
-                replay.check_complete(routes, lengths)  # errors name the sample, not the packed position
-            ids, lengths = pk.pack(ids), torch.tensor([pk.real])
+            ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real]), pk.positions()
             routes = None if routes is None else pk.pack(routes, fill=-1)
+        elif self.cp > 1:  # this CP rank's two chunks of every row; outputs are gathered in _outputs
+            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank())
+            routes = None if routes is None else replay.fill_padding(routes, lengths)[:, idx]
+            ids, pos, lengths = ids[:, idx], pos[:, idx], torch.full_like(lengths, len(idx))
         if self._recording is not None:
             replay.record(self.replay_instances)
         elif self.spec.routing_replay:
             replay.set_targets(self.replay_instances, routes, lengths,
                                ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                                self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk)
-        if pk is None:
-            out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
-        else:
-            out = model(ids, pk.positions(), None, packed_seq_params=pk.seq_params())
+        out = model(ids, pos, None, **({} if pk is None else {"packed_seq_params": pk.seq_params()}))
         if self._recording is not None:
             rec = replay.recorded_routes(
                 self.replay_instances, ids.shape[0], ids.shape[1], ps.get_tensor_model_parallel_rank(),
                 ps.get_tensor_model_parallel_world_size(), self.config.sequence_parallel,
                 ps.get_tensor_model_parallel_group())
-            self._recording.append(rec if pk is None else pk.unpack(rec))
+            if pk is not None:
+                rec = pk.unpack(rec)
+            elif self.cp > 1:
+                rec = gather_sequence(rec, 1, ps.get_context_parallel_group())
+            self._recording.append(rec)
         return out
 
     def _outputs(self, mb: TokenBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token model outputs [b, s] for microbatch `mb` from the last stage's output."""
-        pk = self._packing(mb)
+        ps, pk = self.ps, self._packing(mb)
+        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         if self.role == "critic":
             values = output.squeeze(-1).float()
+            if self.cp > 1:
+                values = gather_sequence(values, 1, ps.get_context_parallel_group())
             return {"values": values if pk is None else pk.unpack(values)}
+        if self.cp > 1:  # local logits score the next token of each local position; gather, then align
+            ids = mb.input_ids_BS
+            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank())
+            next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+            logp, ent = target_logprobs(output, next_ids[:, idx], *tp)
+            logp, ent = (gather_sequence(x, 1, ps.get_context_parallel_group()) for x in (logp, ent))
+            return {"logp": torch.nn.functional.pad(logp[:, :-1], (1, 0)), "entropy": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
         ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
-        logp, ent = vocab_parallel_logprobs(
-            output, ids, self.ps.get_tensor_model_parallel_group(),
-            self.ps.get_tensor_model_parallel_rank(), self.ps.get_tensor_model_parallel_world_size())
+        logp, ent = vocab_parallel_logprobs(output, ids, *tp)
         if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
             logp, ent = (pk.unpack(x) for x in (logp, ent))
             first = torch.zeros_like(logp)
@@ -254,6 +272,8 @@ class TrainWorker:
 
     def _microbatches(self, batch: TokenBatch) -> list[TokenBatch]:
         multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        if self.cp > 1:
+            multiple *= 2 * self.cp  # two chunks per CP rank, each a multiple of tp
         if self._uniform_microbatches():
             # give every data-parallel rank the same microbatch count and shape (unpacked)
             shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long)
@@ -348,7 +368,9 @@ class TrainWorker:
         """
         self.module.train()
         mbs = self._microbatches(batch)
-        scale = len(mbs) * self.ps.get_data_parallel_world_size()
+        # megatron divides by the microbatch count and averages over DP; under CP it also multiplies by
+        # cp (it expects CP-local losses) while our CP ranks each compute the whole loss: cancel that too
+        scale = len(mbs) * self.ps.get_data_parallel_world_size() / self.cp
         metrics_acc: dict[str, list[torch.Tensor]] = {}
 
         def loss_func(mb, output_tensor):

@@ -51,6 +51,7 @@ def shim_checks(rank, world):
     # cuda_device
     out["current_device"] = torch.cuda.current_device()
     out["cuda_literal_device"] = str(torch.zeros(2, device="cuda").device)
+    out["pinned_on_cpu"] = torch.tensor([1, 2], device="cpu", pin_memory=True).tolist()  # rotary emb under CP
 
     # te_names
     from megatron.core.transformer.moe import moe_utils
@@ -97,6 +98,7 @@ def test_every_shim_in_a_fresh_process():
     assert out["default_untouched"] and out["fork_reproducible"] and out["duplicate_refused"]
     assert out["streams_ok"]
     assert out["current_device"] == "cpu" and out["cuda_literal_device"] == "cpu"
+    assert out["pinned_on_cpu"] == [1, 2]
     assert out["te_general_gemm"] is None
     assert out["sp_norm_tagged"] and out["sp_norm_names"] == ["weight"] and out["sp_norm_err"] < 1e-6
     assert out["param_type"] == "torch.cuda.FloatTensor" and out["explicit_type"] == "torch.float64"

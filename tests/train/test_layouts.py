@@ -66,6 +66,8 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     ({"pp": 2}, "alltoall", True),
     ({"ep": 2}, "alltoall", True),
     ({"ep": 2}, "allgather", True),  # needs equal-shaped microbatches: stays padded
+    # context parallelism: each rank holds two chunks of every row, keys/values gathered in attention
+    ({"cp": 2}, "alltoall", False),
 ])
 def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pack):
     routes, ref = reference

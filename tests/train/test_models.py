@@ -61,9 +61,10 @@ def test_critic_value_head(tiny_qwen):
     assert torch.equal(res["embedding_at_start"], HFReader(tiny_qwen).get("model.embed_tokens.weight"))
 
 
-def test_critic_tp2_matches_single_rank(tiny_qwen):
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"cp": 2}])
+def test_critic_two_ranks_match_single_rank(tiny_qwen, layout):
     one = run_ranks(critic_job, 1, (str(tiny_qwen), {}))[0]
-    two = run_ranks(critic_job, 2, (str(tiny_qwen), {"tp": 2}))
+    two = run_ranks(critic_job, 2, (str(tiny_qwen), layout))
     _, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
     for r in two:
