@@ -13,7 +13,6 @@ same node reads the files, an engine on another node receives the bytes through 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import socket
@@ -270,15 +269,13 @@ class RolloutActor:
 
     async def update_weights(self, buckets: list, version: int) -> int:
         """Load weight buckets: paths on this node (files stay for the other engines; the trainers
-        remove them), or refs to bucket bytes from trainers on other nodes."""
+        remove them), or refs to bucket bytes from trainers on other nodes. The bytes are fetched
+        first; the update itself is one engine call between two engine steps (in-flight conversations
+        pause, never see half-updated weights, and resume with the new version)."""
         from moe_rl.weights.sync import read_bucket
 
-        n = 0
-        for b in buckets:
-            source = await b if isinstance(b, ray.ObjectRef) else b
-            n += self.engine.update_weights(read_bucket(source, delete=False), version)
-            await asyncio.sleep(0)
-        return n
+        sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
+        return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
 
     def info(self) -> dict:
         return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,

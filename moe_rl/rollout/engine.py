@@ -90,11 +90,18 @@ def _refresh_cpu_moe(worker, layers: set[str]) -> int:
     return count
 
 
-def _worker_reload(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    layers: set[str] = set()
+
+    def noting_layers():
+        for name, tensor in weights:
+            layers.add(layer_of(name))
+            yield name, tensor
+
+    worker.model_runner.reload_weights(weights_iterator=noting_layers())
     if torch.cuda.is_available():
         return 0
-    return _refresh_cpu_moe(worker, {layer_of(n) for n, _ in weights} - {""})
+    return _refresh_cpu_moe(worker, layers - {""})
 
 
 class RolloutEngine:
@@ -197,14 +204,23 @@ class RolloutEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named tensors in place and set the weight version. Returns tensors loaded.
 
-        Each call must carry whole transformer layers (weights.sync.buckets never splits one): vLLM
-        finalises a layer's kernels within the call that loads it."""
-        weights = [(n, t.detach().to(torch.float32 if self.settings.dtype == "float32" else torch.bfloat16).contiguous())
-                   for n, t in named_tensors]
-        if weights:
-            self.llm.collective_rpc(_worker_reload, args=(weights,))
+        One call per sync: vLLM's in-place reload prepares every layer once per call, so the whole
+        model goes in one call, streamed (`named_tensors` may be a generator reading bucket after
+        bucket), and no generation step sees half-updated weights. A call must carry whole transformer
+        layers (weights.sync.buckets never splits one): vLLM finalises a layer within its call."""
+        dtype = torch.float32 if self.settings.dtype == "float32" else torch.bfloat16
+        count = 0
+
+        def cast():
+            nonlocal count
+            for name, tensor in named_tensors:
+                count += 1
+                yield name, tensor.detach().to(dtype).contiguous()
+
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is passed as is
+        self.llm.collective_rpc(_worker_reload, args=(cast(),))
         self.version = version
-        return len(weights)
+        return count
 
     def shutdown(self) -> None:
         try:

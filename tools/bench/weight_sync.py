@@ -1,8 +1,9 @@
 """Benchmark: trainer -> engine weight sync throughput vs a plain memory copy of the same bytes.
 
 The HF-named tensors of a small MoE are synced into a running vLLM engine in layer-aligned buckets
-(in-process path, and through safetensors files in shared memory as a separate process would), and
-the same bytes are copied once with torch into preallocated buffers, in this one run.
+streamed into one engine update (in-process path, and through safetensors files in shared memory as
+the Ray engine actor reads them), and the same bytes are copied once with torch into preallocated
+buffers, in this one run.
 
   sync_vs_memcpy       memcpy time / in-process sync time (target >= 0.5)
   shm_sync_vs_memcpy   memcpy time / shared-memory sync time
@@ -50,16 +51,14 @@ def main() -> None:
         for d, (_, t) in zip(dst, named):
             d.copy_(t)
 
-    def sync_inproc(version):
-        for b in buckets(named, args.bucket_mb):
-            engine.update_weights(b, version)
+    def sync_inproc(version):  # what a colocated trainer hands the engine: the buckets, streamed, one call
+        engine.update_weights((t for b in buckets(named, args.bucket_mb) for t in b), version)
 
     shm = shm_dir() / f"moe_rl_bench_{os.getpid()}"
 
-    def sync_shm(version):
-        for i, b in enumerate(buckets(named, args.bucket_mb)):
-            p = write_bucket(b, shm, i)
-            engine.update_weights(read_bucket(p), version)
+    def sync_shm(version):  # what the Ray engine actor does: trainers write bucket files, it streams them
+        paths = [write_bucket(b, shm, i) for i, b in enumerate(buckets(named, args.bucket_mb))]
+        engine.update_weights((t for p in paths for t in read_bucket(p)), version)
 
     t_mem, t_in, t_shm = [], [], []
     sync_inproc(0)
