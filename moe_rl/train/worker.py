@@ -174,6 +174,7 @@ class TrainWorker:
         self.config.no_sync_func = self.model.no_sync
         self.ps = ps
         self.cp = ps.get_context_parallel_world_size()
+        self._packings: dict[int, Packing] = {}
         self.steps = 0
         self._recording: list[torch.Tensor] | None = None
 
@@ -188,10 +189,13 @@ class TrainWorker:
         return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
 
     def _packing(self, mb: TokenBatch) -> Packing | None:
+        """The microbatch's packing, computed once (forward and loss both need it; it reads lengths)."""
         if not self.optim_settings.pack_sequences or self._uniform_microbatches() or self.cp > 1:
             return None
-        multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-        return Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
+        if id(mb) not in self._packings:
+            multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+            self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
+        return self._packings[id(mb)]
 
     def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
         ps, pk = self.ps, self._packing(mb)
@@ -244,16 +248,14 @@ class TrainWorker:
         ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
         logp, ent = vocab_parallel_logprobs(output, ids, *tp)
         if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
-            logp, ent = (pk.unpack(x) for x in (logp, ent))
-            first = torch.zeros_like(logp)
-            first[:, 0] = 1
-            logp, ent = logp * (1 - first), ent * (1 - first)
+            logp, ent = (torch.nn.functional.pad(pk.unpack(x)[:, 1:], (1, 0)) for x in (logp, ent))
         return {"logp": logp, "entropy": ent}
 
     def _run(self, microbatches: list[TokenBatch], forward_only: bool, loss_func=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         fb = get_forward_backward_func()
+        self._packings = {}  # per call: keyed by the microbatches of this call, alive until it returns
 
         def step(data_iterator, model):
             mb = next(data_iterator)
