@@ -136,6 +136,9 @@ class RolloutSection:
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     record_routes: bool = True
+    # where routes come from: vLLM's own routed-experts output (GPU builds), our router capture hook
+    # (CPU), or auto (vllm with CUDA, capture without)
+    route_source: Literal["auto", "vllm", "capture"] = "auto"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
     async_mode: bool = False
     max_staleness: int = 1
@@ -387,6 +390,9 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
             raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+        if cfg.rollout.route_source == "vllm":
+            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
+                              "CUDA; use 'capture' or 'auto' on CPU")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm

@@ -92,7 +92,8 @@ class Trainer:
                               top_p=cfg.rollout.top_p)
         self.engines = [cluster.RolloutActor.options(**place.options("engine", i)).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
-                           record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb),
+                           record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb,
+                           route_source=cfg.rollout.route_source),
             agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s}) for i in range(cfg.rollout.num_engines)]
         self.rollout = self.engines[0]  # evaluation and settings
         infos = ray.get([e.info.remote() for e in self.engines])

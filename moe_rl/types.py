@@ -24,6 +24,35 @@ class RoutingRecord:
     experts_PLK: np.ndarray  # [P, L, K] uint8/uint16 global expert ids
     computed_P: np.ndarray  # [P] bool: position was run through the model
 
+    @classmethod
+    def from_rows(cls, rows_NLK: np.ndarray, start: int, dtype) -> RoutingRecord:
+        """A record of positions [start, start + N) from rows computed there (vLLM's returned routes
+        with `routed_experts_prompt_start=start`); positions before `start` are not computed."""
+        N, L, K = rows_NLK.shape
+        experts = np.zeros((start + N, L, K), dtype=dtype)
+        experts[start:] = rows_NLK
+        computed = np.zeros(start + N, dtype=bool)
+        computed[start:] = True
+        return cls(experts, computed)
+
+    def extended(self, later: RoutingRecord) -> RoutingRecord:
+        """This record plus the positions only `later` computed (the next turn of the same
+        conversation): a position keeps the route of the forward pass that first computed it, the
+        one its key/value cache came from."""
+        P = max(len(self.computed_P), len(later.computed_P))
+        experts = np.zeros((P, *self.experts_PLK.shape[1:]), dtype=self.experts_PLK.dtype)
+        computed = np.zeros(P, dtype=bool)
+        for rec in (later, self):  # self last: earlier computations win
+            n = len(rec.computed_P)
+            experts[:n][rec.computed_P] = rec.experts_PLK[rec.computed_P]
+            computed[:n] |= rec.computed_P
+        return RoutingRecord(experts, computed)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions up to and including the last computed one."""
+        return int(np.nonzero(self.computed_P)[0][-1]) + 1 if self.computed_P.any() else 0
+
     @property
     def bytes_per_token(self) -> float:
         return self.experts_PLK.nbytes / max(1, self.experts_PLK.shape[0])

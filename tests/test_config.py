@@ -67,6 +67,7 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=delayed", "model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=mxfp8"], "model.fp8"),
+    (["rollout.route_source=vllm"], "rollout.route_source"),
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
     (["algorithm.advantage=grpo", "algorithm.lam_critic=0.9", "rollout.samples_per_prompt=4"], "algorithm.lam_critic"),
     (["critic.enabled=false"], "critic.enabled"),
@@ -77,8 +78,9 @@ def test_incompatible_combinations(overrides, field):
 
 
 def test_gpu_features_pass_where_cuda_exists():
-    cfg = from_dict({}, ["model.layer_spec=transformer_engine", "model.fp8=blockwise"], cuda_available=True)
-    assert cfg.model.fp8 == "blockwise"
+    cfg = from_dict({}, ["model.layer_spec=transformer_engine", "model.fp8=blockwise", "rollout.route_source=vllm"],
+                    cuda_available=True)
+    assert cfg.model.fp8 == "blockwise" and cfg.rollout.route_source == "vllm"
 
 
 def test_bad_override_syntax_and_files(tmp_path):

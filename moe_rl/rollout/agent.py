@@ -94,10 +94,11 @@ class Agent:
                 break
             sampling = Sampling(max_tokens=min(s.max_tokens_per_turn, budget_left, context_left - 1),
                                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=(self.eos,),
-                                seed=None if seed is None else seed * 1000 + turn)
+                                seed=None if seed is None else seed * 1000 + turn,
+                                routes_from=0 if routes is None else routes.num_positions)
             res = await self.engine.agenerate(ids, sampling)
             version = res.weight_version if version is None else version
-            routes = res.routes
+            routes = res.routes if routes is None or res.routes is None else routes.extended(res.routes)
             start = len(ids)
             ids.extend(res.token_ids)
             mask.extend([True] * len(res.token_ids))

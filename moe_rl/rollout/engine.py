@@ -7,7 +7,11 @@
 
 Each result carries the sampled token ids, the behaviour log-prob of every sampled token, the finish
 reason, the weight version the request started with, and (R3) the routing record of every position
-the engine computed. Model output is never re-tokenised.
+the engine computed from `Sampling.routes_from` on (a conversation's next turn asks only for the
+positions its earlier turns did not cover). Model output is never re-tokenised.
+
+Routes come from vLLM itself on GPU builds (`enable_return_routed_experts`, which needs Model Runner
+V2) and from our capture hook on the MoE routers elsewhere (`route_source`: auto | vllm | capture).
 
 The engine runs in-process (vLLM's V1 engine core without its own process); a Ray actor wraps it to
 put it in another process. Weight updates go through the worker's in-place `reload_weights`; on the
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.rollout.routing import RouteCapture, RoutingRecord
+from moe_rl.rollout.routing import RouteCapture, RoutingRecord, route_dtype
 from moe_rl.weights.sync import layer_of
 
 
@@ -40,6 +44,23 @@ class EngineSettings:
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 128
+    route_source: str = "auto"  # auto: vLLM's own routed-experts output with CUDA, the capture hook without
+
+
+ROUTE_SOURCES = ("auto", "vllm", "capture")
+
+
+def resolve_route_source(source: str, cuda_available: bool) -> str:
+    """auto -> vllm with CUDA, capture without; vllm without CUDA is an error (vLLM returns routed
+    experts only from Model Runner V2, which needs a GPU build)."""
+    if source not in ROUTE_SOURCES:
+        raise ValueError(f"route_source must be one of {ROUTE_SOURCES}, not {source!r}")
+    if source == "auto":
+        return "vllm" if cuda_available else "capture"
+    if source == "vllm" and not cuda_available:
+        raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and CUDA; "
+                         "use 'capture' or 'auto' on CPU")
+    return source
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,7 @@ class Sampling:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    routes_from: int = 0  # first position whose route to return (earlier turns recorded the rest)
 
 
 @dataclass
@@ -68,9 +90,9 @@ def _worker_install_capture(worker, num_experts: int) -> int:
     return runner._moe_rl_capture.num_layers
 
 
-def _worker_pop_routes(worker, request_ids: list[str]) -> dict:
+def _worker_pop_routes(worker, requests: list[tuple[str, int]]) -> dict:
     cap = worker.model_runner._moe_rl_capture
-    return {rid: cap.pop(rid) for rid in request_ids}
+    return {rid: cap.pop(rid, start) for rid, start in requests}
 
 
 def _refresh_cpu_moe(worker, layers: set[str]) -> int:
@@ -104,6 +126,13 @@ def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     return _refresh_cpu_moe(worker, layers - {""})
 
 
+def _count_moe_layers(hf) -> int:
+    """MoE layers of a HF MoE config (Qwen-style `decoder_sparse_step`/`mlp_only_layers`; Mixtral: all)."""
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    return sum(1 for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -124,12 +153,18 @@ class RolloutEngine:
                       max_num_batched_tokens=max(8192, settings.max_model_len * settings.max_num_seqs))
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self.route_source = resolve_route_source(settings.route_source, torch.cuda.is_available()) \
+            if settings.record_routes else None
+        if self.route_source == "vllm":
+            kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.version = 0
         self.num_moe_layers = 0
-        if settings.record_routes:
+        if self.route_source == "capture":
             self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
+        elif self.route_source == "vllm":
+            self.num_moe_layers = _count_moe_layers(hf)
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int]] = {}
@@ -140,8 +175,9 @@ class RolloutEngine:
     def _params(self, s: Sampling):
         from vllm import SamplingParams
 
+        extra = {"routed_experts_prompt_start": s.routes_from} if self.route_source == "vllm" else {}
         return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
-                              stop_token_ids=list(s.stop_token_ids), seed=s.seed, detokenize=False)
+                              stop_token_ids=list(s.stop_token_ids), seed=s.seed, detokenize=False, **extra)
 
     def _add(self, prompt_ids: list[int], sampling: Sampling) -> str:
         if len(prompt_ids) + sampling.max_tokens > self.settings.max_model_len:
@@ -149,17 +185,19 @@ class RolloutEngine:
                              f"{self.settings.max_model_len}")
         rid = f"r{next(self._ids)}"
         self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
-        self._meta[rid] = (list(prompt_ids), self.version)
+        self._meta[rid] = (list(prompt_ids), self.version, sampling.routes_from)
         return rid
 
     def _result(self, out) -> GenerationResult:
-        prompt, version = self._meta.pop(out.request_id)
+        prompt, version, routes_from = self._meta.pop(out.request_id)
         comp = out.outputs[0]
         token_ids = list(comp.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids)]
         routes = None
-        if self.num_moe_layers:
-            routes = self.llm.collective_rpc(_worker_pop_routes, args=([out.request_id],))[0][out.request_id]
+        if self.route_source == "capture":
+            routes = self.llm.collective_rpc(_worker_pop_routes, args=([(out.request_id, routes_from)],))[0][out.request_id]
+        elif self.route_source == "vllm" and comp.routed_experts is not None:
+            routes = RoutingRecord.from_rows(comp.routed_experts, routes_from, route_dtype(self.num_experts))
         return GenerationResult(out.request_id, prompt, token_ids, logprobs, comp.finish_reason or "abort",
                                 version, routes)
 

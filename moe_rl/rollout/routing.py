@@ -84,12 +84,14 @@ class RouteCapture:
             rec["experts"][p] = stacked[lo:hi].astype(self.dtype)
             rec["computed"][p] = True
 
-    def pop(self, request_id: str) -> RoutingRecord | None:
+    def pop(self, request_id: str, start: int = 0) -> RoutingRecord | None:
+        """The request's record from position `start` on (earlier positions: not computed)."""
         # the engine core may suffix request ids ("r3" -> "r3-1f2e..."): match either form
         key = request_id if request_id in self.records else next(
             (k for k in self.records if k.startswith(request_id + "-")), None)
         rec = self.records.pop(key, None) if key is not None else None
         if rec is None:
             return None
+        rec["computed"][:start] = False
         last = int(np.nonzero(rec["computed"])[0][-1]) + 1 if rec["computed"].any() else 0
         return RoutingRecord(rec["experts"][:last].copy(), rec["computed"][:last].copy())

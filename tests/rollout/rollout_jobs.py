@@ -20,10 +20,16 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     for p in paths:  # one bucket at a time, as a separate-process sync delivers them
         n += engine.update_weights(read_bucket(os.path.join(bucket_dir, p), delete=False), version=1)
     after = engine.generate(PROMPTS, s)
+    # a conversation's next turn asks only for the positions the first did not cover (routes_from)
+    turn2_prompt = PROMPTS[0] + after[0].token_ids + [198, 50, 51]
+    start = after[0].routes.num_positions
+    turn2 = engine.generate([turn2_prompt], Sampling(max_tokens=4, seed=8, routes_from=start))[0]
+    whole = engine.generate([turn2_prompt], Sampling(max_tokens=4, seed=8))[0]
     reader = HFReader(model_path)
     engine.update_weights([(k, reader.get(k)) for k in sorted(reader.names())], version=2)
     restored = engine.generate(PROMPTS, s)
     return {"before": before, "after": after, "restored": restored, "synced_tensors": n, "buckets": len(paths),
+            "turn2": turn2, "turn2_start": start, "whole": whole,
             "layers": engine.num_moe_layers}
 
 

@@ -5,6 +5,7 @@ by hand); the end-to-end test with the real vLLM engine is in test_agent_vllm.py
 import asyncio
 import json
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -12,7 +13,7 @@ from moe_rl.rollout.agent import Agent, AgentSettings
 from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
 from moe_rl.rollout.envs import Environment, env_names, get_env
-from moe_rl.types import Outcome, validate_trajectory
+from moe_rl.types import Outcome, RoutingRecord, validate_trajectory
 
 
 class ScriptedPolicy:
@@ -200,3 +201,30 @@ def test_env_registry_and_datasets(tmp_path):
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(DatasetError, match="unsupported dataset format"):
         load_prompts(tmp_path / "x.csv")
+
+
+class RoutedPolicy(ScriptedPolicy):
+    """The scripted policy returning a routing record from `sampling.routes_from` on, like the engine:
+    position p of call c routes to experts (c, p % 7) in each of 2 layers (worked by hand below)."""
+
+    async def agenerate(self, ids, sampling):
+        res = await super().agenerate(ids, sampling)
+        self.starts = getattr(self, "starts", []) + [sampling.routes_from]
+        c = len(self.calls) - 1
+        end = len(ids) + len(res.token_ids) - 1  # the last sampled token is never computed
+        rows = np.array([[[c, p % 7]] * 2 for p in range(sampling.routes_from, end)], dtype=np.uint8)
+        res.routes = RoutingRecord.from_rows(rows.reshape(-1, 2, 2), sampling.routes_from, np.uint8)
+        return res
+
+
+def test_routes_across_turns_come_from_the_turn_that_computed_them(tok):
+    policy = RoutedPolicy(tok, ["5", "7", "6"])
+    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=4, token_budget=200))
+    t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
+    ends = [len(c) + 1 for c in policy.calls]  # computed positions per call: prompt + first sampled token
+    assert policy.starts == [0] + ends[:-1]  # each turn asks from where the record ended
+    routes, tail = t.routes.to_replay(len(t.token_ids), top_k=2)
+    assert tail == 1 and validate_trajectory(t) == []
+    for p in range(len(t.token_ids) - 1):
+        c = next(i for i, e in enumerate(ends) if p < e)  # the first call that computed position p
+        assert routes[p].tolist() == [[c, p % 7]] * 2

@@ -66,3 +66,16 @@ def test_vllm_logprobs_match_megatron_with_replayed_routes(synced):
     # (reported as a metric by the loop; bf16 would show the mismatch R3 exists for)
     print(f"free-routing agreement with vLLM: {agree / total:.4f}, replayed logp max err {max_err:.2e}")
     assert agree / total > 0.95
+
+
+def test_next_turn_returns_routes_from_where_the_record_ends(synced):
+    _, _, gen = synced
+    first, turn2, whole, start = gen["after"][0], gen["turn2"], gen["whole"], gen["turn2_start"]
+    assert start == len(first.prompt_ids) + len(first.token_ids) - 1  # the first turn's last sampled token
+    n2 = len(turn2.prompt_ids) + len(turn2.token_ids) - 1
+    assert not turn2.routes.computed_P[:start].any() and turn2.routes.computed_P[start:n2].all()
+    merged = first.routes.extended(turn2.routes)
+    assert merged.computed_P.all() and merged.num_positions == n2
+    # the same weights route the shared prefix alike: the merged record equals a full re-recording
+    assert turn2.token_ids == whole.token_ids
+    assert np.array_equal(merged.experts_PLK, whole.routes.experts_PLK)
