@@ -42,12 +42,14 @@ class PlacementError(RuntimeError):
     """The cluster cannot hold the run's actors."""
 
 
-@ray.remote(num_cpus=0)
-def _node_address() -> tuple[str, int]:
-    """(this node's IP, a free TCP port on it): where a trainer group's rank 0 listens."""
+def _free_address() -> tuple[str, int]:
+    """(this node's IP, a free TCP port on it): where a rank 0 listens."""
     with socket.socket() as s:
         s.bind(("", 0))
         return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+_node_address = ray.remote(num_cpus=0)(_free_address)
 
 
 class Placement:
@@ -105,6 +107,8 @@ class TrainActor:
         from moe_rl.train.worker import TrainWorker
 
         parallel.init_distributed(layout)
+        self.rank = rank
+        self.transfer = None
         self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights)
         self.anchor = None
 
@@ -152,6 +156,22 @@ class TrainActor:
     def drop_weights(self, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
+    def start_transfer(self, engines: list, world_size: int, offsets: list[int]) -> None:
+        """Join vLLM's NCCL weight transfer (rank 0 sends; every rank takes part in the export)."""
+        from moe_rl.weights.hf import export_hf_weights
+        from moe_rl.weights.transfer import ExportSource, start_transfer
+
+        w = self.worker
+        source = ExportSource(lambda: export_hf_weights(w.bridge, w.module))
+        addr, port = _free_address() if self.rank == 0 else ("", 0)
+        client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
+        self.transfer = start_transfer(source, client, self.rank, addr, port, world_size)
+
+    def send_weights(self, version: int) -> None:
+        if self.transfer.client is not None:
+            self.transfer.client.version = version
+        self.transfer.send_weights()
+
     def save(self, path: str, extra: dict) -> None:
         from moe_rl.train import checkpoint
 
@@ -197,6 +217,17 @@ class TrainerGroup:
     def drop_weights(self, directory: str) -> None:
         self.call("drop_weights", directory)
 
+    def start_transfer(self, engines: list, workers_per_engine: list[int]) -> None:
+        """Open vLLM's NCCL weight transfer between this group's rank 0 and every engine worker."""
+        from moe_rl.weights.transfer import engine_rank_offsets
+
+        world = 1 + sum(workers_per_engine)
+        self.call("start_transfer", engines, world, engine_rank_offsets(workers_per_engine))
+
+    def send_weights(self, version: int) -> None:
+        """One NCCL sync round: rank 0 broadcasts while the others take part in the export."""
+        self.call("send_weights", version)
+
     def _shard(self, batch, rank: int):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
         if self.dp == 1:
@@ -224,6 +255,28 @@ class TrainerGroup:
 
     def call(self, method: str, *args):
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+
+class EngineSyncClient:
+    """vLLM's VLLMWeightSyncClient protocol over our engine actors: what the trainer's NCCL sender
+    calls to drive each round. Engine i's workers join the NCCL group at rank offsets[i]; the round's
+    weight version (set before sending) reaches the engines with the finish."""
+
+    def __init__(self, engines: list, offsets: list[int]):
+        self.engines, self.offsets, self.version = engines, offsets, None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        ray.get([e.transfer.remote("init_weight_transfer_engine", {**init_info, "rank_offset": off})
+                 for e, off in zip(self.engines, self.offsets, strict=True)])
+
+    def start_weight_update(self) -> None:
+        ray.get([e.transfer.remote("start_weight_update") for e in self.engines])
+
+    def update_weights(self, update_info: dict) -> None:
+        ray.get([e.transfer.remote("update_weights", update_info) for e in self.engines])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        ray.get([e.transfer.remote("finish_weight_update", None, self.version) for e in self.engines])
 
 
 @ray.remote
@@ -277,6 +330,10 @@ class RolloutActor:
         sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
         return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
 
+    def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
+        """A step of vLLM's NCCL weight transfer (update_weights blocks while the trainer broadcasts)."""
+        self.engine.transfer(call, payload, version)
+
     def info(self) -> dict:
-        return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
+        return {"workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size, "top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
                 "node": ray.util.get_node_ip_address()}

@@ -139,6 +139,10 @@ class RolloutSection:
     # where routes come from: vLLM's own routed-experts output (GPU builds), our router capture hook
     # (CPU), or auto (vllm with CUDA, capture without)
     route_source: Literal["auto", "vllm", "capture"] = "auto"
+    # how the trainer's weights reach the engines: files (safetensors buckets in /dev/shm, the object
+    # store across nodes), nccl (vLLM's NCCL weight transfer: one broadcast from trainer rank 0; GPU,
+    # pp=1 and ep=1), or auto (nccl where it can run, files elsewhere)
+    weight_transfer: Literal["auto", "files", "nccl"] = "auto"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
     async_mode: bool = False
     max_staleness: int = 1
@@ -346,6 +350,12 @@ class RunConfig:
     def critic_enabled(self) -> bool:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
 
+    def weight_transfer(self, cuda_available: bool) -> str:
+        """rollout.weight_transfer with 'auto' resolved: nccl where it can run (CUDA, pp=1, ep=1)."""
+        if self.rollout.weight_transfer != "auto":
+            return self.rollout.weight_transfer
+        return "nccl" if cuda_available and self.parallel.pp == 1 and self.parallel.ep == 1 else "files"
+
 
 # --------------------------------------------------------------------------------------------------
 # Validation helpers
@@ -390,9 +400,14 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
             raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+        if cfg.rollout.weight_transfer == "nccl":
+            raise ConfigError("rollout.weight_transfer", "'nccl' needs CUDA; use 'files' or 'auto' on CPU")
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
+    if cfg.rollout.weight_transfer == "nccl" and (par.pp > 1 or par.ep > 1):
+        raise ConfigError("rollout.weight_transfer", "'nccl' sends the whole model from trainer rank 0, which holds "
+                          f"every layer and expert only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'files'")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm

@@ -90,10 +90,11 @@ class Trainer:
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
                               max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p)
+        self.transfer = cfg.weight_transfer(torch.cuda.is_available())
         self.engines = [cluster.RolloutActor.options(**place.options("engine", i)).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
                            record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb,
-                           route_source=cfg.rollout.route_source),
+                           route_source=cfg.rollout.route_source, weight_transfer=self.transfer),
             agent, env.name, {**env.options, "tool_timeout_s": env.tool_timeout_s}) for i in range(cfg.rollout.num_engines)]
         self.rollout = self.engines[0]  # evaluation and settings
         infos = ray.get([e.info.remote() for e in self.engines])
@@ -102,6 +103,9 @@ class Trainer:
         groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference}
         say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in groups.items() if g]
                                       + [f"engines on {', '.join(self.engine_nodes)}"]))
+        if self.transfer == "nccl":
+            self.policy.start_transfer(self.engines, [i["workers"] for i in infos])
+        say(f"weight sync: {self.transfer}")
         self.model_path = path
         self.version = 0
         self.step = 0
@@ -305,6 +309,9 @@ class Trainer:
     def _sync(self) -> None:
         from moe_rl.weights.sync import shm_dir
 
+        if self.transfer == "nccl":  # one broadcast from trainer rank 0 into every engine worker
+            self.policy.send_weights(self.version)
+            return
         d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}")
         exported = self.policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
         ray.get([e.update_weights.remote(self.policy.buckets_for(exported, node), self.version)

@@ -45,6 +45,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 128
     route_source: str = "auto"  # auto: vLLM's own routed-experts output with CUDA, the capture hook without
+    weight_transfer: str = "files"  # files: update_weights(tensors); nccl: vLLM's NCCL transfer (`transfer`)
 
 
 ROUTE_SOURCES = ("auto", "vllm", "capture")
@@ -157,6 +158,10 @@ class RolloutEngine:
             if settings.record_routes else None
         if self.route_source == "vllm":
             kwargs["enable_return_routed_experts"] = True
+        if settings.weight_transfer == "nccl":
+            if not torch.cuda.is_available():
+                raise ValueError("weight_transfer 'nccl' needs CUDA; use 'files' on CPU")
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.version = 0
@@ -259,6 +264,18 @@ class RolloutEngine:
         self.llm.collective_rpc(_worker_reload, args=(cast(),))
         self.version = version
         return count
+
+    TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
+    def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
+        """One step of vLLM's weight-transfer handshake on the engine's workers (the trainer's sender
+        drives it: init once, then start / update (receives the broadcast) / finish per sync);
+        `finish_weight_update` sets the weight version."""
+        if call not in self.TRANSFER_CALLS:
+            raise ValueError(f"unknown weight-transfer call {call!r}; one of {self.TRANSFER_CALLS}")
+        self.llm.collective_rpc(call, args=() if payload is None else (payload,))
+        if call == "finish_weight_update" and version is not None:
+            self.version = version
 
     def shutdown(self) -> None:
         try:

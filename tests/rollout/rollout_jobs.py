@@ -98,3 +98,23 @@ def agent_vllm_job(rank, world, model_path):
     prompts = get_env("guess_number").generate_prompts(4, seed=0)
     groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
+
+
+def export_source_job(rank, world, model_path):
+    """vLLM's NCCL sender checks every tensor of the export against the metadata it announced."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+    from moe_rl.weights.hf import export_hf_weights
+    from moe_rl.weights.transfer import ExportSource
+
+    parallel.init_distributed(parallel.Layout(tp=world))
+    w = TrainWorker(M.ModelSpec(hf_path=model_path))
+    passes = []
+    source = ExportSource(lambda: (passes.append(1), export_hf_weights(w.bridge, w.module))[1])
+    meta = source.metadata()
+    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata()))
+    return {"meta": [(m.name, m.dtype, m.shape) for m in meta], "passes": len(passes),
+            "sent": {n: t.clone() for n, t in sent}}

@@ -52,3 +52,44 @@ def test_nccl_tp2(tiny_qwen):
     one = run_ranks(te_job, 1, (str(tiny_qwen), "none", 1))[0]
     two = run_ranks(te_job, 2, (str(tiny_qwen), "none", 2))
     assert float((two[0]["logp"] - one["logp"]).abs().max()) < 1e-3
+
+
+def vllm_routes_job(rank, world, model_path):
+    from moe_rl.rollout.engine import EngineSettings, RolloutEngine, Sampling
+
+    engine = RolloutEngine(EngineSettings(model_path, route_source="vllm"))
+    first = engine.generate([[257, 84, 82, 68]], Sampling(max_tokens=6, seed=1))[0]
+    start = first.routes.num_positions
+    nxt = engine.generate([first.prompt_ids + first.token_ids + [198]], Sampling(max_tokens=4, seed=2, routes_from=start))[0]
+    return {"first": first, "next": nxt, "start": start, "source": engine.route_source}
+
+
+def test_vllm_returns_routes_from_the_requested_position(tiny_qwen):
+    from moe_rl.train.launch_local import run_in_process
+
+    out = run_in_process(vllm_routes_job, (str(tiny_qwen),))
+    first, nxt, start = out["first"], out["next"], out["start"]
+    assert out["source"] == "vllm"
+    assert first.routes.computed_P.all() and start == len(first.prompt_ids) + len(first.token_ids) - 1
+    end = len(nxt.prompt_ids) + len(nxt.token_ids) - 1
+    assert not nxt.routes.computed_P[:start].any() and nxt.routes.computed_P[start:end].all()
+
+
+def test_loop_with_nccl_weight_transfer(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}",
+           "run.steps=2", "trainer.warm_start_steps=1", "trainer.eval_prompts=0", "rollout.prompts_per_step=4",
+           "rollout.samples_per_prompt=2", "logging.progress_bar=false", "rollout.weight_transfer=nccl",
+           "rollout.route_source=vllm"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "weight sync: nccl" in proc.stdout
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    # after the NCCL syncs the engine scores like the trainer (R3 routes from vLLM itself)
+    assert max(e.value for e in acc.Scalars("correction/logp_mismatch_mean")) < 1e-2

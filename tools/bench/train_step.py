@@ -103,7 +103,7 @@ def main() -> None:
             w.train_step(batch, nll, denom)
             acc.append(time.perf_counter() - t0)
     t_mg, t_rp = statistics.median(t_free), statistics.median(t_replay)
-    replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay)) - 1
+    replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
 
     # 3. variable-length rows: right-padded microbatches vs packed (THD) ones
     rows = 4 * args.batch

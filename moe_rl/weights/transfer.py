@@ -1,0 +1,59 @@
+"""Weight sync over vLLM's NCCL weight transfer (GPU): the trainer broadcasts HF-named tensors straight
+into the engines' workers — no files, no host copies.
+
+vLLM drives each round from the sending trainer rank (global rank 0):
+`NCCLTrainerWeightTransferEngine.send_weights()` asks the engines (through a `VLLMWeightSyncClient`)
+to start an update, broadcasts every tensor of the `ExportSource` while the engines receive and load
+them layer by layer, then finishes the update. Every trainer rank iterates the source in lockstep (the
+Megatron export gathers TP shards and broadcasts PP/EP-owned ones: collectives); only rank 0 sends.
+
+The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start at
+`1 + i * workers_per_engine` (`EngineRanks`; vLLM would give every independent engine offset 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+Named = Iterable[tuple[str, torch.Tensor]]
+
+
+class ExportSource(WeightSource):
+    """The trainer's Megatron -> HF export as vLLM's re-iterable weight source.
+
+    `export()` starts a fresh pass of the export (all ranks, in lockstep). The metadata (names, dtypes,
+    shapes) comes from one pass, made once and cached: the export's shapes never change."""
+
+    def __init__(self, export: Callable[[], Named]):
+        self._export = export
+        self._meta: list[ParamMeta] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        if self._meta is None:
+            self._meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._export()]
+        return self._meta
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._export())
+
+
+def engine_rank_offsets(workers_per_engine: list[int]) -> list[int]:
+    """First NCCL rank of each engine's workers; the trainer's sender is rank 0."""
+    offsets, nxt = [], 1
+    for n in workers_per_engine:
+        offsets.append(nxt)
+        nxt += n
+    return offsets
+
+
+def start_transfer(source: ExportSource, client, rank: int, master_address: str, master_port: int,
+                   world_size: int) -> NCCLTrainerWeightTransferEngine:
+    """This trainer rank's side of the transfer (rank 0 opens the NCCL group with the engines; the
+    others only take part in the export). `client` implements vLLM's VLLMWeightSyncClient."""
+    info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
+                               rank=rank)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)

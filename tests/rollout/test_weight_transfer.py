@@ -1,0 +1,41 @@
+"""The NCCL weight-transfer path's CPU-checkable parts: the export as vLLM's weight source (what the
+sender announces equals what it sends, element for element, checked by vLLM's own sender check, TP
+shards gathered), the engines' NCCL ranks, and the configuration rules. The broadcast itself needs
+CUDA: tests/train/test_gpu.py runs the loop with it."""
+
+import pytest
+import torch
+from rollout_jobs import export_source_job
+
+from moe_rl.config import ConfigError, from_dict
+from moe_rl.train.launch_local import run_ranks
+from moe_rl.weights.hf import HFReader
+from moe_rl.weights.transfer import engine_rank_offsets
+
+
+def test_export_source_announces_exactly_what_it_sends(tiny_qwen):
+    reader = HFReader(tiny_qwen)
+    one, two = run_ranks(export_source_job, 1, (str(tiny_qwen),))[0], run_ranks(export_source_job, 2, (str(tiny_qwen),))
+    for out in (one, *two):
+        assert out["passes"] == 2  # metadata from one pass, cached; the send is the second
+        assert [n for n, _, _ in out["meta"]] == list(out["sent"])
+        assert set(out["sent"]) == set(reader.names())
+        for name, dtype, shape in out["meta"]:
+            assert dtype == torch.float32 and shape == tuple(reader.get(name).shape)
+            assert torch.equal(out["sent"][name], reader.get(name))  # untrained: the checkpoint's weights
+
+
+def test_engine_ranks_follow_the_sender():
+    assert engine_rank_offsets([1, 1, 1]) == [1, 2, 3]
+    assert engine_rank_offsets([2, 4]) == [1, 3]
+
+
+def test_weight_transfer_choice():
+    assert from_dict({}, [], cuda_available=False).weight_transfer(False) == "files"
+    assert from_dict({}, [], cuda_available=True).weight_transfer(True) == "nccl"
+    ep2 = ["parallel.ep=2", "parallel.world_size=2"]
+    assert from_dict({}, ep2, cuda_available=True).weight_transfer(True) == "files"  # auto: rank 0 lacks experts
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' sends the whole model"):
+        from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True)
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' needs CUDA"):
+        from_dict({}, ["rollout.weight_transfer=nccl"], cuda_available=False)
