@@ -156,8 +156,8 @@ class TrainActor:
     def drop_weights(self, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
-    def start_transfer(self, engines: list, world_size: int, offsets: list[int]) -> None:
-        """Join vLLM's NCCL weight transfer (rank 0 sends; every rank takes part in the export)."""
+    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int]) -> None:
+        """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export)."""
         from moe_rl.weights.hf import export_hf_weights
         from moe_rl.weights.transfer import ExportSource, start_transfer
 
@@ -165,7 +165,7 @@ class TrainActor:
         source = ExportSource(lambda: export_hf_weights(w.bridge, w.module))
         addr, port = _free_address() if self.rank == 0 else ("", 0)
         client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
-        self.transfer = start_transfer(source, client, self.rank, addr, port, world_size)
+        self.transfer = start_transfer(backend, source, client, self.rank, addr, port, world_size)
 
     def send_weights(self, version: int) -> None:
         if self.transfer.client is not None:
@@ -217,15 +217,15 @@ class TrainerGroup:
     def drop_weights(self, directory: str) -> None:
         self.call("drop_weights", directory)
 
-    def start_transfer(self, engines: list, workers_per_engine: list[int]) -> None:
-        """Open vLLM's NCCL weight transfer between this group's rank 0 and every engine worker."""
+    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int]) -> None:
+        """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker."""
         from moe_rl.weights.transfer import engine_rank_offsets
 
         world = 1 + sum(workers_per_engine)
-        self.call("start_transfer", engines, world, engine_rank_offsets(workers_per_engine))
+        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine))
 
     def send_weights(self, version: int) -> None:
-        """One NCCL sync round: rank 0 broadcasts while the others take part in the export."""
+        """One sync round: rank 0 sends while the others take part in the export."""
         self.call("send_weights", version)
 
     def _shard(self, batch, rank: int):
@@ -258,15 +258,16 @@ class TrainerGroup:
 
 
 class EngineSyncClient:
-    """vLLM's VLLMWeightSyncClient protocol over our engine actors: what the trainer's NCCL sender
-    calls to drive each round. Engine i's workers join the NCCL group at rank offsets[i]; the round's
+    """vLLM's VLLMWeightSyncClient protocol over our engine actors: what the trainer's sender calls to
+    drive each round. Under NCCL, engine i's workers join the group at rank offsets[i]; the round's
     weight version (set before sending) reaches the engines with the finish."""
 
     def __init__(self, engines: list, offsets: list[int]):
         self.engines, self.offsets, self.version = engines, offsets, None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        ray.get([e.transfer.remote("init_weight_transfer_engine", {**init_info, "rank_offset": off})
+        ray.get([e.transfer.remote("init_weight_transfer_engine",
+                                   {**init_info, "rank_offset": off} if "rank_offset" in init_info else init_info)
                  for e, off in zip(self.engines, self.offsets, strict=True)])
 
     def start_weight_update(self) -> None:
@@ -331,7 +332,7 @@ class RolloutActor:
         return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
 
     def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
-        """A step of vLLM's NCCL weight transfer (update_weights blocks while the trainer broadcasts)."""
+        """A step of vLLM's weight transfer (under NCCL, update_weights blocks while the trainer broadcasts)."""
         self.engine.transfer(call, payload, version)
 
     def info(self) -> dict:

@@ -140,9 +140,10 @@ class RolloutSection:
     # (CPU), or auto (vllm with CUDA, capture without)
     route_source: Literal["auto", "vllm", "capture"] = "auto"
     # how the trainer's weights reach the engines: files (safetensors buckets in /dev/shm, the object
-    # store across nodes), nccl (vLLM's NCCL weight transfer: one broadcast from trainer rank 0; GPU,
-    # pp=1 and ep=1), or auto (nccl where it can run, files elsewhere)
-    weight_transfer: Literal["auto", "files", "nccl"] = "auto"
+    # store across nodes), vLLM's weight transfer from trainer rank 0 — nccl (broadcast) or ipc (CUDA
+    # IPC handles, trainer and engine on one GPU); both need CUDA, pp=1 and ep=1 — or auto (nccl where
+    # it can run, files elsewhere)
+    weight_transfer: Literal["auto", "files", "nccl", "ipc"] = "auto"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
     async_mode: bool = False
     max_staleness: int = 1
@@ -400,13 +401,15 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
             raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
-        if cfg.rollout.weight_transfer == "nccl":
-            raise ConfigError("rollout.weight_transfer", "'nccl' needs CUDA; use 'files' or 'auto' on CPU")
+        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
+            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' or "
+                              "'auto' on CPU")
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
-    if cfg.rollout.weight_transfer == "nccl" and (par.pp > 1 or par.ep > 1):
-        raise ConfigError("rollout.weight_transfer", "'nccl' sends the whole model from trainer rank 0, which holds "
+    if cfg.rollout.weight_transfer in ("nccl", "ipc") and (par.pp > 1 or par.ep > 1):
+        raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' sends the whole model from "
+                          "trainer rank 0, which holds "
                           f"every layer and expert only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'files'")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")

@@ -103,8 +103,8 @@ class Trainer:
         groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference}
         say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in groups.items() if g]
                                       + [f"engines on {', '.join(self.engine_nodes)}"]))
-        if self.transfer == "nccl":
-            self.policy.start_transfer(self.engines, [i["workers"] for i in infos])
+        if self.transfer != "files":
+            self.policy.start_transfer(self.transfer, self.engines, [i["workers"] for i in infos])
         say(f"weight sync: {self.transfer}")
         self.model_path = path
         self.version = 0
@@ -309,7 +309,7 @@ class Trainer:
     def _sync(self) -> None:
         from moe_rl.weights.sync import shm_dir
 
-        if self.transfer == "nccl":  # one broadcast from trainer rank 0 into every engine worker
+        if self.transfer != "files":  # vLLM's transfer from trainer rank 0 into every engine worker
             self.policy.send_weights(self.version)
             return
         d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}")

@@ -45,7 +45,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 128
     route_source: str = "auto"  # auto: vLLM's own routed-experts output with CUDA, the capture hook without
-    weight_transfer: str = "files"  # files: update_weights(tensors); nccl: vLLM's NCCL transfer (`transfer`)
+    weight_transfer: str = "files"  # files: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
 
 
 ROUTE_SOURCES = ("auto", "vllm", "capture")
@@ -158,10 +158,10 @@ class RolloutEngine:
             if settings.record_routes else None
         if self.route_source == "vllm":
             kwargs["enable_return_routed_experts"] = True
-        if settings.weight_transfer == "nccl":
+        if settings.weight_transfer != "files":
             if not torch.cuda.is_available():
-                raise ValueError("weight_transfer 'nccl' needs CUDA; use 'files' on CPU")
-            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+                raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'files' on CPU")
+            kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.version = 0

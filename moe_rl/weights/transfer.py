@@ -1,11 +1,13 @@
-"""Weight sync over vLLM's NCCL weight transfer (GPU): the trainer broadcasts HF-named tensors straight
-into the engines' workers — no files, no host copies.
+"""Weight sync over vLLM's weight transfer (GPU): HF-named tensors go from the trainer straight into the
+engines' workers — no files, no host copies.
 
-vLLM drives each round from the sending trainer rank (global rank 0):
-`NCCLTrainerWeightTransferEngine.send_weights()` asks the engines (through a `VLLMWeightSyncClient`)
-to start an update, broadcasts every tensor of the `ExportSource` while the engines receive and load
-them layer by layer, then finishes the update. Every trainer rank iterates the source in lockstep (the
-Megatron export gathers TP shards and broadcasts PP/EP-owned ones: collectives); only rank 0 sends.
+  nccl  the sending trainer rank broadcasts over an NCCL group it shares with every engine worker
+  ipc   the engine opens the trainer's GPU tensors through CUDA IPC handles (same GPU, colocated)
+
+vLLM drives each round from the sending trainer rank (global rank 0): `send_weights()` asks the
+engines (through a `VLLMWeightSyncClient`) to start an update, ships every tensor of the
+`ExportSource` while the engines load them layer by layer, then finishes the update. Every trainer
+rank iterates the source in lockstep (the export gathers TP shards: a collective); only rank 0 sends.
 
 The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start at
 `1 + i * workers_per_engine` (`EngineRanks`; vLLM would give every independent engine offset 1).
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
 Named = Iterable[tuple[str, torch.Tensor]]
@@ -50,10 +53,22 @@ def engine_rank_offsets(workers_per_engine: list[int]) -> list[int]:
     return offsets
 
 
-def start_transfer(source: ExportSource, client, rank: int, master_address: str, master_port: int,
-                   world_size: int) -> NCCLTrainerWeightTransferEngine:
-    """This trainer rank's side of the transfer (rank 0 opens the NCCL group with the engines; the
-    others only take part in the export). `client` implements vLLM's VLLMWeightSyncClient."""
-    info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
-                               rank=rank)
-    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+def _nccl(rank: int, address: str, port: int, world_size: int):
+    return NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo(master_address=address, master_port=port,
+                                                                world_size=world_size, rank=rank)
+
+
+def _ipc(rank: int, address: str, port: int, world_size: int):
+    return IPCTrainerWeightTransferEngine, IPCTrainerInitInfo(rank=rank)
+
+
+BACKENDS = {"nccl": _nccl, "ipc": _ipc}
+
+
+def start_transfer(backend: str, source: ExportSource, client, rank: int, master_address: str, master_port: int,
+                   world_size: int):
+    """This trainer rank's side of the transfer: rank 0 opens it with the engines (for nccl, an NCCL
+    group of `world_size` ranks rendezvousing at master_address:master_port); the other ranks only take
+    part in the export. `client` implements vLLM's VLLMWeightSyncClient (rank 0 only)."""
+    engine_cls, info = BACKENDS[backend](rank, master_address, master_port, world_size)
+    return engine_cls.trainer_init(info, client=client, source=source)

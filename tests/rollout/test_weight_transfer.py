@@ -1,4 +1,4 @@
-"""The NCCL weight-transfer path's CPU-checkable parts: the export as vLLM's weight source (what the
+"""vLLM weight transfer (nccl / ipc), its CPU-checkable parts: the export as vLLM's weight source (what the
 sender announces equals what it sends, element for element, checked by vLLM's own sender check, TP
 shards gathered), the engines' NCCL ranks, and the configuration rules. The broadcast itself needs
 CUDA: tests/train/test_gpu.py runs the loop with it."""
@@ -39,3 +39,6 @@ def test_weight_transfer_choice():
         from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=nccl"], cuda_available=False)
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs CUDA"):
+        from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=False)
+    assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).weight_transfer(True) == "ipc"

@@ -75,7 +75,8 @@ def test_vllm_returns_routes_from_the_requested_position(tiny_qwen):
     assert not nxt.routes.computed_P[:start].any() and nxt.routes.computed_P[start:end].all()
 
 
-def test_loop_with_nccl_weight_transfer(tmp_path):
+@pytest.mark.parametrize("transfer", ["nccl", "ipc"])
+def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     import subprocess
     import sys
 
@@ -84,12 +85,12 @@ def test_loop_with_nccl_weight_transfer(tmp_path):
 
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}",
            "run.steps=2", "trainer.warm_start_steps=1", "trainer.eval_prompts=0", "rollout.prompts_per_step=4",
-           "rollout.samples_per_prompt=2", "logging.progress_bar=false", "rollout.weight_transfer=nccl",
+           "rollout.samples_per_prompt=2", "logging.progress_bar=false", f"rollout.weight_transfer={transfer}",
            "rollout.route_source=vllm"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "weight sync: nccl" in proc.stdout
+    assert f"weight sync: {transfer}" in proc.stdout
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    # after the NCCL syncs the engine scores like the trainer (R3 routes from vLLM itself)
+    # after the syncs the engine scores like the trainer (R3 routes from vLLM itself)
     assert max(e.value for e in acc.Scalars("correction/logp_mismatch_mean")) < 1e-2
