@@ -16,7 +16,8 @@ V2) and from our capture hook on the MoE routers elsewhere (`route_source`: auto
 The engine runs in-process (vLLM's V1 engine core without its own process); a Ray actor wraps it to
 put it in another process. Weight updates go through the worker's in-place `reload_weights`; on the
 CPU build the MoE expert weights are then prepacked again (vLLM leaves the stale packed copy, see
-`_refresh_cpu_moe`).
+`_refresh_cpu_moe`). On GPU, `weight_transfer` nccl | ipc lets vLLM's own weight transfer receive
+the trainer's tensors instead (`transfer`, driven by the trainer's sender: weights/transfer.py).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class RolloutEngine:
             self.num_moe_layers = _count_moe_layers(hf)
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
-        self._meta: dict[str, tuple[list[int], int]] = {}
+        self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
         self._stepper: asyncio.Task | None = None
 
     # -- generation ---------------------------------------------------------------------------
