@@ -140,10 +140,10 @@ class RolloutSection:
     # (CPU), or auto (vllm with CUDA, capture without)
     route_source: Literal["auto", "vllm", "capture"] = "auto"
     # how the trainer's weights reach the engines: files (safetensors buckets in /dev/shm, the object
-    # store across nodes), vLLM's weight transfer from trainer rank 0 — nccl (broadcast) or ipc (CUDA
-    # IPC handles, trainer and engine on one GPU); both need CUDA, pp=1 and ep=1 — or auto (nccl where
-    # it can run, files elsewhere)
-    weight_transfer: Literal["auto", "files", "nccl", "ipc"] = "auto"
+    # store across nodes; everywhere), or vLLM's weight transfer from trainer rank 0 (CUDA, pp=1, ep=1):
+    # nccl (a broadcast; trainer rank 0 and the engines on different GPUs) or ipc (CUDA IPC handles;
+    # trainer rank 0 and the engine on one GPU)
+    weight_transfer: Literal["files", "nccl", "ipc"] = "files"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
     async_mode: bool = False
     max_staleness: int = 1
@@ -351,12 +351,6 @@ class RunConfig:
     def critic_enabled(self) -> bool:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
 
-    def weight_transfer(self, cuda_available: bool) -> str:
-        """rollout.weight_transfer with 'auto' resolved: nccl where it can run (CUDA, pp=1, ep=1)."""
-        if self.rollout.weight_transfer != "auto":
-            return self.rollout.weight_transfer
-        return "nccl" if cuda_available and self.parallel.pp == 1 and self.parallel.ep == 1 else "files"
-
 
 # --------------------------------------------------------------------------------------------------
 # Validation helpers
@@ -402,8 +396,7 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
         if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' or "
-                              "'auto' on CPU")
+            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' on CPU")
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")

@@ -90,7 +90,7 @@ class Trainer:
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
                               max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_p=cfg.rollout.top_p)
-        self.transfer = cfg.weight_transfer(torch.cuda.is_available())
+        self.transfer = cfg.rollout.weight_transfer
         self.engines = [cluster.RolloutActor.options(**place.options("engine", i)).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
                            record_routes=cfg.rollout.record_routes, kv_cache_gb=cfg.rollout.kv_cache_gb,

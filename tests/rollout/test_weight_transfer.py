@@ -30,14 +30,12 @@ def test_engine_ranks_follow_the_sender():
 
 
 def test_weight_transfer_choice():
-    assert from_dict({}, [], cuda_available=False).weight_transfer(False) == "files"
-    assert from_dict({}, [], cuda_available=True).weight_transfer(True) == "nccl"
+    assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "files"
     ep2 = ["parallel.ep=2", "parallel.world_size=2"]
-    assert from_dict({}, ep2, cuda_available=True).weight_transfer(True) == "files"  # auto: rank 0 lacks experts
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' sends the whole model"):
         from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=nccl"], cuda_available=False)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=False)
-    assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).weight_transfer(True) == "ipc"
+    assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).rollout.weight_transfer == "ipc"
