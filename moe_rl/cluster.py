@@ -159,10 +159,11 @@ class TrainActor:
     def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int]) -> None:
         """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export)."""
         from moe_rl.weights.hf import export_hf_weights
-        from moe_rl.weights.transfer import ExportSource, start_transfer
+        from moe_rl.weights.transfer import ExportSource, GatheredExport, start_transfer
 
         w = self.worker
-        source = ExportSource(lambda: export_hf_weights(w.bridge, w.module))
+        source = GatheredExport(lambda: export_hf_weights(w.bridge, w.module, owned_only=True)) if backend == "nccl" \
+            else ExportSource(lambda: export_hf_weights(w.bridge, w.module))
         addr, port = _free_address() if self.rank == 0 else ("", 0)
         client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
         self.transfer = start_transfer(backend, source, client, self.rank, addr, port, world_size)

@@ -140,9 +140,9 @@ class RolloutSection:
     # (CPU), or auto (vllm with CUDA, capture without)
     route_source: Literal["auto", "vllm", "capture"] = "auto"
     # how the trainer's weights reach the engines: files (safetensors buckets in /dev/shm, the object
-    # store across nodes; everywhere), or vLLM's weight transfer from trainer rank 0 (CUDA, pp=1, ep=1):
-    # nccl (a broadcast; trainer rank 0 and the engines on different GPUs) or ipc (CUDA IPC handles;
-    # trainer rank 0 and the engine on one GPU)
+    # store across nodes; everywhere), or vLLM's weight transfer from trainer rank 0 (CUDA): nccl (a
+    # broadcast; trainer rank 0 and the engines on different GPUs; any layout) or ipc (CUDA IPC
+    # handles; trainer and engine share GPUs; pp=1, ep=1)
     weight_transfer: Literal["files", "nccl", "ipc"] = "files"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
     async_mode: bool = False
@@ -400,10 +400,9 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
-    if cfg.rollout.weight_transfer in ("nccl", "ipc") and (par.pp > 1 or par.ep > 1):
-        raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' sends the whole model from "
-                          "trainer rank 0, which holds "
-                          f"every layer and expert only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'files'")
+    if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
+        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
+                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm

@@ -5,9 +5,12 @@ engines' workers — no files, no host copies.
   ipc   the engine opens the trainer's GPU tensors through CUDA IPC handles (same GPU, colocated)
 
 vLLM drives each round from the sending trainer rank (global rank 0): `send_weights()` asks the
-engines (through a `VLLMWeightSyncClient`) to start an update, ships every tensor of the
-`ExportSource` while the engines load them layer by layer, then finishes the update. Every trainer
-rank iterates the source in lockstep (the export gathers TP shards: a collective); only rank 0 sends.
+engines (through a `VLLMWeightSyncClient`) to start an update, ships every tensor of the source while
+the engines load them layer by layer, then finishes the update. Every trainer rank iterates the
+source in lockstep (the export gathers TP shards: a collective); only rank 0 sends. For nccl the
+source is `GatheredExport` (any layout: the owners of other stages' layers and other ranks' experts
+pass them to rank 0); ipc merges per-rank CUDA IPC handles of identical tensor lists, so it takes
+`ExportSource`, which every rank yields alike only with pp=1 and ep=1.
 
 The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start at
 `1 + i * workers_per_engine` (`EngineRanks`; vLLM would give every independent engine offset 1).
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
@@ -42,6 +46,46 @@ class ExportSource(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self._export())
+
+
+class GatheredExport(WeightSource):
+    """The whole model's HF tensors on global rank 0, in any TP/PP/EP layout: rank 0 yields its own
+    tensors, then receives every other owner's in rank order; each owner (`owned_export`: one rank
+    per pipeline stage and expert rank) sends its tensors to rank 0 one at a time. The other ranks
+    yield nothing; they take part in the export's TP gathers. Collective: all ranks iterate together.
+
+    `owned_export()` starts a fresh pass of this rank's owned tensors (`export_hf_weights(...,
+    owned_only=True)`). The metadata — every owner's (name, dtype, shape), gathered once — is the
+    whole model on every rank."""
+
+    def __init__(self, owned_export: Callable[[], Named]):
+        self._export = owned_export
+        self._owned: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        if self._owned is None:
+            mine = [(name, t.dtype, tuple(t.shape)) for name, t in self._export()]
+            self._owned = [None] * dist.get_world_size()
+            dist.all_gather_object(self._owned, mine)
+        return [ParamMeta(*m) for owned in self._owned for m in owned]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.metadata()
+        return self._receive() if dist.get_rank() == 0 else self._send()
+
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._export()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        for src, owned in enumerate(self._owned[1:], start=1):
+            for name, dtype, shape in owned:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buf, src=src)
+                yield name, buf
+
+    def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for _, t in self._export():
+            dist.send(t.contiguous(), dst=0)
+        yield from ()
 
 
 def engine_rank_offsets(workers_per_engine: list[int]) -> list[int]:

@@ -100,21 +100,27 @@ def agent_vllm_job(rank, world, model_path):
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
 
 
-def export_source_job(rank, world, model_path):
-    """vLLM's NCCL sender checks every tensor of the export against the metadata it announced."""
+def export_source_job(rank, world, model_path, layout, gathered):
+    """What the trainer's vLLM sender would ship, checked element for element by vLLM's own sender
+    check against the metadata it announced."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
     from moe_rl.weights.hf import export_hf_weights
-    from moe_rl.weights.transfer import ExportSource
+    from moe_rl.weights.transfer import ExportSource, GatheredExport
 
-    parallel.init_distributed(parallel.Layout(tp=world))
+    parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=model_path))
     passes = []
-    source = ExportSource(lambda: (passes.append(1), export_hf_weights(w.bridge, w.module))[1])
+
+    def export():
+        passes.append(1)
+        return export_hf_weights(w.bridge, w.module, owned_only=gathered)
+
+    source = GatheredExport(export) if gathered else ExportSource(export)
     meta = source.metadata()
-    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata()))
+    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata())) if rank == 0 else list(source)
     return {"meta": [(m.name, m.dtype, m.shape) for m in meta], "passes": len(passes),
             "sent": {n: t.clone() for n, t in sent}}

@@ -1,7 +1,8 @@
 """vLLM weight transfer (nccl / ipc), its CPU-checkable parts: the export as vLLM's weight source (what the
-sender announces equals what it sends, element for element, checked by vLLM's own sender check, TP
-shards gathered), the engines' NCCL ranks, and the configuration rules. The broadcast itself needs
-CUDA: tests/train/test_gpu.py runs the loop with it."""
+sender announces equals what it sends, element for element, checked by vLLM's own sender check; TP
+shards gathered; under PP and EP every tensor reaches rank 0 from its owner over gloo), the engines'
+NCCL ranks, and the configuration rules. The broadcast itself needs CUDA: tests/train/test_gpu.py
+runs the loop with it."""
 
 import pytest
 import torch
@@ -13,15 +14,26 @@ from moe_rl.weights.hf import HFReader
 from moe_rl.weights.transfer import engine_rank_offsets
 
 
-def test_export_source_announces_exactly_what_it_sends(tiny_qwen):
+def test_replicated_export_announces_exactly_what_it_sends(tiny_qwen):
     reader = HFReader(tiny_qwen)
-    for out in run_ranks(export_source_job, 2, (str(tiny_qwen),)):  # TP2: each rank gathers the shards
+    for out in run_ranks(export_source_job, 2, (str(tiny_qwen), {"tp": 2}, False)):  # each TP rank gathers
         assert out["passes"] == 2  # metadata from one pass, cached; the send is the second
         assert [n for n, _, _ in out["meta"]] == list(out["sent"])
         assert set(out["sent"]) == set(reader.names())
         for name, dtype, shape in out["meta"]:
             assert dtype == torch.float32 and shape == tuple(reader.get(name).shape)
             assert torch.equal(out["sent"][name], reader.get(name))  # untrained: the checkpoint's weights
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"ep": 2}, {"tp": 2}])
+def test_gathered_export_brings_the_whole_model_to_rank_0(tiny_qwen, layout):
+    reader = HFReader(tiny_qwen)
+    sender, other = run_ranks(export_source_job, 2, (str(tiny_qwen), layout, True))
+    assert sender["meta"] == other["meta"] and other["sent"] == {}  # only rank 0 yields
+    assert [n for n, _, _ in sender["meta"]] == list(sender["sent"])  # vLLM's check passed in that order
+    assert sorted(sender["sent"]) == sorted(reader.names())  # every tensor once, whoever owned it
+    for name, t in sender["sent"].items():
+        assert torch.equal(t, reader.get(name))
 
 
 def test_engine_ranks_follow_the_sender():
@@ -32,8 +44,9 @@ def test_engine_ranks_follow_the_sender():
 def test_weight_transfer_choice():
     assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "files"
     ep2 = ["parallel.ep=2", "parallel.world_size=2"]
-    with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' sends the whole model"):
-        from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True)
+    assert from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True).rollout.weight_transfer == "nccl"
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs every trainer rank"):
+        from_dict({}, ["rollout.weight_transfer=ipc", *ep2], cuda_available=True)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=nccl"], cuda_available=False)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs CUDA"):
