@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+from conftest import ROOT
 
 from moe_rl.config import ConfigError, RunConfig, from_dict, load_config, parse_overrides
 
@@ -98,3 +99,9 @@ def test_bad_override_syntax_and_files(tmp_path):
         load_config(notmap)
     with pytest.raises(ConfigError, match="is a value, not a section"):
         from_dict({"run": {"steps": 3}}, ["run.steps.x=1"], cuda_available=False)
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(path):
+    cfg = load_config(ROOT / path, cuda_available="quickstart" not in path)  # the recipes are for GPU clusters
+    assert cfg.run.steps > 0
