@@ -59,7 +59,7 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> TrainBatch:
         ids[i, :n] = torch.tensor(t.token_ids)
         mask[i, :n] = torch.tensor(t.response_mask)
         logp[i, :n] = torch.tensor(t.logprobs)
-        for (_, e), g in zip(t.spans, t.turn_rewards):
+        for (_, e), g in zip(t.spans, t.turn_rewards, strict=True):
             span_rewards[i, e] += g
         excluded[i] = "loss_excluded" in t.info
         if t.routes is not None and top_k is not None:

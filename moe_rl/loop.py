@@ -226,7 +226,7 @@ class Trainer:
         t = time.perf_counter()
         out = {}
         if self.critic:
-            for epoch in range(cfg.trainer.epochs):
+            for _ in range(cfg.trainer.epochs):
                 for rows in self._minibatches(b.size):
                     mb = self._token_batch(b.select(rows), mask=b.mask[rows], returns=returns[rows].float(),
                                            values_old=values[rows].float())
@@ -244,7 +244,7 @@ class Trainer:
         constant = alg.loss_constant or float(cfg.environment.token_budget)
         skipped = 0
         if self.step >= cfg.critic.warmup_steps:
-            for epoch in range(cfg.trainer.epochs):
+            for _ in range(cfg.trainer.epochs):
                 for rows in self._minibatches(b.size):
                     lm = loss_mask[rows]
                     w = corr.weight_BT[rows].float()

@@ -83,13 +83,16 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
     raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral or qwen2_moe")
 
 
-def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel = TinyModel(), seed: int = 0, overwrite: bool = False) -> Path:
+def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, seed: int = 0,
+                          overwrite: bool = False) -> Path:
     """Build (or reuse) a random HF checkpoint for `spec` in out_dir and return its path.
 
     Reuse happens when out_dir already holds a checkpoint built from the same spec and seed.
+    `spec` defaults to `TinyModel()`.
     """
     from transformers import AutoModelForCausalLM
 
+    spec = spec or TinyModel()
     out = Path(out_dir)
     stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE}
     stamp_file = out / "moe_rl_tiny.json"

@@ -165,7 +165,7 @@ def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:
         bad.append("spans: model-output spans do not match the response mask")
     if len(t.turn_rewards) != len(t.spans):
         bad.append("turn_rewards: one turn reward per model-output span is required")
-    if any(lp > 1e-4 or lp != lp for lp, m in zip(t.logprobs, t.response_mask) if m):
+    if any(lp > 1e-4 or lp != lp for lp, m in zip(t.logprobs, t.response_mask, strict=False) if m):
         bad.append("policy_roles: a sampled token has no valid behaviour log-prob")
     if not t.terminated and not (0 < t.boundary_len <= n):
         bad.append("boundary: a truncated episode needs its boundary state")

@@ -198,7 +198,7 @@ class RolloutEngine:
         prompt, version, routes_from = self._meta.pop(out.request_id)
         comp = out.outputs[0]
         token_ids = list(comp.token_ids)
-        logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids)]
+        logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids, strict=True)]
         routes = None
         if self.route_source == "capture":
             routes = self.llm.collective_rpc(_worker_pop_routes, args=([(out.request_id, routes_from)],))[0][out.request_id]

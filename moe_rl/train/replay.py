@@ -109,7 +109,7 @@ def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Te
         raise RuntimeError(f"{len(instances)} routers on this stage but {len(layer_ids)} MoE layers")
     if max(layer_ids) >= routes_BSLK.shape[2]:
         raise MissingRoutes(f"routes cover {routes_BSLK.shape[2]} MoE layers, the model has more")
-    for inst, lid in zip(instances, layer_ids):
+    for inst, lid in zip(instances, layer_ids, strict=True):
         inst.set_target_indices(router_tokens(routes_BSLK[:, :, lid], lengths_B, tp_rank, tp_size, sequence_parallel, topk))
         inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     return True

@@ -308,7 +308,7 @@ class TrainWorker:
             for name in names:
                 full = torch.zeros(B, S, dtype=torch.float32)
                 row = 0
-                for mb, res in zip(mbs, results):
+                for mb, res in zip(mbs, results, strict=True):
                     b, s = mb.input_ids_BS.shape
                     full[row:row + b, :s] = res[name].detach().float()
                     row += b
@@ -322,7 +322,7 @@ class TrainWorker:
         K = self.config.moe_router_topk
         mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=torch.long)
         row = 0
-        for mb, r in zip(mbs, recorded):
+        for mb, r in zip(mbs, recorded, strict=True):
             b = mb.input_ids_BS.shape[0]
             s = min(r.shape[1], S)
             mine[row:row + b, :s] = r[:, :s]

@@ -185,7 +185,7 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
         if owned_only and not owner[_is_expert(te)]:
             continue
         hf_names, tensors = bridge._weight_to_hf_format(te, full)
-        yield from zip(hf_names, tensors)
+        yield from zip(hf_names, tensors, strict=True)
 
 
 def _merge_tp(bridge, te: str, shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
@@ -193,7 +193,7 @@ def _merge_tp(bridge, te: str, shards: list[torch.Tensor], param: torch.Tensor) 
     if _is_expert(te):
         if ".linear_fc2." in te:
             return torch.cat(shards, dim=1)
-        gates, ups = zip(*(s.chunk(2) for s in shards))
+        gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
         return torch.cat([torch.cat(gates), torch.cat(ups)])
     return bridge._weight_merge_across_tp(te, shards, param)
 

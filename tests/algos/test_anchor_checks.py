@@ -19,7 +19,7 @@ def test_ewma_anchor_by_hand_and_as_a_weighted_average():
         a.update({"w": torch.tensor([th])})
     n = len(thetas) - 1
     w = [0.7 ** (n - k) for k in range(n + 1)]
-    assert float(a.params["w"]) == pytest.approx(sum(wi * t for wi, t in zip(w, thetas)) / sum(w), rel=1e-6)
+    assert float(a.params["w"]) == pytest.approx(sum(wi * t for wi, t in zip(w, thetas, strict=True)) / sum(w), rel=1e-6)
     state = a.state_dict()
     b = EwmaAnchor({"w": torch.tensor([0.0])}, 0.7)
     b.load_state_dict(state)

@@ -45,12 +45,12 @@ def test_guide_example_mask_101(backend):
     mask = torch.tensor([[1, 0, 1]], dtype=torch.bool)
     values = torch.tensor([[0.5, 7.0, 0.25]])  # V at the tool position must not be used
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
-    g, l = 0.9, 0.8
-    adv, ret = gae.masked_gae(rewards, values, mask, T_, torch.tensor([0.0]), g, l, backend=backend)
+    g, lam = 0.9, 0.8
+    adv, ret = gae.masked_gae(rewards, values, mask, T_, torch.tensor([0.0]), g, lam, backend=backend)
     delta2 = 1.0 + g * 0.0 - 0.25  # terminal: V*_{J+1} = 0
     delta1 = 0.0 + g * 0.25 - 0.5  # successor is q_2 = index 2, skipping the tool token
     A2 = delta2
-    A1 = delta1 + g * l * A2  # one gamma*lambda factor, not two
+    A1 = delta1 + g * lam * A2  # one gamma*lambda factor, not two
     torch.testing.assert_close(adv, torch.tensor([[A1, 0.0, A2]]))
     torch.testing.assert_close(ret, torch.tensor([[A1 + 0.5, 0.0, A2 + 0.25]]))
 
@@ -60,9 +60,9 @@ def test_termination_vs_truncation(backend):
     mask = torch.tensor([[1, 1, 0, 0]], dtype=torch.bool)  # ends with an observation, then padding
     values = torch.tensor([[1.0, 2.0, 9.0, 9.0]])
     rewards = torch.tensor([[0.0, 0.5, 0.0, 0.0]])
-    g, l, boundary = 0.5, 1.0, torch.tensor([4.0])
-    term, _ = gae.masked_gae(rewards, values, mask, T_, boundary, g, l, backend=backend)
-    trunc, _ = gae.masked_gae(rewards, values, mask, F_, boundary, g, l, backend=backend)
+    g, lam, boundary = 0.5, 1.0, torch.tensor([4.0])
+    term, _ = gae.masked_gae(rewards, values, mask, T_, boundary, g, lam, backend=backend)
+    trunc, _ = gae.masked_gae(rewards, values, mask, F_, boundary, g, lam, backend=backend)
     # terminated: A2 = 0.5 - 2 = -1.5; A1 = (0 + 0.5*2 - 1) + 0.5*A2 = -0.75
     torch.testing.assert_close(term, torch.tensor([[-0.75, -1.5, 0.0, 0.0]]))
     # truncated: A2 = 0.5 + 0.5*4 - 2 = 0.5; A1 = 0 + 0.5*0.5 = 0.25

@@ -56,8 +56,8 @@ def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
     assert sampled == [p for b, e in t.spans for p in range(b, e + 1)]
     assert [tok.decode([t.token_ids[b]]) for b, _ in t.spans] == ["5", "7", "6"]
     assert t.turn_rewards == [-0.05, -0.05, 0.0] and t.terminal_reward == 1.0
-    assert all(lp == -0.5 for lp, m in zip(t.logprobs, t.response_mask) if m)
-    assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask) if not m)
+    assert all(lp == -0.5 for lp, m in zip(t.logprobs, t.response_mask, strict=True) if m)
+    assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.response_mask, strict=True) if not m)
     assert t.weight_version == 5 and validate_trajectory(t) == []
     # token-in: each turn was sampled from exactly the previous tokens (no re-tokenisation)
     assert policy.calls[2] == t.token_ids[: t.spans[2][0]]

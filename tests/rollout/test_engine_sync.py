@@ -26,8 +26,8 @@ def test_sync_changes_outputs_and_old_weights_restore_them(synced):
     assert n_buckets > 1 and gen["buckets"] == n_buckets  # really bucketed
     assert gen["synced_tensors"] > 0
     before, after, restored = gen["before"], gen["after"], gen["restored"]
-    assert any(a.logprobs != b.logprobs for a, b in zip(after, before))
-    for b, r in zip(before, restored):
+    assert any(a.logprobs != b.logprobs for a, b in zip(after, before, strict=True))
+    for b, r in zip(before, restored, strict=True):
         assert b.token_ids == r.token_ids and b.logprobs == r.logprobs
     assert [r.weight_version for r in after] == [1, 1, 1] and restored[0].weight_version == 2
 

@@ -31,6 +31,24 @@ import torch
 from _timing import median_time
 
 
+def transformers_step_time(path, ids: torch.Tensor, steps: int) -> float:
+    """Median seconds of one forward + backward + clip + Adam step of the HF model on `ids`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.train()
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-6)
+
+    def hf_step():
+        opt.zero_grad(set_to_none=True)
+        out = hf(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+
+    return median_time(hf_step, steps, warmup=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -59,21 +77,7 @@ def main() -> None:
           f"batch {args.batch} x seq {args.seq}, threads {torch.get_num_threads()}")
 
     # 1. plain transformers
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    hf.train()
-    opt = torch.optim.Adam(hf.parameters(), lr=1e-6)
-
-    def hf_step():
-        opt.zero_grad(set_to_none=True)
-        out = hf(input_ids=ids, labels=ids)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-
-    t_hf = median_time(hf_step, args.steps, warmup=1)
-    del hf, opt
+    t_hf = transformers_step_time(path, ids, args.steps)
 
     # 2. Megatron CPU path (one rank, gloo)
     from moe_rl.train import model as M

@@ -52,7 +52,7 @@ def main() -> None:
     dst = [torch.empty_like(t) for _, t in named]
 
     def memcpy():
-        for d, (_, t) in zip(dst, named):
+        for d, (_, t) in zip(dst, named, strict=True):
             d.copy_(t)
 
     def sync_inproc(version):  # what a colocated trainer hands the engine: the buckets, streamed, one call
@@ -67,12 +67,17 @@ def main() -> None:
     floor = None if torch.cuda.is_available() else prepack_floor(dict(named), args.layers, args.experts)
     t_mem, t_in, t_shm, t_floor = [], [], [], []
     sync_inproc(0)
+    def timed(fn, acc, *a):
+        t0 = time.perf_counter()
+        fn(*a)
+        acc.append(time.perf_counter() - t0)
+
     for r in range(args.rounds):
-        t0 = time.perf_counter(); memcpy(); t_mem.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); sync_inproc(r + 1); t_in.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); sync_shm(r + 1); t_shm.append(time.perf_counter() - t0)
+        timed(memcpy, t_mem)
+        timed(sync_inproc, t_in, r + 1)
+        timed(sync_shm, t_shm, r + 1)
         if floor is not None:
-            t0 = time.perf_counter(); floor(); t_floor.append(time.perf_counter() - t0)
+            timed(floor, t_floor)
     m, i, s = (statistics.median(x) for x in (t_mem, t_in, t_shm))
     mb = nbytes / 2**20
     figures = {"bench": "weight_sync", "megabytes": round(mb, 2), "bucket_mb": args.bucket_mb,
