@@ -12,8 +12,8 @@ source is `GatheredExport` (any layout: the owners of other stages' layers and o
 pass them to rank 0); ipc merges per-rank CUDA IPC handles of identical tensor lists, so it takes
 `ExportSource`, which every rank yields alike only with pp=1 and ep=1.
 
-The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start at
-`1 + i * workers_per_engine` (`EngineRanks`; vLLM would give every independent engine offset 1).
+The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start after
+those of engines 0..i-1 (`engine_rank_offsets`; vLLM would give every independent engine offset 1).
 """
 
 from __future__ import annotations
