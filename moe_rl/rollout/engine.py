@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.rollout.routing import RouteCapture, RoutingRecord, route_dtype
+from moe_rl.rollout.routing import RouteCapture, RoutingRecord, moe_layers, route_dtype
 from moe_rl.weights.sync import layer_of
 
 
@@ -128,11 +128,8 @@ def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     return _refresh_cpu_moe(worker, layers - {""})
 
 
-def _count_moe_layers(hf) -> int:
-    """MoE layers of a HF MoE config (Qwen-style `decoder_sparse_step`/`mlp_only_layers`; Mixtral: all)."""
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(hf, "mlp_only_layers", None) or [])
-    return sum(1 for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+def _worker_count_moe(worker) -> int:
+    return len(moe_layers(worker.model_runner))
 
 
 class RolloutEngine:
@@ -170,7 +167,7 @@ class RolloutEngine:
         if self.route_source == "capture":
             self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
         elif self.route_source == "vllm":
-            self.num_moe_layers = _count_moe_layers(hf)
+            self.num_moe_layers = self.llm.collective_rpc(_worker_count_moe)[0]
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from

@@ -23,15 +23,20 @@ import torch
 from moe_rl.types import RoutingRecord, route_dtype  # noqa: F401  (re-exported for the engine)
 
 
+def moe_layers(runner) -> list:
+    """The vLLM model's MoE layers (those whose router can report its choices), in layer order."""
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    moe = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "set_capture_fn")]
+    return sorted(moe, key=lambda m: getattr(m, "layer_id", 0))
+
+
 class RouteCapture:
     """Installed inside a vLLM worker process: records routes per request id and position."""
 
     def __init__(self, runner, num_experts: int):
         self.runner = runner
         self.dtype = route_dtype(num_experts)
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        moe = [m for m in model.modules() if hasattr(m, "router") and hasattr(m.router, "set_capture_fn")]
-        moe.sort(key=lambda m: getattr(m, "layer_id", 0))
+        moe = moe_layers(runner)
         if not moe:
             raise RuntimeError("no MoE routers with capture support found in the vLLM model")
         self.num_layers = len(moe)

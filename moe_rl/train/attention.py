@@ -41,16 +41,19 @@ class SdpaAttention(MegatronModule):
             return self._context_parallel(query, key, value)
         sq, b, heads, hn = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
-        if k.shape[1] != heads:
-            rep = heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         mask = None if attention_mask is None else ~attention_mask.bool()  # megatron: True = masked out
         causal = self.causal and mask is None
         if self.causal and mask is not None:
             mask = mask & torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        out = torch.nn.functional.scaled_dot_product_attention(
+        return self._sdpa(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """q [b, h, s, d], k/v [b, h_kv, S, d] (grouped-query heads repeated to h) -> [b, h, s, d]."""
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal, scale=self.scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
     def _context_parallel(self, query, key, value):
         """This CP rank's queries (its two chunks, moe_rl.train.context) against every rank's keys and
@@ -66,12 +69,7 @@ class SdpaAttention(MegatronModule):
         q_pos = local_positions(S, self.cp, ps.get_context_parallel_rank())
         allowed = torch.arange(S).unsqueeze(0) <= q_pos.unsqueeze(1)  # [sq, S]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        if k.shape[1] != heads:
-            rep = heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        return self._sdpa(q, k, v, allowed, False).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
     def _packed(self, query, key, value, params):
         """THD: query/key/value [t, heads, head_dim], sequences at params.cu_seqlens_q; each attends
@@ -83,10 +81,5 @@ class SdpaAttention(MegatronModule):
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
-            if k.shape[1] != heads:
-                rep = heads // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal, scale=self.scale)
-            outs.append(o[0].transpose(0, 1))  # [n, h, d]
+            outs.append(self._sdpa(q, k, v, None, self.causal)[0].transpose(0, 1))  # [n, h, d]
         return torch.cat(outs).reshape(t, heads * hn)

@@ -6,9 +6,9 @@ the sequence-parallel size) and megatron-core's `PackedSeqParams` (qkv_format "t
 embeddings and attention where each sequence starts, so positions restart at 0 and no token attends
 across a sequence boundary.
 
-    p = Packing.of(lengths_B, multiple=tp)
+    p = Packing.of(lengths_B, S, multiple=tp)
     ids_1T = p.pack(ids_BS)                   # [1, T]
-    logits -> p.unpack(x_1T, S)               # back to [B, S] (zeros beyond each row's length)
+    x_BS = p.unpack(x_1T)                     # back to [B, S] (zeros beyond each row's length)
 
 Everything the loss sees stays [B, S]: packing lives between the microbatch and the model.
 """

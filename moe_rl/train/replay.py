@@ -77,16 +77,11 @@ def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Te
     return torch.where(pad, torch.arange(K).expand_as(routes_BSLK), routes_BSLK.long())
 
 
-def router_tokens(routes_BSK: torch.Tensor, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
-                  sequence_parallel: bool, topk: int) -> torch.Tensor:
-    """[B, S, K] routes of one layer -> the [tokens, K] int64 array this rank's router sees."""
+def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """[B, S, K] complete routes of one layer (padding filled) -> the [tokens, K] int64 array this
+    rank's router sees."""
     B, S, K = routes_BSK.shape
-    if K != topk:
-        raise MissingRoutes(f"routes carry top-{K} experts, the model routes top-{topk}")
-    r = routes_BSK.long()
-    check_complete(r.unsqueeze(2), lengths_B)
-    r = fill_padding(r.unsqueeze(2), lengths_B).squeeze(2)
-    r = r.transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
+    r = routes_BSK.long().transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
     if sequence_parallel and tp_size > 1:
         if S % tp_size:
             raise ValueError(f"sequence length {S} must be a multiple of tp={tp_size} under sequence parallelism")
@@ -109,8 +104,13 @@ def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Te
         raise RuntimeError(f"{len(instances)} routers on this stage but {len(layer_ids)} MoE layers")
     if max(layer_ids) >= routes_BSLK.shape[2]:
         raise MissingRoutes(f"routes cover {routes_BSLK.shape[2]} MoE layers, the model has more")
-    for inst, lid in zip(instances, layer_ids, strict=True):
-        inst.set_target_indices(router_tokens(routes_BSLK[:, :, lid], lengths_B, tp_rank, tp_size, sequence_parallel, topk))
+    if routes_BSLK.shape[3] != topk:
+        raise MissingRoutes(f"routes carry top-{routes_BSLK.shape[3]} experts, the model routes top-{topk}")
+    mine = routes_BSLK[:, :, layer_ids]  # this stage's layers, checked and padding-filled once
+    check_complete(mine, lengths_B)
+    mine = fill_padding(mine, lengths_B)
+    for i, inst in enumerate(instances):
+        inst.set_target_indices(router_tokens(mine[:, :, i], tp_rank, tp_size, sequence_parallel))
         inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     return True
 

@@ -60,14 +60,16 @@ class GatheredExport(WeightSource):
 
     def __init__(self, owned_export: Callable[[], Named]):
         self._export = owned_export
-        self._owned: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] | None = None
+        self._owned: list[list[ParamMeta]] | None = None  # per rank: what it sends
+        self._meta: list[ParamMeta] | None = None
 
     def metadata(self) -> list[ParamMeta]:
-        if self._owned is None:
-            mine = [(name, t.dtype, tuple(t.shape)) for name, t in self._export()]
+        if self._meta is None:
+            mine = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._export()]
             self._owned = [None] * dist.get_world_size()
             dist.all_gather_object(self._owned, mine)
-        return [ParamMeta(*m) for owned in self._owned for m in owned]
+            self._meta = [m for owned in self._owned for m in owned]
+        return self._meta
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metadata()
@@ -77,10 +79,10 @@ class GatheredExport(WeightSource):
         yield from self._export()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         for src, owned in enumerate(self._owned[1:], start=1):
-            for name, dtype, shape in owned:
-                buf = torch.empty(shape, dtype=dtype, device=device)
+            for m in owned:
+                buf = torch.empty(m.shape, dtype=m.dtype, device=device)
                 dist.recv(buf, src=src)
-                yield name, buf
+                yield m.name, buf
 
     def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
         for _, t in self._export():
@@ -109,7 +111,7 @@ def _ipc(rank: int, address: str, port: int, world_size: int):
 BACKENDS = {"nccl": _nccl, "ipc": _ipc}
 
 
-def start_transfer(backend: str, source: ExportSource, client, rank: int, master_address: str, master_port: int,
+def start_transfer(backend: str, source: WeightSource, client, rank: int, master_address: str, master_port: int,
                    world_size: int):
     """This trainer rank's side of the transfer: rank 0 opens it with the engines (for nccl, an NCCL
     group of `world_size` ranks rendezvousing at master_address:master_port); the other ranks only take

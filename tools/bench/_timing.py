@@ -16,3 +16,11 @@ def median_time(fn, repeats: int, warmup: int = 0) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def timed(fn, times: list, *args):
+    """Call fn(*args), append its wall time to `times`, return its result."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    times.append(time.perf_counter() - t0)
+    return out

@@ -25,10 +25,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
-from _timing import median_time
+from _timing import median_time, timed
 
 
 def transformers_step_time(path, ids: torch.Tensor, steps: int) -> float:
@@ -103,9 +102,7 @@ def main() -> None:
     w.train_step(replayed, nll, denom)
     for i in range(args.pairs):  # alternating order, so machine drift and ordering hit both alike
         for batch, acc in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
-            t0 = time.perf_counter()
-            w.train_step(batch, nll, denom)
-            acc.append(time.perf_counter() - t0)
+            timed(w.train_step, acc, batch, nll, denom)
     t_mg, t_rp = statistics.median(t_free), statistics.median(t_replay)
     replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
 
@@ -122,10 +119,7 @@ def main() -> None:
     for i in range(args.steps + 1):
         for name, settings, acc in (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack)):
             w.optim_settings = settings
-            t0 = time.perf_counter()
-            loss[name] = w.train_step(var, nll, var_denom)["loss"]
-            if i:  # the first round warms up
-                acc.append(time.perf_counter() - t0)
+            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom)["loss"]  # round 0 warms up
     w.optim_settings = padded_settings
     t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
     parallel.shutdown()

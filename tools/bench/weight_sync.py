@@ -20,9 +20,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
+from _timing import timed
 
 
 def main() -> None:
@@ -67,11 +67,6 @@ def main() -> None:
     floor = None if torch.cuda.is_available() else prepack_floor(dict(named), args.layers, args.experts)
     t_mem, t_in, t_shm, t_floor = [], [], [], []
     sync_inproc(0)
-    def timed(fn, acc, *a):
-        t0 = time.perf_counter()
-        fn(*a)
-        acc.append(time.perf_counter() - t0)
-
     for r in range(args.rounds):
         timed(memcpy, t_mem)
         timed(sync_inproc, t_in, r + 1)
