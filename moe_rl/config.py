@@ -101,9 +101,9 @@ class ParallelSection:
     pp: int = 1
     ep: int = 1
     cp: int = 1
-    # Trainer ranks; tp*pp*cp*dp must equal it (dp is derived).
+    # Trainer ranks; tp*pp*cp*dp must equal it (dp is derived). Sequence parallelism is on exactly when
+    # tp > 1 (megatron-core MoE requires it there; at tp=1 it means nothing), so it is no setting.
     world_size: int = 1
-    sequence_parallel: bool | None = None  # None: on whenever tp > 1 (megatron-core MoE needs it)
     distributed_optimizer: bool = True
 
     @property
@@ -120,15 +120,11 @@ class ParallelSection:
         if (self.dp * self.cp * self.tp) % self.ep:
             # megatron-core folds expert parallelism into the dp*cp*tp ranks of one pipeline stage.
             raise ConfigError("parallel.ep", f"{self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp}")
-        if self.sequence_parallel is False and self.tp > 1:
-            raise ConfigError("parallel.sequence_parallel", "megatron-core MoE with tp > 1 requires sequence parallelism")
 
 
 @dataclass(frozen=True)
 class RolloutSection:
-    engine: Literal["vllm"] = "vllm"
-    num_engines: int = 1
-    in_process: bool = True
+    num_engines: int = 1  # vLLM engines
     max_model_len: int = 256
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -144,7 +140,8 @@ class RolloutSection:
     # broadcast; trainer rank 0 and the engines on different GPUs; any layout) or ipc (CUDA IPC
     # handles; trainer and engine share GPUs; pp=1, ep=1)
     weight_transfer: Literal["files", "nccl", "ipc"] = "files"
-    # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old.
+    # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old
+    # (>= 1: a rollout that overlaps a training step is at least one version old).
     async_mode: bool = False
     max_staleness: int = 1
     weight_sync_bucket_mb: float = 64.0
@@ -157,6 +154,10 @@ class RolloutSection:
         _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _in_range("rollout.max_staleness", self.max_staleness, 0, None)
         _in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
+        _in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
+        if self.async_mode and self.max_staleness < 1:
+            raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: every sample of a "
+                              "rollout that overlaps training is at least one version old; async needs max_staleness >= 1")
         if self.max_new_tokens >= self.max_model_len:
             raise ConfigError("rollout.max_new_tokens", f"{self.max_new_tokens} must be below rollout.max_model_len={self.max_model_len}")
 
@@ -166,11 +167,15 @@ class EnvironmentSection:
     name: str = "guess_number"
     dataset: str = ""  # JSONL or Parquet prompts; empty: the environment generates its own
     max_turns: int = 4
-    token_budget: int = 128  # model + observation tokens per episode
+    # model + observation tokens per episode (everything after the prompt); also the length the overlong
+    # penalty (algorithm.overlong_buffer) measures episodes against
+    token_budget: int = 128
     tool_timeout_s: float = 5.0
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, keep sampling
     max_resample_rounds: int = 4
     overlong_filter: bool = False
+    # the environment's own options, as it declares them (Environment.options_schema); tool_timeout_s
+    # above is passed to it as well
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -183,6 +188,31 @@ class EnvironmentSection:
         _positive("environment.token_budget", self.token_budget)
         _in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
         _in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
+        self.check_options()
+
+    def check_options(self) -> None:
+        """`options` against the environment's declaration: known keys, types, the environment's rules."""
+        from moe_rl.rollout.envs import get_env
+
+        env = get_env(self.name)
+        if "tool_timeout_s" in self.options:
+            raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s (passed to the "
+                              "environment with its options); move it there")
+        schema = env.options_schema
+        if schema is None:  # undeclared: the environment takes any options
+            return
+        values = {}
+        for key, value in self.options.items():
+            path = f"environment.options.{key}"
+            if key not in schema:
+                allowed = ", ".join(schema) or "none"
+                raise ConfigError(path, f"unknown option of environment '{self.name}'{_did_you_mean(str(key), schema)}; "
+                                  f"allowed: {allowed}")
+            values[key] = _coerce_option(schema[key], value, path)
+        try:
+            env.check_options({**env.option_defaults, **values})
+        except ValueError as err:
+            raise ConfigError("environment.options", f"{err} (environment '{self.name}')") from None
 
 
 @dataclass(frozen=True)
@@ -204,7 +234,7 @@ class AlgorithmSection:
     kl_reward_coef: float = 0.0
     kl_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
     kl_loss_coef: float = 0.0
-    kl_loss_estimator: Literal["k1", "k2", "k3", "full"] = "k3"
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     correction: str = "none"
     is_cap: float = 2.0
@@ -212,9 +242,14 @@ class AlgorithmSection:
     icepop_min: float = 0.5
     icepop_max: float = 2.0
     self_normalize: bool = False
+    # pi_old of the PPO ratio: the pre-update policy, or an EWMA of past policies (PPO-EWMA; needs a
+    # correction that reweights by pi_old/mu: tis_token, tis_seq or icepop)
     anchor: Literal["old", "ewma"] = "old"
     ewma_decay: float = 0.9
-    overlong_buffer: int = 0  # DAPO soft overlong penalty: buffer length (0: off)
+    # DAPO soft overlong penalty (0: off): an episode's tokens after the prompt (model + observation, the
+    # unit of environment.token_budget) are penalised linearly over the last `overlong_buffer` tokens
+    # before environment.token_budget, fully beyond it; must be below environment.token_budget
+    overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
     def check(self) -> None:
@@ -316,6 +351,14 @@ class CheckpointSection:
     def check(self) -> None:
         _in_range("checkpoint.every", self.every, 0, None)
         _positive("checkpoint.keep", self.keep)
+        r = self.resume
+        if r in ("auto", "never"):
+            return  # a directory is checked when the run starts
+        if not r.strip():
+            raise ConfigError("checkpoint.resume", "is empty; use 'auto', 'never' or a checkpoint directory")
+        if r.strip().lower() in ("auto", "never"):
+            raise ConfigError("checkpoint.resume", f"{r!r} is not a keyword (did you mean '{r.strip().lower()}'?); use exactly "
+                              f"'auto', 'never' or a checkpoint directory (a directory with that name: ./{r.strip()})")
 
 
 @dataclass(frozen=True)
@@ -412,10 +455,28 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
         raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
     if cfg.critic.enabled is False and alg.uses_critic:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
-    if alg.advantage in ("grpo", "drgrpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
+    if cfg.critic.enabled and not alg.uses_critic:
+        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values (only gae "
+                          "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
+    if alg.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.samples_per_prompt < 2:
         raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least 2 samples per prompt")
-    if alg.overlong_buffer and alg.overlong_buffer >= cfg.rollout.max_new_tokens:
-        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if alg.policy_loss in ("gspo", "gmpo") and alg.aggregation == "token_mean":
+        raise ConfigError("algorithm.aggregation", f"'token_mean' is inexact for the sequence-level policy loss "
+                          f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
+    if alg.anchor == "ewma" and alg.correction in ("none", "bypass"):
+        why = ("sets pi_old := mu, so the anchor would be ignored" if alg.correction == "bypass"
+               else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
+        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
+                          "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
+    if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
+        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
+                          f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
+    if cfg.trainer.warm_start_steps:
+        from moe_rl.rollout.envs import get_env
+
+        if not get_env(cfg.environment.name).has_expert():
+            raise ConfigError("trainer.warm_start_steps", f"{cfg.trainer.warm_start_steps} needs a scripted expert, and "
+                              f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
 
 
 def check_layout_fits_model(par: ParallelSection, heads: int, kv_heads: int, experts: int, layers: int) -> None:
@@ -434,6 +495,14 @@ def check_layout_fits_model(par: ParallelSection, heads: int, kv_heads: int, exp
 # --------------------------------------------------------------------------------------------------
 
 
+# Settings that no longer exist: why, for configs written before.
+_REMOVED = {
+    "parallel.sequence_parallel": "removed: sequence parallelism is on exactly when parallel.tp > 1",
+    "rollout.engine": "removed: vLLM is the only rollout engine",
+    "rollout.in_process": "removed: it was never read",
+}
+
+
 def _build(cls, data: Any, path: str):
     """Build dataclass `cls` from plain YAML data, checking keys and types; no defaults are guessed."""
     if not isinstance(data, dict):
@@ -444,7 +513,8 @@ def _build(cls, data: Any, path: str):
     for key, value in data.items():
         sub = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            raise ConfigError(sub, f"unknown key{_did_you_mean(str(key), fields)}; allowed: {', '.join(fields)}")
+            hint = f" ({_REMOVED[sub]})" if sub in _REMOVED else _did_you_mean(str(key), fields)
+            raise ConfigError(sub, f"unknown key{hint}; allowed: {', '.join(fields)}")
         kwargs[key] = _coerce(hints[key], value, sub)
     return cls(**kwargs)
 
@@ -492,6 +562,16 @@ def _coerce(tp, value: Any, path: str):
         if isinstance(value, str):
             return value
     raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _coerce_option(tp, value: Any, path: str):
+    """An environment option: the config's own types (int, float, str, bool, unions, ...) as for fields;
+    any other class by isinstance."""
+    if isinstance(tp, type) and tp not in (bool, int, float, str, dict) and not dataclasses.is_dataclass(tp):
+        if not isinstance(value, tp):
+            raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        return value
+    return _coerce(tp, value, path)
 
 
 def _type_name(tp) -> str:
@@ -559,12 +639,54 @@ def _deep_copy(data):
     return data
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, path: str, first: int, second: int):
+        super().__init__(path)
+        self.path, self.first, self.second = path, first, second
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key repeated within one mapping (plain YAML silently keeps the last)."""
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, "", set())
+        return self.construct_document(node)
+
+
+def _check_unique_keys(node, path: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias of a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                sub = f"{path}.{key_node.value}" if path else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                key = (key_node.tag, key_node.value)
+                if key in lines:
+                    raise _DuplicateKey(sub, lines[key], line)
+                lines[key] = line
+                _check_unique_keys(value_node, sub, seen)
+            else:
+                _check_unique_keys(value_node, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, f"{path}[{i}]", seen)
+
+
 def load_config(path: str | Path, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as dup:
+        raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML would keep "
+                          "only the last, silently: keep one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -64,7 +64,6 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["parallel.ep=3", "parallel.world_size=3"], "parallel.ep"),  # 4 experts
     (["parallel.pp=2", "parallel.world_size=2", "model.tiny.num_layers=3"], "parallel.pp"),
     (["parallel.tp=2", "parallel.world_size=3"], "parallel.world_size"),
-    (["parallel.tp=2", "parallel.world_size=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel"),
     (["model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=delayed", "model.layer_spec=transformer_engine"], "model.layer_spec"),
     (["model.fp8=mxfp8"], "model.fp8"),
@@ -72,6 +71,7 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
     (["algorithm.advantage=grpo", "algorithm.lam_critic=0.9", "rollout.samples_per_prompt=4"], "algorithm.lam_critic"),
     (["critic.enabled=false"], "critic.enabled"),
+    (["algorithm.advantage=reinforce_pp_baseline", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
     (["model.moe_dispatcher=allgather", "parallel.pp=2", "parallel.world_size=2"], "model.moe_dispatcher"),
 ])
 def test_incompatible_combinations(overrides, field):
@@ -105,3 +105,111 @@ def test_bad_override_syntax_and_files(tmp_path):
 def test_every_shipped_config_validates(path):
     cfg = load_config(ROOT / path, cuda_available="quickstart" not in path)  # the recipes are for GPU clusters
     assert cfg.run.steps > 0
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_duplicate_yaml_keys_are_refused_with_path_and_lines(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, "run:\n  steps: 2\nalgorithm:\n  gamma: 0.9\nrun:\n  seed: 1\n"), cuda_available=False)
+    assert str(info.value).startswith("run: appears twice in") and "(lines 1 and 5)" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, "rollout:\n  temperature: 1.0\n  top_p: 0.9\n  temperature: 0.5\n"), cuda_available=False)
+    assert str(info.value).startswith("rollout.temperature: appears twice") and "(lines 2 and 4)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"^environment\.options\.low: appears twice .*lines 2 and 2"):
+        load_config(_write(tmp_path, "environment:\n  options: {low: 1, low: 2}\n"), cuda_available=False)
+    # the same key in different sections, and anchors/aliases, are fine
+    cfg = load_config(_write(tmp_path, "run: &r {steps: 2}\ntrainer:\n  epochs: 2\ncritic:\n  warmup_steps: 2\n"),
+                      cuda_available=False)
+    assert cfg.run.steps == 2 and cfg.trainer.epochs == 2
+
+
+@pytest.mark.parametrize("value", ["Auto", "NEVER", " auto", "Never "])
+def test_resume_refuses_miscased_keywords(value):
+    msg = _err([], {"checkpoint": {"resume": value}})
+    assert msg.startswith("checkpoint.resume:") and f"did you mean '{value.strip().lower()}'" in msg
+
+
+def test_resume_accepts_keywords_and_paths():
+    for value in ("auto", "never", "runs/x/checkpoints/step_000002", "./Auto"):
+        assert from_dict({"checkpoint": {"resume": value}}, cuda_available=False).checkpoint.resume == value
+    assert _err(["checkpoint.resume="]).startswith("checkpoint.resume: is empty")
+
+
+@pytest.mark.parametrize("overrides, start", [
+    (["rollout.kv_cache_gb=-1"], "rollout.kv_cache_gb: -1.0 is outside the allowed range (0.0, inf)"),
+    (["rollout.kv_cache_gb=0"], "rollout.kv_cache_gb: 0.0 is outside"),
+    (["rollout.async_mode=true", "rollout.max_staleness=0"], "rollout.max_staleness: 0 with rollout.async_mode=true"),
+    (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"], "algorithm.aggregation: 'token_mean'"),
+    (["algorithm.policy_loss=gmpo"], "algorithm.aggregation: 'token_mean'"),
+    (["algorithm.advantage=grpo", "critic.enabled=true"], "critic.enabled: true with advantage 'grpo'"),
+    (["algorithm.advantage=reward_to_go", "critic.enabled=true"], "critic.enabled: true with advantage 'reward_to_go'"),
+    (["algorithm.kl_loss_estimator=full"], "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
+    (["algorithm.anchor=ewma"], "algorithm.anchor: 'ewma' with algorithm.correction=none"),
+    (["algorithm.anchor=ewma", "algorithm.correction=bypass"], "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
+    (["algorithm.overlong_buffer=128"], "algorithm.overlong_buffer: 128 must be below environment.token_budget=128"),
+    (["environment.name=calculator", "trainer.warm_start_steps=2"], "trainer.warm_start_steps: 2 needs a scripted expert"),
+])
+def test_refused_settings(overrides, start):
+    assert _err(overrides).startswith(start)
+
+
+def test_accepted_neighbours_of_refused_settings():
+    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"], ["rollout.max_staleness=0"],
+          ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean"],
+          ["algorithm.advantage=grpo", "critic.enabled=false"], ["algorithm.advantage=gae", "critic.enabled=true"],
+          ["algorithm.anchor=ewma", "algorithm.correction=tis_token"], ["algorithm.anchor=ewma", "algorithm.correction=icepop"],
+          ["algorithm.anchor=old", "algorithm.correction=bypass"],
+          # the overlong buffer is measured against the episode budget, not the per-turn cap
+          ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
+          ["environment.name=calculator", "trainer.warm_start_steps=0"],
+          ["environment.name=arithmetic", "trainer.warm_start_steps=2"]]
+    for overrides in ok:
+        from_dict({}, overrides, cuda_available=False)
+
+
+@pytest.mark.parametrize("field", ["rollout.engine=vllm", "rollout.in_process=false", "parallel.sequence_parallel=true"])
+def test_removed_fields_are_unknown_keys(field):
+    key = field.partition("=")[0]
+    assert _err([field]).startswith(f"{key}: unknown key (removed: ")
+
+
+@pytest.mark.parametrize("data, start", [
+    ({"name": "guess_number", "options": {"hgh": 20}},
+     "environment.options.hgh: unknown option of environment 'guess_number' (did you mean 'high'?); allowed: low, high"),
+    ({"name": "guess_number", "options": {"low": "one"}}, "environment.options.low: expected int, got 'one' (str)"),
+    ({"name": "guess_number", "options": {"low": 1.5}}, "environment.options.low: expected int"),
+    ({"name": "guess_number", "options": {"low": 5, "high": 3}}, "environment.options: low=5 must be <= high=3"),
+    ({"name": "guess_number", "options": {"high": 0}}, "environment.options: low=1 must be <= high=0"),  # default low
+    ({"name": "arithmetic", "options": {"max_operand": -1}}, "environment.options: max_operand=-1 must be >= 0"),
+    ({"name": "calculator", "options": {"low": 1}}, "environment.options.low: unknown option of environment 'calculator'"),
+    ({"name": "calculator", "options": {"tool_timeout_s": 3}}, "environment.options.tool_timeout_s: set by environment.tool_timeout_s"),
+])
+def test_environment_options_are_checked_against_the_declaration(data, start):
+    msg = _err(["trainer.warm_start_steps=0"], {"environment": data, "algorithm": {"advantage": "gae"}})
+    assert msg.startswith(start), msg
+
+
+def test_environment_option_declarations(monkeypatch):
+    from moe_rl.rollout.envs import _ENVS, Environment, get_env
+
+    guess, calc = get_env("guess_number"), get_env("calculator")
+    assert guess.has_expert() and get_env("arithmetic").has_expert() and not calc.has_expert()
+    assert guess(low=3).option("low") == 3 and guess().option("high") == 9
+    assert [p["high"] for p in guess.generate_prompts(2, seed=0, low=1, high=2)] == [2, 2]
+    cfg = from_dict({"environment": {"options": {"low": 2, "high": 2}}}, cuda_available=False)
+    assert cfg.environment.options == {"low": 2, "high": 2}
+
+    class Mine(Environment):  # no declaration: any options, and no scripted expert
+        pass
+
+    monkeypatch.setitem(_ENVS, "mine", Mine)
+    assert not Mine.has_expert()
+    cfg = from_dict({"environment": {"name": "mine", "options": {"anything": [1, 2], "x": "y"}}},
+                    ["trainer.warm_start_steps=0"], cuda_available=False)
+    assert cfg.environment.options["anything"] == [1, 2]
+    assert "trainer.warm_start_steps" in _err([], {"environment": {"name": "mine"}, "trainer": {"warm_start_steps": 1}})

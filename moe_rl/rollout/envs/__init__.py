@@ -12,15 +12,30 @@ Plug in your own:
             ...
 
 then `environment.name: my_task` in the config. `prompt` is one dataset row (a dict); `options` come
-from `environment.options`. Environments must not block the event loop for long: run heavy work in a
-thread or use `moe_rl.rollout.sandbox` for untrusted code.
+from `environment.options` (plus `tool_timeout_s`, from `environment.tool_timeout_s`). Environments must
+not block the event loop for long: run heavy work in a thread or use `moe_rl.rollout.sandbox` for
+untrusted code.
+
+Declare the options your environment reads and `moe-rl check-config` checks them (unknown keys, types,
+your own rules) when the config loads; without a declaration any options are accepted:
+
+    class MyTask(Environment):
+        options_schema = {"max_len": int, "hint": str}      # name -> int, float, str or bool
+        option_defaults = {"max_len": 32, "hint": ""}
+
+        @classmethod
+        def check_options(cls, options: dict) -> None:       # declared defaults filled in
+            if options["max_len"] <= 0:
+                raise ValueError(f"max_len={options['max_len']} must be positive")
+
+A supervised warm start (`trainer.warm_start_steps`) needs a scripted expert: override `expert_turn`.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 _ENVS: dict[str, type] = {}
 
@@ -40,9 +55,28 @@ class Environment:
 
     role_for_observations = "user"  # chat role under which observations are appended
     max_tool_errors = 3  # after this many failed tool calls the episode ends with outcome tool_error
+    # The options read from `environment.options`: name -> type (int, float, str or bool), and their
+    # defaults. None: undeclared, any options are accepted. `tool_timeout_s` is never declared here: it
+    # comes from `environment.tool_timeout_s` and is always passed.
+    options_schema: ClassVar[dict[str, type] | None] = None
+    option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **options):
         self.options = options
+
+    def option(self, name: str) -> Any:
+        """`environment.options[name]`, or the declared default."""
+        return self.options.get(name, self.option_defaults.get(name))
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """The environment's own rules over its options (declared defaults filled in, types already
+        checked), run when the config loads. Raise ValueError with a one-line message. Default: none."""
+
+    @classmethod
+    def has_expert(cls) -> bool:
+        """Whether the class has a scripted expert (overrides `expert_turn`) for supervised warm starts."""
+        return getattr(cls.expert_turn, "__func__", None) is not Environment.expert_turn.__func__
 
     async def reset(self, prompt: dict) -> list[dict]:
         raise NotImplementedError

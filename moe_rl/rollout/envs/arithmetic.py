@@ -15,6 +15,14 @@ _INT = re.compile(r"-?\d+")
 
 @register_env("arithmetic")
 class Arithmetic(Environment):
+    options_schema = {"max_operand": int}  # generated prompts add two integers in [0, max_operand]
+    option_defaults = {"max_operand": 9}
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        if options["max_operand"] < 0:
+            raise ValueError(f"max_operand={options['max_operand']} must be >= 0")
+
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
         return [{"role": "user", "content": str(prompt["question"])}]
@@ -30,7 +38,8 @@ class Arithmetic(Environment):
         return str(rng.randint(0, 18))
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, max_operand: int = 9, **_) -> list[dict]:
+    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
+        max_operand = int(options.get("max_operand", cls.option_defaults["max_operand"]))
         rng = random.Random(seed)
         out = []
         for _ in range(n):

@@ -37,6 +37,16 @@ print(int(v) if float(v).is_integer() else round(v, 6))
 
 @register_env("calculator")
 class Calculator(Environment):
+    # generated prompts compute a*b+c with integers in [2, max_operand]; the tool's time limit is
+    # environment.tool_timeout_s (passed as the `tool_timeout_s` option)
+    options_schema = {"max_operand": int}
+    option_defaults = {"max_operand": 99}
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        if options["max_operand"] < 2:
+            raise ValueError(f"max_operand={options['max_operand']} must be >= 2")
+
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
         self.timeout = float(self.options.get("tool_timeout_s", 5.0))
@@ -70,7 +80,8 @@ class Calculator(Environment):
         return res.stdout.strip()
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, max_operand: int = 99, **_) -> list[dict]:
+    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
+        max_operand = int(options.get("max_operand", cls.option_defaults["max_operand"]))
         rng = random.Random(seed)
         out = []
         for _ in range(n):

@@ -19,8 +19,16 @@ _INT = re.compile(r"-?\d+")
 
 @register_env("guess_number")
 class GuessNumber(Environment):
+    options_schema = {"low": int, "high": int}  # the secret's range, for prompts that do not carry one
+    option_defaults = {"low": 1, "high": 9}
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        if options["low"] > options["high"]:
+            raise ValueError(f"low={options['low']} must be <= high={options['high']}")
+
     async def reset(self, prompt: dict) -> list[dict]:
-        self.low, self.high = int(prompt.get("low", self.options.get("low", 1))), int(prompt.get("high", self.options.get("high", 9)))
+        self.low, self.high = int(prompt.get("low", self.option("low"))), int(prompt.get("high", self.option("high")))
         self.secret = int(prompt["secret"])
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
@@ -43,6 +51,7 @@ class GuessNumber(Environment):
         return str(rng.randint(low, high))
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, low: int = 1, high: int = 9, **_) -> list[dict]:
+    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
+        low, high = (int(options.get(k, cls.option_defaults[k])) for k in ("low", "high"))
         rng = random.Random(seed)
         return [{"secret": rng.randint(low, high), "low": low, "high": high} for _ in range(n)]
