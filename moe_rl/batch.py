@@ -29,6 +29,7 @@ class TrainBatch:
     group: torch.Tensor  # [B] long
     terminated: torch.Tensor  # [B] bool
     boundary_len: torch.Tensor  # [B] long
+    prompt_len: torch.Tensor  # [B] long: tokens before the first model turn
     version: torch.Tensor  # [B] long: weight version at generation start
     routes: torch.Tensor | None  # [B, S, L, K] long, or None
     routes_filled: int = 0  # tail positions filled (never computed by the engine; cannot matter)
@@ -75,12 +76,14 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> TrainBatch:
         loss_mask=mask & ~excluded.unsqueeze(1), logp_mu=logp, rewards=rewards,
         score=torch.tensor([t.total_reward for t in trajs]), group=torch.tensor([t.group_id for t in trajs]),
         terminated=torch.tensor([t.terminated for t in trajs]), boundary_len=torch.tensor([t.boundary_len for t in trajs]),
+        prompt_len=torch.tensor([t.prompt_len for t in trajs]),
         version=torch.tensor([t.weight_version for t in trajs]), routes=routes, routes_filled=filled)
 
 
 def state_values(critic_out: torch.Tensor, boundary_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic outputs per position -> (V(s_t) for every t [B, S], V(s_boundary) [B])."""
-    values = torch.zeros_like(critic_out)
-    values[:, 1:] = critic_out[:, :-1]
+    from moe_rl.train.actor import state_values as shift
+
+    values = shift(critic_out)
     boundary = critic_out.gather(1, (boundary_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     return values, boundary

@@ -100,7 +100,7 @@ class TrainActor:
     """One rank of a Megatron trainer group."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
-                 load_weights: bool = True):
+                 load_weights: bool = True, value_head_from: str | None = None):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=addr, MASTER_PORT=str(port))
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         from moe_rl.train import parallel
@@ -109,7 +109,8 @@ class TrainActor:
         parallel.init_distributed(layout)
         self.rank = rank
         self.transfer = None
-        self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights)
+        self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights,
+                                  value_head_from=value_head_from)
         self.anchor = None
 
     def node(self) -> str:
@@ -191,7 +192,7 @@ class TrainActor:
 
 class TrainerGroup:
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
-                 load_weights: bool = True):
+                 load_weights: bool = True, value_head_from: str | None = None):
         from moe_rl.train.parallel import Layout
 
         par = cfg.parallel
@@ -199,7 +200,8 @@ class TrainerGroup:
         world = par.world_size
         addr, port = place.address(slot)
         self.actors = [TrainActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
-                                                                         layout, load_weights) for r in range(world)]
+                                                                         layout, load_weights, value_head_from)
+                       for r in range(world)]
         self.dp = par.dp
         self.world = world
         self.tp_cp = par.tp * par.cp

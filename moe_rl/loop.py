@@ -10,6 +10,7 @@ running engine between its steps, and drops samples older than `rollout.max_stal
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -25,7 +26,8 @@ from moe_rl.algos import aggregate, checks, correction, registry, stats
 from moe_rl.algos import rewards as R
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
 from moe_rl.config import RunConfig
-from moe_rl.metrics import Metrics
+from moe_rl.metrics import Metrics, reduce_updates
+from moe_rl.types import Outcome
 from moe_rl.weights.hf import HF_CONFIG_DIR, copy_hf_config
 
 
@@ -35,6 +37,34 @@ def main(cfg: RunConfig) -> int:
 
 def say(msg: str) -> None:
     print(f"[moe-rl] {msg}", flush=True)
+
+
+def step_targets(b, values, boundary, logp_ref, alg, token_budget: int):
+    """Advantages [B, S], returns [B, S] (None without a critic) and reward metrics for batch `b`.
+
+    Rewards are shaped first, by the KL penalty (u_t - beta k_t) and the DAPO overlong penalty R_len on
+    the last model token, where the length is the episode's tokens after the prompt (model and
+    observation tokens: the unit environment.token_budget bounds). Both act on the per-token rewards
+    u_t (GAE, reward-to-go) and, through R(tau) = sum_t u_t, on the score the outcome estimators read
+    (GRPO, RLOO, REINFORCE, ...): R(tau) - beta sum_t k_t + R_len. So every estimator sees them.
+    """
+    rewards, m = b.rewards, {}
+    if alg.kl_reward_coef:
+        rewards, k = R.kl_shaped_rewards(rewards, b.logp_mu, logp_ref, b.mask, alg.kl_reward_coef, alg.kl_reward_estimator)
+        m["reward/kl_penalty_mean"] = (k * b.mask).sum() / b.mask.sum().clamp(min=1)
+    if alg.overlong_buffer:
+        penalty = R.overlong_penalty(b.lengths - b.prompt_len, token_budget, alg.overlong_buffer, alg.overlong_penalty)
+        rewards = rewards + R.place_terminal_reward(penalty, b.mask)
+        m["reward/overlong_penalty_mean"] = penalty.mean()
+    score = rewards.sum(1) if (alg.kl_reward_coef or alg.overlong_buffer) else b.score
+    inp = AdvantageInputs(rewards_BT=rewards, mask_BT=b.mask, score_B=score, group_B=b.group,
+                          values_BT=values, terminated_B=b.terminated, boundary_value_B=boundary)
+    hp = AdvantageParams(gamma=alg.gamma, lam=alg.lam, lam_critic=alg.lam_critic,
+                         length_adaptive_alpha=alg.length_adaptive_alpha)
+    adv, returns = registry.get("advantage", alg.advantage)(inp, hp)
+    if alg.whiten_advantages:
+        adv = whiten(adv, b.mask)
+    return adv.float(), returns, m
 
 
 class Trainer:
@@ -81,7 +111,12 @@ class Trainer:
         self.critic = None
         if cfg.critic_enabled:
             copt = OptimSettings(**{**optim.__dict__, "lr": cfg.critic.lr})
-            self.critic = cluster.TrainerGroup(cfg, place, "critic", spec, "critic", copt, cfg.run.seed + 1)
+            # critic.init_from: the policy's checkpoint, or another one (a reward model: its score head
+            # becomes the value head)
+            source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
+            cspec = spec if source is None else dataclasses.replace(spec, hf_path=source)
+            self.critic = cluster.TrainerGroup(cfg, place, "critic", cspec, "critic", copt, cfg.run.seed + 1,
+                                               value_head_from=source)
         self.reference = None
         if use_reference:
             self.reference = cluster.TrainerGroup(cfg, place, "reference", spec, "policy", optim, cfg.run.seed + 2)
@@ -89,7 +124,7 @@ class Trainer:
         self.env_cls = get_env(env.name)
         agent = AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=cfg.rollout.max_model_len,
                               max_tokens_per_turn=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p)
+                              top_p=cfg.rollout.top_p, overlong_filter=env.overlong_filter)
         self.transfer = cfg.rollout.weight_transfer
         self.engines = [cluster.RolloutActor.options(**place.options("engine", i)).remote(
             EngineSettings(path, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.run.seed,
@@ -153,30 +188,15 @@ class Trainer:
             stats.tool_errors += st.tool_errors
         return trajs, stats
 
-    def _advantages(self, b, logp_old, values, boundary, logp_ref):
-        alg = self.cfg.algorithm
-        rewards = b.rewards
-        m = {}
-        if alg.kl_reward_coef:
-            rewards, k = R.kl_shaped_rewards(rewards, b.logp_mu, logp_ref, b.mask, alg.kl_reward_coef, alg.kl_reward_estimator)
-            m["reward/kl_penalty_mean"] = (k * b.mask).sum() / b.mask.sum().clamp(min=1)
-        score = b.score
-        if alg.overlong_buffer:
-            lengths = b.mask.sum(1)
-            score = score + R.overlong_penalty(lengths, self.cfg.environment.token_budget, alg.overlong_buffer, alg.overlong_penalty)
-        inp = AdvantageInputs(rewards_BT=rewards, mask_BT=b.mask, score_B=score, group_B=b.group,
-                              values_BT=values, terminated_B=b.terminated, boundary_value_B=boundary)
-        hp = AdvantageParams(gamma=alg.gamma, lam=alg.lam, lam_critic=alg.lam_critic,
-                             length_adaptive_alpha=alg.length_adaptive_alpha)
-        adv, returns = registry.get("advantage", alg.advantage)(inp, hp)
-        if alg.whiten_advantages:
-            adv = whiten(adv, b.mask)
-        return adv.float(), returns, m
-
     def _token_batch(self, b, **tensors):
         from moe_rl.train.worker import TokenBatch
 
         return TokenBatch(b.input_ids, b.lengths, b.routes if self.cfg.rollout.record_routes else None, tensors)
+
+    def _correct(self, logp_old, b):
+        alg = self.cfg.algorithm
+        return registry.get("correction", alg.correction)(logp_old, b.logp_mu, b.mask, correction.CorrectionParams(
+            alg.is_cap, alg.seq_is_cap, alg.icepop_min, alg.icepop_max))
 
     def _train_step(self, trajs, rstats) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -186,45 +206,38 @@ class Trainer:
         keep, stale = correction.staleness(b.version, self.version, cfg.rollout.max_staleness if cfg.rollout.async_mode else None)
         if not bool(keep.all()):
             b = b.select(keep.nonzero().squeeze(1))
+        ewma = alg.anchor == "ewma"
         # --- old / reference log-probs and values, routes replayed
         t = time.perf_counter()
         plain = self._token_batch(b)
-        scored = self.policy.score(plain)
-        logp_replay = scored["logp"]
-        anchor_gap = None
-        if alg.correction == "bypass":
-            logp_old = b.logp_mu
-        elif alg.anchor == "ewma":
-            logp_old = self.policy.score(plain, anchor=True)["logp"]
-            # how far the anchor pi_{theta_bar} sits from the current policy (0 at the first RL step)
-            anchor_gap = ((logp_old - logp_replay).abs() * b.mask).sum() / b.mask.sum().clamp(min=1)
-        else:
-            logp_old = logp_replay
+        logp_replay = self.policy.score(plain)["logp"]
+        # pi_old: mu itself (bypass), the EWMA anchor (scored per minibatch, below: it moves after each
+        # update), or the policy before this step's updates
+        logp_old = b.logp_mu if alg.correction == "bypass" else None if ewma else logp_replay
         from moe_rl.train.worker import TokenBatch
 
         # the trainer's own routing (no replay): the mismatch R3 removes, and the routing agreement
         free = self.policy.score(TokenBatch(b.input_ids, b.lengths, None, {}), record_routes=b.routes is not None)
         logp_ref = self.reference.score(plain)["logp"] if self.reference else None
         values = boundary = None
-        critic_out = None
         if self.critic:
-            critic_out = self.critic.score(plain)["values"]
-            values, boundary = batching.state_values(critic_out, b.boundary_len)
+            values, boundary = batching.state_values(self.critic.score(plain)["values"], b.boundary_len)
         timings["timing/score_s"] = time.perf_counter() - t
-        # --- advantages and corrections (pure math)
-        t = time.perf_counter()
-        adv, returns, m = self._advantages(b, logp_old, values, boundary, logp_ref)
-        corr = registry.get("correction", alg.correction)(logp_old, b.logp_mu, b.mask, correction.CorrectionParams(
-            alg.is_cap, alg.seq_is_cap, alg.icepop_min, alg.icepop_max))
-        loss_mask = b.loss_mask & corr.keep_BT
+        # --- the pre-update checklist, before any target is computed
+        corr = None if ewma else self._correct(logp_old, b)  # EWMA: per minibatch (config: ewma reads mu)
+        reads_mu = ewma or corr.needs_behaviour
         checks.check_batch(b.mask, torch.arange(b.input_ids.shape[1]).expand_as(b.mask) < b.lengths.unsqueeze(1), b.rewards,
-                           b.terminated, boundary, b.logp_mu, logp_old, logp_ref, needs_behaviour=corr.needs_behaviour,
+                           b.terminated, boundary, b.logp_mu, logp_old, logp_ref, needs_behaviour=reads_mu,
                            needs_reference=bool(alg.kl_loss_coef or alg.kl_reward_coef), needs_boundary=self.critic is not None,
-                           synchronous=False)
+                           # synchronous PPO without a correction assumes mu = pi_old: verify it
+                           synchronous=not cfg.rollout.async_mode and not reads_mu and not ewma)
+        # --- advantages and returns (pure math)
+        t = time.perf_counter()
+        adv, returns, out = step_targets(b, values, boundary, logp_ref, alg, cfg.environment.token_budget)
         timings["timing/advantages_s"] = time.perf_counter() - t
         # --- critic update
         t = time.perf_counter()
-        out = {}
+        critic_updates = []
         if self.critic:
             for _ in range(cfg.trainer.epochs):
                 for rows in self._minibatches(b.size):
@@ -232,38 +245,49 @@ class Trainer:
                                            values_old=values[rows].float())
                     denom = aggregate.loss_denominator(b.mask[rows], "token_mean")
                     if float(denom) > 0:
-                        out.update({f"critic/{k}": v for k, v in self.critic.train(mb, ("value", cfg.critic.value_clip), denom).items()})
+                        critic_updates.append(self.critic.train(mb, ("value", cfg.critic.value_clip), denom))
         timings["timing/critic_train_s"] = time.perf_counter() - t
         # --- actor update
         t = time.perf_counter()
-        from moe_rl.train.actor import PolicyLossSpec
-
-        spec = PolicyLossSpec(alg.policy_loss, alg.clip_low, alg.clip_high, alg.dual_clip, alg.aggregation,
-                              alg.kl_loss_coef, alg.kl_loss_estimator if alg.kl_loss_estimator != "full" else "k3",
-                              alg.entropy_coef)
-        constant = alg.loss_constant or float(cfg.environment.token_budget)
-        skipped = 0
+        policy_updates, corr_updates, skipped, anchor_gap = [], [], 0, None
         if self.step >= cfg.critic.warmup_steps:
+            from moe_rl.train.actor import PolicyLossSpec
+
+            spec = PolicyLossSpec(alg.policy_loss, alg.clip_low, alg.clip_high, alg.dual_clip, alg.aggregation,
+                                  alg.kl_loss_coef, alg.kl_loss_estimator, alg.entropy_coef)
+            constant = alg.loss_constant or float(cfg.environment.token_budget)
             for _ in range(cfg.trainer.epochs):
                 for rows in self._minibatches(b.size):
-                    lm = loss_mask[rows]
-                    w = corr.weight_BT[rows].float()
-                    denom = aggregate.loss_denominator(lm, alg.aggregation, constant, w, alg.self_normalize)
-                    if float(denom) <= 0:
+                    mb = b.select(rows)
+                    if ewma:  # update n uses pi_{theta_bar_{n-1}}, the anchor as it is now
+                        old_rows = self.policy.score(self._token_batch(mb), anchor=True)["logp"]
+                        mb_corr = self._correct(old_rows, mb)
+                        corr_updates.append(mb_corr.metrics)
+                        if anchor_gap is None:  # the anchor vs the policy at the start of the step
+                            anchor_gap = ((old_rows - logp_replay[rows]).abs() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+                    else:
+                        old_rows, mb_corr = logp_old[rows], correction.Correction(corr.weight_BT[rows], corr.keep_BT[rows])
+                    lm = mb.loss_mask & mb_corr.keep_BT
+                    w = mb_corr.weight_BT.float()
+                    denoms = {"policy": aggregate.loss_denominator(lm, alg.aggregation, constant, w, alg.self_normalize),
+                              "regularizer": aggregate.loss_denominator(lm, alg.aggregation, constant)}
+                    if float(denoms["policy"]) <= 0:
                         skipped += 1  # empty minibatch: a skip signal, never an epsilon denominator
                         continue
-                    tensors = dict(loss_mask=lm, adv=adv[rows], logp_old=logp_old[rows].float(), is_weight=w)
+                    tensors = dict(loss_mask=lm, adv=adv[rows], logp_old=old_rows.float(), is_weight=w)
                     if logp_ref is not None:
                         tensors["logp_ref"] = logp_ref[rows]
-                    res = self.policy.train(self._token_batch(b.select(rows), **tensors), ("policy", spec), denom)
-                    out.update({f"policy/{k}": v for k, v in res.items()})
+                    policy_updates.append(self.policy.train(self._token_batch(mb, **tensors), ("policy", spec), denoms))
         timings["timing/actor_train_s"] = time.perf_counter() - t
         # --- weight sync
         t = time.perf_counter()
         self.version += 1
         self._sync()
         timings["timing/sync_s"] = time.perf_counter() - t
-        # --- metrics
+        # --- metrics: each figure over the whole step (every minibatch of every epoch)
+        out.update({f"critic/{k}": v for k, v in reduce_updates(critic_updates).items()})
+        out.update({f"policy/{k}": v for k, v in reduce_updates(policy_updates).items()})
+        out.update({f"correction/{k}": v for k, v in (corr.metrics if corr else reduce_updates(corr_updates)).items()})
         valid = b.mask
         n_tok = valid.sum().clamp(min=1)
         out.update({
@@ -273,16 +297,21 @@ class Trainer:
             "rollout/turns_mean": torch.tensor([len(t.spans) for t in trajs]).float().mean(),
             "rollout/samples": b.size, "rollout/rejected": sum(rstats.rejected.values()),
             "rollout/dropped_groups": rstats.dropped_groups, "rollout/tool_errors": rstats.tool_errors,
+            "rollout/overlong_filtered": rstats.overlong_filtered,
             "policy/advantage_mean": (adv * valid).sum() / n_tok, "policy/skipped_minibatches": skipped,
+            "policy/lr": cfg.trainer.lr, **({"critic/lr": cfg.critic.lr} if self.critic else {}),
             "correction/logp_mismatch_mean": ((logp_replay - b.logp_mu).abs() * valid).sum() / n_tok,
             "correction/logp_mismatch_max": ((logp_replay - b.logp_mu).abs() * valid).max(),
             "correction/logp_mismatch_no_replay": ((free["logp"] - b.logp_mu).abs() * valid).sum() / n_tok,
-            "correction/staleness_mean": stale["staleness_mean"], "correction/stale_dropped": stale["stale_dropped"],
+            "correction/staleness_mean": stale["staleness_mean"], "correction/staleness_max": stale["staleness_max"],
+            "correction/stale_dropped": stale["stale_dropped"],
             "routing/filled_tail_positions_per_sample": b.routes_filled / max(1, b.size),
         })
-        for k, v in rstats.outcomes.items():
-            out[f"rollout/outcome_{k}"] = v / max(1, sum(rstats.outcomes.values()))
-        out.update({f"correction/{k}": v for k, v in corr.metrics.items()})
+        total = max(1, sum(rstats.outcomes.values()))
+        for k in Outcome:  # every outcome every step (0 when absent): charts never join distant points
+            out[f"rollout/outcome_{k.value}"] = rstats.outcomes.get(k.value, 0) / total
+        for reason, n in rstats.rejected.items():
+            out[f"rollout/rejected_{reason}"] = n
         if b.routes is not None and "routes" in free:
             # positions that influence a sampled token: everything before each sample's last model token
             last = R.last_action_index(b.mask)
@@ -430,7 +459,8 @@ class Trainer:
             if cfg.trainer.warm_start_steps:
                 summary.update(self.warm_start())
             self._init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
-        metrics = Metrics(self.out / "tensorboard", cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar, self.step)
+        metrics = Metrics(self.out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps,
+                          cfg.logging.progress_bar, self.step, every=cfg.logging.log_every)
         history = []
         if cfg.trainer.eval_prompts and resume is None:
             summary.update({f"{k}_before": float(v) for k, v in self.evaluate().items()})

@@ -23,10 +23,35 @@ def scalar(v) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
+    """One step's figures from its updates (every minibatch of every epoch): the mean of each key,
+    except max-like keys (`*_max`, `*max`) take the maximum and min-like keys (`*_min`) the minimum.
+    Keys missing from some updates are reduced over the updates that have them."""
+    seen: dict[str, list[float]] = {}
+    for u in updates:
+        for k, v in u.items():
+            f = scalar(v)
+            if f is not None:
+                seen.setdefault(k, []).append(f)
+    out = {}
+    for k, vs in seen.items():
+        if k.endswith("max"):
+            out[k] = max(vs)
+        elif k.endswith("min"):
+            out[k] = min(vs)
+        else:
+            out[k] = sum(vs) / len(vs)
+    return out
+
+
 class Metrics:
+    """TensorBoard scalars under `log_dir`, written every `every` steps (and at the last step), and a
+    progress bar advanced every step."""
+
     def __init__(self, log_dir: str | Path, enabled: bool = True, total_steps: int = 0, progress: bool = True,
-                 start_step: int = 0):
+                 start_step: int = 0, every: int = 1):
         self.writer = None
+        self.every, self.total = every, total_steps
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -44,7 +69,7 @@ class Metrics:
             if f is not None:
                 clean[k] = f
         clean["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
-        if self.writer is not None:
+        if self.writer is not None and (step % self.every == 0 or step == self.total or not advance):
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()

@@ -8,6 +8,7 @@ sampled. Everything downstream (reward placement, GAE, losses, R3) reads these f
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +166,8 @@ def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:
         bad.append("spans: model-output spans do not match the response mask")
     if len(t.turn_rewards) != len(t.spans):
         bad.append("turn_rewards: one turn reward per model-output span is required")
+    if not all(math.isfinite(r) for r in [t.terminal_reward, *t.turn_rewards]):
+        bad.append("rewards: a reward is not finite (NaN or inf)")
     if any(lp > 1e-4 or lp != lp for lp, m in zip(t.logprobs, t.response_mask, strict=False) if m):
         bad.append("policy_roles: a sampled token has no valid behaviour log-prob")
     if not t.terminated and not (0 < t.boundary_len <= n):

@@ -36,6 +36,7 @@ class AgentSettings:
     top_p: float = 1.0
     repetition_limit: int = 3  # identical consecutive turns that end the episode
     env_timeout_s: float = 30.0  # a reset/step slower than this is an environment failure
+    overlong_filter: bool = False  # DAPO: truncated episodes stay in the batch without policy loss
 
 
 @dataclass
@@ -174,8 +175,11 @@ class Agent:
         tasks = [self.run_episode(p, first_group_id + g, k, None if seed is None else seed + 7919 * (first_group_id + g) + k)
                  for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
         done = await asyncio.gather(*tasks)
+        kept = self.accept(list(done))
+        if self.s.overlong_filter:
+            self.overlong_filter(kept)
         groups: dict[int, list[Trajectory]] = {}
-        for t in self.accept(list(done)):
+        for t in kept:
             groups.setdefault(t.group_id, []).append(t)
         return [groups[g] for g in sorted(groups)]
 

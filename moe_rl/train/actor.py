@@ -1,5 +1,9 @@
-"""The policy's training loss: a registered policy loss, off-policy weights, KL and entropy terms,
-aggregated with the minibatch's global denominator (see algos/aggregate.py)."""
+"""The training losses a trainer rank runs: the policy's (a registered policy loss with off-policy
+weights, plus KL and entropy terms), the critic's value regression, and the supervised warm start.
+
+Each is `fn(outputs, mb) -> (numerator, metrics)`; the worker divides by the minibatch's global
+denominator (see algos/aggregate.py and TrainWorker.train_step).
+"""
 
 from __future__ import annotations
 
@@ -23,8 +27,17 @@ class PolicyLossSpec:
 
 
 def policy_loss_fn(spec: PolicyLossSpec):
-    """fn(outputs, mb) -> (numerator, metrics). mb.tensors: loss_mask, adv, logp_old, is_weight
-    and, with kl_coef > 0, logp_ref. KL and entropy use the policy loss's aggregation."""
+    """fn(outputs, mb) -> ({"policy": n_pg, "regularizer": n_reg}, metrics).
+
+    mb.tensors: loss_mask, adv, logp_old, is_weight and, with kl_coef > 0, logp_ref. The off-policy
+    weight w multiplies the policy-gradient term only; the KL and entropy terms are not importance
+    weighted (they regularise pi_theta itself):
+
+        L = sum_t w_t m_t l_t / D_pg  +  sum_t m_t (beta_KL k_t - beta_H H_t) / D
+
+    D_pg is the (possibly self-normalised) denominator of the weighted term, D the plain one; both use
+    the policy loss's aggregation. The caller passes them as {"policy": D_pg, "regularizer": D}.
+    """
     fn = registry.get("policy_loss", spec.name)
     hp = losses.PolicyLossParams(spec.clip_low, spec.clip_high, spec.dual_clip)
 
@@ -33,27 +46,42 @@ def policy_loss_fn(spec: PolicyLossSpec):
         mask = t["loss_mask"]
         logp = outputs["logp"]
         loss_BT, metrics = fn(logp, t["logp_old"], t["adv"], mask, hp)
+        numerators = {"policy": aggregate.loss_numerator(loss_BT, mask, spec.aggregation, t["is_weight"])}
+        reg_BT = None
         if spec.kl_coef:
             kl = losses.sampled_kl_loss(logp, t["logp_ref"], mask, spec.kl_estimator)
-            loss_BT = loss_BT + spec.kl_coef * kl
+            reg_BT = spec.kl_coef * kl
             metrics["kl_ref"] = losses.masked_mean(kl.detach(), mask)
         if spec.entropy_coef:
-            loss_BT = loss_BT - spec.entropy_coef * outputs["entropy"]
+            ent = -spec.entropy_coef * outputs["entropy"]
+            reg_BT = ent if reg_BT is None else reg_BT + ent
+        if reg_BT is not None:
+            numerators["regularizer"] = aggregate.loss_numerator(reg_BT, mask, spec.aggregation)
         metrics["entropy"] = losses.masked_mean(outputs["entropy"].detach(), mask)
-        return aggregate.loss_numerator(loss_BT, mask, spec.aggregation, t["is_weight"]), metrics
+        return numerators, metrics
 
     return loss
 
 
+def state_values(out_BS: torch.Tensor) -> torch.Tensor:
+    """The critic's per-position outputs -> V(s_t) for every position t, [B, S].
+
+    The output at position t-1 has read tokens 0..t-1: it is the value of the state before token t.
+    V(s_0) (nothing read) is never a model-token state and is 0. The one place this shift is written.
+    """
+    values = torch.zeros_like(out_BS)
+    values[:, 1:] = out_BS[:, :-1]
+    return values
+
+
 def value_loss_fn(clip: float | None):
-    """fn(outputs, mb) -> (numerator, metrics) for the critic: V(s_t) is the value head's output at
-    position t-1; regress it to the returns on model tokens (token sum; the caller's denominator)."""
+    """fn(outputs, mb) -> (numerator, metrics) for the critic: regress V(s_t) (see state_values) to
+    the returns on model tokens (token sum; the caller's denominator). mb.tensors: mask, returns,
+    values_old (the pre-update V(s_t))."""
 
     def loss(outputs, mb):
         t = mb.tensors
-        out = outputs["values"]
-        pred = torch.zeros_like(out)
-        pred[:, 1:] = out[:, :-1]
+        pred = state_values(outputs["values"])
         loss_BT, metrics = losses.clipped_value_loss(pred, t["values_old"], t["returns"], t["mask"], clip)
         metrics["value_mean"] = losses.masked_mean(pred.detach(), t["mask"])
         return aggregate.loss_numerator(loss_BT, t["mask"], "token_mean"), metrics

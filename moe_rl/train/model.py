@@ -30,7 +30,6 @@ class ModelSpec:
     recompute: bool = False
     moe_dispatcher: str = "alltoall"  # alltoall | allgather
     routing_replay: bool = True
-    sequence_parallel: bool | None = None  # None: on when tp > 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,7 +51,7 @@ def make_bridge(spec: ModelSpec):
     bridge.dtype = spec.torch_dtype
     bridge.make_vocab_size_divisible_by = None  # our vocabularies are padded already; keep HF's size
     tp = ps.get_tensor_model_parallel_world_size()
-    sp = tp > 1 if spec.sequence_parallel is None else spec.sequence_parallel
+    sp = tp > 1  # megatron-core MoE needs sequence parallelism under TP; at tp=1 it means nothing
     on_cpu = not torch.cuda.is_available()
     extra = dict(
         use_cpu_initialization=on_cpu,

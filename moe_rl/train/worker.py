@@ -309,8 +309,9 @@ class TrainWorker:
                 full = torch.zeros(B, S, dtype=torch.float32)
                 row = 0
                 for mb, res in zip(mbs, results, strict=True):
-                    b, s = mb.input_ids_BS.shape
-                    full[row:row + b, :s] = res[name].detach().float()
+                    b = mb.input_ids_BS.shape[0]
+                    s = min(mb.input_ids_BS.shape[1], S)  # a microbatch may be padded past S (a multiple of tp)
+                    full[row:row + b, :s] = res[name][:, :s].detach().float()
                     row += b
                 out[name] = full
         out = self._broadcast_from_last_stage(out)
@@ -362,11 +363,15 @@ class TrainWorker:
         dist.broadcast_object_list(box, src=last, group=self.ps.get_pipeline_model_parallel_group())
         return box[0]
 
-    def train_step(self, batch: TokenBatch, loss_fn: Callable, denominator: torch.Tensor) -> dict[str, float]:
+    def train_step(self, batch: TokenBatch, loss_fn: Callable,
+                   denominator: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer update on this shard.
 
-        loss_fn(outputs: dict of [b, s] tensors, mb: TokenBatch) -> (numerator 0-dim tensor, metrics dict)
+        loss_fn(outputs: dict of [b, s] tensors, mb: TokenBatch) -> (numerator, metrics dict)
         denominator: the global denominator of the whole minibatch (all microbatches, all DP ranks).
+        A loss of several terms with their own denominators (e.g. an importance-weighted policy term
+        and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator
+        as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
         """
         self.module.train()
         mbs = self._microbatches(batch)
@@ -379,7 +384,10 @@ class TrainWorker:
             numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
             for k, v in metrics.items():
                 metrics_acc.setdefault(k, []).append(v.detach().float())
-            loss = numerator / denominator.to(numerator.dtype)
+            if isinstance(numerator, dict):
+                loss = sum(num / denominator[k].to(num.dtype) for k, num in numerator.items())
+            else:
+                loss = numerator / denominator.to(numerator.dtype)
             return loss * scale, {"loss": loss.detach()}
 
         self.model.zero_grad_buffer()

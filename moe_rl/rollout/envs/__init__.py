@@ -120,4 +120,4 @@ def get_env(name: str) -> type:
 
 
 def _load_builtins() -> None:
-    from moe_rl.rollout.envs import arithmetic, calculator, guess  # noqa: F401
+    from moe_rl.rollout.envs import arithmetic, calculator, guess, stated  # noqa: F401

@@ -1,0 +1,162 @@
+"""Trajectories -> the training batch, and the per-step target math the driver runs on it
+(moe_rl.batch, loop.step_targets, the policy and value losses of train/actor.py, step metrics),
+on tensors small enough to work by hand."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_rl import batch as batching
+from moe_rl.config import AlgorithmSection
+from moe_rl.loop import step_targets
+from moe_rl.metrics import Metrics, reduce_updates
+from moe_rl.train.actor import PolicyLossSpec, policy_loss_fn, state_values, value_loss_fn
+from moe_rl.types import Outcome, Trajectory, validate_trajectory
+
+
+def traj(n_prompt, turns, terminal, group=0, outcome=Outcome.COMPLETED, obs=2):
+    """A trajectory: n_prompt prompt tokens, then for each (length, reward) turn `length` model tokens
+    followed (except after the last) by `obs` observation tokens."""
+    ids, mask, spans, rewards = list(range(1, n_prompt + 1)), [False] * n_prompt, [], []
+    for i, (length, r) in enumerate(turns):
+        spans.append((len(ids), len(ids) + length - 1))
+        ids += [7] * length
+        mask += [True] * length
+        rewards.append(r)
+        if i < len(turns) - 1:
+            ids += [9] * obs
+            mask += [False] * obs
+    logp = [-0.5 if m else 0.0 for m in mask]
+    return Trajectory(ids, mask, logp, spans, rewards, terminal, outcome, len(ids), 0, n_prompt, group_id=group)
+
+
+def test_build_batch_places_rewards_and_pads_by_hand():
+    a = traj(2, [(2, -0.05), (1, 0.0)], 1.0)  # P P M M O O M
+    b = traj(3, [(1, 0.0)], 0.0, group=1, outcome=Outcome.TRUNCATED_BUDGET)  # P P P M
+    b.info["loss_excluded"] = "overlong"
+    batch = batching.build_batch([a, b], None)
+    assert batch.input_ids.shape == (2, 7) and batch.lengths.tolist() == [7, 4]
+    assert batch.mask.int().tolist() == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0]]
+    # turn feedback on its span's last token, the terminal reward on the last model token
+    assert batch.rewards.equal(torch.tensor([[0, 0, 0, -0.05, 0, 0, 1.0], [0] * 7]))
+    assert batch.loss_mask[1].sum() == 0 and batch.loss_mask[0].equal(batch.mask[0])  # excluded: no policy loss
+    assert batch.score.tolist() == pytest.approx([0.95, 0.0])
+    assert batch.terminated.tolist() == [True, False] and batch.prompt_len.tolist() == [2, 3]
+    sub = batch.select(torch.tensor([1]))
+    assert sub.size == 1 and sub.group.tolist() == [1] and sub.rewards.shape == (1, 7)
+
+
+def test_state_values_shift_and_boundary():
+    out = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    assert state_values(out).tolist() == [[0, 1, 2, 3], [0, 5, 6, 7]]  # V(s_t) = out[t-1]
+    values, boundary = batching.state_values(out, torch.tensor([4, 2]))
+    assert values.equal(state_values(out)) and boundary.tolist() == [4.0, 6.0]  # out[boundary_len - 1]
+
+
+def _outcome_batch():
+    # two samples of one prompt, 2 model tokens each; behaviour log-probs -1, reference -1.5 and -1
+    trajs = [traj(1, [(2, 0.0)], 1.0), traj(1, [(2, 0.0)], 0.0)]
+    b = batching.build_batch(trajs, None)
+    b.logp_mu = torch.where(b.mask, -1.0, 0.0)
+    logp_ref = torch.where(b.mask, torch.tensor([[-1.5], [-1.0]]), 0.0)
+    return b, logp_ref
+
+
+def test_kl_reward_shapes_outcome_estimators():
+    """grpo with kl_reward_coef: R_i - beta sum_t k1_t. k1 = logp_mu - logp_ref: 0.5 per token for
+    sample 0 (sum 1.0), 0 for sample 1; beta 0.2 -> scores 1 - 0.2 = 0.8 and 0; group mean 0.4,
+    unbiased std 0.4 sqrt(2) -> advantages +-1/sqrt(2) (eps 1e-6 aside)."""
+    b, ref = _outcome_batch()
+    alg = AlgorithmSection(advantage="grpo", whiten_advantages=False, kl_reward_coef=0.2)
+    adv, returns, m = step_targets(b, None, None, ref, alg, token_budget=64)
+    assert returns is None
+    expected = 0.4 / (0.4 * math.sqrt(2) + 1e-6)
+    assert adv[0, 1:].tolist() == pytest.approx([expected] * 2, rel=1e-6)
+    assert adv[1, 1:].tolist() == pytest.approx([-expected] * 2, rel=1e-6)
+    assert float(m["reward/kl_penalty_mean"]) == pytest.approx(0.25)
+    plain, _, _ = step_targets(b, None, None, ref, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64)
+    shaped, _, _ = step_targets(b, None, None, ref, AlgorithmSection(advantage="rloo", whiten_advantages=False,
+                                                                     kl_reward_coef=0.2), 64)
+    # rloo: A_0 = R_0 - R_1: 1 without the penalty, 0.8 with it
+    assert plain[0, 1].item() == pytest.approx(1.0) and shaped[0, 1].item() == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("advantage", ["gae", "reward_to_go", "grpo"])
+def test_overlong_penalty_reaches_every_estimator(advantage):
+    """Episode lengths after the prompt: 2 and 8 tokens (model + observation); token_budget 8, buffer 4:
+    R_len = 0 for the first, (4 - 8) / 4 = -1 for the second, on its last model token."""
+    short = traj(1, [(2, 0.0)], 0.5)
+    long = traj(1, [(2, 0.0), (2, 0.0), (2, 0.0)], 0.5, obs=1)  # 2+1+2+1+2 = 8 tokens after the prompt
+    b = batching.build_batch([short, long], None)
+    assert (b.lengths - b.prompt_len).tolist() == [2, 8]
+    values = torch.zeros(b.input_ids.shape)
+    kw = dict(advantage=advantage, whiten_advantages=False, gamma=1.0, lam=1.0)
+    base, _, _ = step_targets(b, values, torch.zeros(2), None, AlgorithmSection(**kw), token_budget=8)
+    pen, _, m = step_targets(b, values, torch.zeros(2), None, AlgorithmSection(**kw, overlong_buffer=4), token_budget=8)
+    first = b.mask.float().argmax(1)
+    if advantage == "grpo":  # one group; scores 0.5, 0.5 -> all 0; penalised 0.5, -0.5 -> +-1/sqrt(2)
+        assert base.abs().max() == 0
+        assert [pen[i, first[i]].item() for i in (0, 1)] == pytest.approx([2**-0.5, -(2**-0.5)], rel=1e-5)
+    else:  # gamma = lambda = 1, V = 0: the first action's advantage is the whole return, 0.5 or 0.5 - 1
+        assert pen[0, first[0]].item() == pytest.approx(0.5) and base[0, first[0]].item() == pytest.approx(0.5)
+        assert pen[1, first[1]].item() == pytest.approx(-0.5) and base[1, first[1]].item() == pytest.approx(0.5)
+    assert float(m["reward/overlong_penalty_mean"]) == pytest.approx(-0.5)
+
+
+def _policy_mb(weight, adv=0.0):
+    mask = torch.tensor([[True, True, False]])
+    t = dict(loss_mask=mask, adv=torch.full((1, 3), adv), logp_old=torch.tensor([[-1.0, -2.0, 0.0]]),
+             is_weight=torch.full((1, 3), weight), logp_ref=torch.tensor([[-1.5, -1.0, 0.0]]))
+    return SimpleNamespace(tensors=t)
+
+
+def test_importance_weight_multiplies_the_policy_term_only():
+    """With advantage 0 only the KL term is left: doubling w must not change it. k3 at
+    d = logp_ref - logp = (-0.5, +1): e^d - d - 1 = 0.10653 and 0.71828; beta 0.1."""
+    fn = policy_loss_fn(PolicyLossSpec(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.0))
+    out = {"logp": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy": torch.zeros(1, 3)}
+    one, _ = fn(out, _policy_mb(1.0))
+    two, _ = fn(out, _policy_mb(2.0))
+    k3 = (math.exp(-0.5) + 0.5 - 1) + (math.exp(1) - 1 - 1)
+    assert float(one["regularizer"]) == pytest.approx(0.1 * k3) and float(two["regularizer"]) == float(one["regularizer"])
+    assert float(one["policy"]) == 0.0
+    # the policy term itself is weighted: with A = 1 (ratio 1, unclipped) its numerator is -w per token
+    one, _ = fn(out, _policy_mb(1.0, adv=1.0))
+    two, _ = fn(out, _policy_mb(2.0, adv=1.0))
+    assert float(one["policy"]) == pytest.approx(-2.0) and float(two["policy"]) == pytest.approx(-4.0)
+
+
+def test_value_loss_regresses_shifted_values():
+    """out = (0.1, 0.2, 0.3): V(s_1) = 0.1, V(s_2) = 0.2 on model tokens 1, 2; returns 1 and 0:
+    1/2 ((0.1 - 1)^2 + (0.2 - 0)^2) = 0.425 (no clipping)."""
+    mb = SimpleNamespace(tensors=dict(mask=torch.tensor([[False, True, True]]), returns=torch.tensor([[0.0, 1.0, 0.0]]),
+                                      values_old=torch.zeros(1, 3)))
+    num, metrics = value_loss_fn(None)({"values": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
+    assert float(num) == pytest.approx(0.425) and float(metrics["value_mean"]) == pytest.approx(0.15)
+
+
+def test_non_finite_rewards_are_rejected_by_name():
+    t = traj(1, [(2, float("nan"))], 1.0)
+    assert any(p.startswith("rewards:") for p in validate_trajectory(t))
+    t = traj(1, [(2, 0.0)], float("inf"))
+    assert any(p.startswith("rewards:") for p in validate_trajectory(t))
+    assert validate_trajectory(traj(1, [(2, 0.0)], 1.0)) == []
+
+
+def test_step_metrics_reduce_over_updates():
+    ups = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9}, {"loss": 3.0, "ratio_max": 1.2, "ratio_min": 0.7, "x": 2}]
+    assert reduce_updates(ups) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.7, "x": 2.0}
+
+
+def test_tensorboard_every_n_steps_under_the_run_name(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m = Metrics(tmp_path / "tb" / "myrun", total_steps=5, progress=False, every=2)
+    for step in range(1, 6):
+        m.log(step, {"reward/mean": float(step)})
+    m.close()
+    acc = EventAccumulator(str(tmp_path / "tb" / "myrun"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [2, 4, 5]  # every 2, and the last step
