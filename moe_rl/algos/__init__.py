@@ -2,6 +2,11 @@
 
 Modules: gae (masked model-token GAE), advantages (registered estimators, whitening), rewards
 (placement, KL shaping, overlong penalty), losses (registered policy losses, value, KL, entropy),
-correction (registered off-policy corrections, ESS, staleness), aggregate (global denominators),
-anchor (PPO-EWMA), checks (the pre-update checklist), stats (diagnostics).
+correction (registered off-policy corrections, ESS, staleness), aggregate (loss numerators and global
+denominators), anchor (PPO-EWMA), checks (the pre-update checklist, finite-sample filter), stats
+(diagnostics).
+
+Conventions: tensors are [B, T] (samples x raw positions) unless named otherwise; values at mask-0
+positions are never read (selected away with torch.where, so NaN/inf there is harmless); losses and
+corrections compute in float32 at least (bf16/fp16 inputs are upcast, float64 stays float64).
 """

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.algos import gae
 from moe_rl.algos.registry import register
@@ -125,24 +124,18 @@ def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return drgrpo_advantage(inp, hp)
 
 
-def whiten(
-    adv_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, group: dist.ProcessGroup | None = None,
-    shift_mean: bool = True,
-) -> torch.Tensor:
-    """Whitening over all valid tokens of the batch (guide 000 section 3.4):
+def whiten(adv_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+    """Whitening over all valid tokens of the batch (guide 000 section 3.4), [B, T] -> [B, T]:
 
-        mu = sum m A / N,  var = sum m (A - mu)^2 / N,  A~ = (A - mu) / sqrt(var + eps)
+        N = sum m,  mu = sum m A / N,  var = sum m (A - mu)^2 / N,  A~ = (A - mu) / sqrt(var + eps)
 
-    N counts valid tokens across the data-parallel `group` when given (sums all-reduced, so every
-    rank uses the same statistics). Mask-0 positions stay 0. The critic target is never touched.
+    (A / sqrt(var + eps) with shift_mean=False). Call it on the whole batch: the statistics are this
+    batch's. Mask-0 positions stay 0. The critic target is never touched.
     """
     m = mask_BT.to(torch.float64)
-    a = adv_BT.to(torch.float64)
-    stats = torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    n, s1, s2 = stats
-    mean = s1 / n.clamp(min=1)
-    var = (s2 / n.clamp(min=1) - mean * mean).clamp(min=0)
+    a = torch.where(mask_BT.bool(), adv_BT.to(torch.float64), 0.0)
+    n = m.sum().clamp(min=1)
+    mean = (a * m).sum() / n
+    var = ((a * a * m).sum() / n - mean * mean).clamp(min=0)
     centred = a - mean if shift_mean else a
     return (centred * torch.rsqrt(var + eps) * m).to(adv_BT.dtype)

@@ -2,6 +2,10 @@
 
 `check_batch` raises `BatchCheckError` naming the sample and the rule it breaks; nothing is repaired
 silently. It runs once per batch before the update (it synchronises with the host by design).
+
+`finite_samples` is the one filter the loop applies *before* advantages: samples whose score or rewards
+are not finite are dropped (and counted), because a single NaN reward would otherwise spread through
+the group statistics, the GAE recursion and the batch whitening into every sample's advantage.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ class BatchCheckError(ValueError):
 def _first(bad_B: torch.Tensor) -> int | None:
     idx = bad_B.nonzero()
     return int(idx[0, 0]) if idx.numel() else None
+
+
+def finite_samples(score_B: torch.Tensor, rewards_BT: torch.Tensor) -> torch.Tensor:
+    """keep_B [B] bool: the score R(tau_i) and every reward u_{i,t} (all T positions, model token or not)
+    of sample i are finite. score_B: [B]; rewards_BT: [B, T]. The loop keeps `b.select(keep_B)` and
+    reports `(~keep_B).sum()` rejected samples; it never repairs a non-finite reward.
+    """
+    return torch.isfinite(score_B) & torch.isfinite(rewards_BT).all(dim=1)
 
 
 def check_batch(
@@ -40,6 +52,7 @@ def check_batch(
 
     Rules (names as raised):
       action_mask       m_t = 1 only where the attention mask is 1 (padding is never an action)
+      finite_rewards    every reward u_t is finite, on every position (NaN or +-inf anywhere fails)
       reward_placement  non-zero rewards only on valid model tokens (terminal reward on q_J, not the end)
       boundary          truncated samples carry a finite boundary value V(s_boundary) (when bootstrapping)
       policy_roles      the roles the correction / KL needs are present and finite on valid tokens
@@ -51,6 +64,11 @@ def check_batch(
     s = _first((m & ~att).any(1))
     if s is not None:
         raise BatchCheckError("action_mask", s, "response mask is 1 at a position the attention mask excludes")
+    bad_r = ~torch.isfinite(rewards_BT)
+    s = _first(bad_r.any(1))
+    if s is not None:
+        t = int(bad_r[s].nonzero()[0])
+        raise BatchCheckError("finite_rewards", s, f"reward at position {t} is {float(rewards_BT[s, t])}")
     s = _first(((rewards_BT != 0) & ~m).any(1))
     if s is not None:
         t = int(((rewards_BT[s] != 0) & ~m[s]).nonzero()[0])
@@ -73,7 +91,8 @@ def check_batch(
         if s is not None:
             raise BatchCheckError("policy_roles", s, f"{name} log-prob is not a finite value <= 0 on a model token")
     if synchronous and logp_behaviour_BT is not None and logp_old_BT is not None:
-        gap = ((logp_behaviour_BT - logp_old_BT).abs() * m).amax(1)
+        # torch.where, not * m: -inf - -inf = NaN on padding would make the row's max NaN (never > tol)
+        gap = torch.where(m, (logp_behaviour_BT - logp_old_BT).abs(), 0.0).amax(1)
         s = _first(gap > sync_tolerance)
         if s is not None:
             raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step")

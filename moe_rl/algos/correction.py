@@ -8,7 +8,9 @@ returns detached per-token weights and a keep-mask:
     fn(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction
 
 The loss becomes  sum_t keep_t * w_t * l_t / denominator  (ordinary IS: the usual count; self-
-normalised: sum of kept weights — see aggregate.py).
+normalised: sum of kept weights — see aggregate.py). Log-probs are read in float32 (float64 stays
+float64) and only on valid tokens; weights come back in that precision. ESS of raw weights is computed
+from log-weights (raw weights may overflow); ESS of truncated or post-rejection weights from the weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.algos.losses import compute_dtype
 from moe_rl.algos.registry import register
 
 
@@ -48,12 +51,39 @@ def ess(weights: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch
     return value, torch.where(n > 0, value / n.clamp(min=1), torch.zeros_like(value))
 
 
+def ess_from_log_weights(log_weights: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ess` from log w, without ever forming w (which overflows float32 once log w > 88.7):
+
+        ESS = exp(2 logsumexp_r(log w_r) - logsumexp_r(2 log w_r)),   ESS_frac = ESS / |J|
+
+    Only entries with `valid` are in J. Both are 0 when J is empty or every weight is 0 (log w = -inf).
+    Returns two 0-dim float64 tensors.
+    """
+    v = valid.bool()
+    lw = torch.where(v, log_weights.detach().to(torch.float64), -torch.inf)
+    if lw.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=lw.device)
+        return zero, zero.clone()
+    lse1, lse2 = torch.logsumexp(lw.reshape(-1), 0), torch.logsumexp(2 * lw.reshape(-1), 0)
+    # lse2 = -inf: nothing valid or every weight 0 -> 0 (a NaN log-weight stays NaN, it is not hidden)
+    value = torch.where(lse2 == -torch.inf, torch.zeros_like(lse2), torch.exp(2 * lse1 - lse2))
+    n = v.sum()
+    return value, torch.where(n > 0, value / n.clamp(min=1), torch.zeros_like(value))
+
+
 def _log_ratio(logp_old_BT, logp_mu_BT, mask_BT):
-    return (logp_old_BT - logp_mu_BT).detach().masked_fill(~mask_BT.bool(), 0.0)
+    """log pi_old - log mu, detached, in float32 (float64 stays float64); 0 at mask-0 positions, selected
+    with torch.where before subtracting (-inf - -inf = NaN on padding)."""
+    m = mask_BT.bool()
+    dtype = compute_dtype(logp_old_BT, logp_mu_BT)
+    old = torch.where(m, logp_old_BT.detach().to(dtype), 0.0)
+    mu = torch.where(m, logp_mu_BT.detach().to(dtype), 0.0)
+    return old - mu
 
 
-def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tensor) -> None:
-    value, frac = ess(weights, valid)
+def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tensor, log: bool = False) -> None:
+    """ESS and ESS_frac of `weights` (of log-weights when `log`) as metrics ess_<prefix>, ess_frac_<prefix>."""
+    value, frac = ess_from_log_weights(weights, valid) if log else ess(weights, valid)
     metrics[f"ess_{prefix}"] = value
     metrics[f"ess_frac_{prefix}"] = frac
 
@@ -62,7 +92,7 @@ def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tens
 def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """No correction: w = 1. (Synchronous PPO, where mu = pi_old.)"""
     m = mask_BT.bool()
-    return Correction(torch.ones_like(logp_old_BT), m, {}, needs_behaviour=False)
+    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m, {}, needs_behaviour=False)
 
 
 @register("correction", "bypass")
@@ -70,17 +100,18 @@ def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) ->
     """Bypass: pi_old := mu, so the PPO ratio is pi_theta / mu and no separate weight is applied. The
     loop uses the behaviour log-probs as logp_old (no proximal forward pass)."""
     m = mask_BT.bool()
-    return Correction(torch.ones_like(logp_old_BT), m, {}, needs_behaviour=True)
+    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m, {}, needs_behaviour=True)
 
 
 @register("correction", "tis_token")
 def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """Token TIS: w_t = min(pi_old(a_t) / mu(a_t), c_IS), detached."""
     m = mask_BT.bool()
-    raw = _log_ratio(logp_old_BT, logp_mu_BT, m).exp()
+    log_r = _log_ratio(logp_old_BT, logp_mu_BT, m)
+    raw = log_r.exp()
     w = raw.clamp(max=hp.is_cap)
     metrics = {"tis_truncated_frac": (((raw > hp.is_cap) & m).sum() / m.sum().clamp(min=1))}
-    _report(metrics, "token_raw", raw, m)
+    _report(metrics, "token_raw", log_r, m, log=True)
     _report(metrics, "token_truncated", w, m)
     return Correction(torch.where(m, w, 0.0), m, metrics)
 
@@ -88,14 +119,15 @@ def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correct
 @register("correction", "tis_seq")
 def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """Sequence IS in log space, truncated: log w_i = sum_t m_t (log pi_old - log mu);
-    w_i = exp(min(log w_i, log c_seq)); every token of sample i carries w_i."""
+    w_i = exp(min(log w_i, log c_seq)); every token of sample i carries w_i. The raw ESS is computed
+    from log w_i (`ess_from_log_weights`): exp(log w_i) itself overflows for long sequences."""
     m = mask_BT.bool()
     log_w = _log_ratio(logp_old_BT, logp_mu_BT, m).sum(1)
     has = m.any(1)
     log_cap = torch.log(torch.tensor(hp.seq_is_cap, dtype=log_w.dtype))
     w_B = torch.exp(torch.minimum(log_w, log_cap))
     metrics = {"seq_is_truncated_frac": ((log_w > log_cap) & has).sum() / has.sum().clamp(min=1)}
-    _report(metrics, "seq_raw", log_w.exp(), has)
+    _report(metrics, "seq_raw", log_w, has, log=True)
     _report(metrics, "seq_truncated", w_B, has)
     return Correction(torch.where(m, w_B.unsqueeze(1), 0.0), m, metrics)
 
@@ -104,12 +136,13 @@ def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Corr
 def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """IcePop / masked IS: keep token t only if c_min <= pi_old(a_t) / mu(a_t) <= c_max (weight 1)."""
     m = mask_BT.bool()
-    ratio = _log_ratio(logp_old_BT, logp_mu_BT, m).exp()
+    log_r = _log_ratio(logp_old_BT, logp_mu_BT, m)
+    ratio = log_r.exp()
     keep = m & (ratio >= hp.icepop_min) & (ratio <= hp.icepop_max)
     metrics = {"rejection_rate": (m & ~keep).sum() / m.sum().clamp(min=1)}
-    _report(metrics, "token_raw", ratio, m)
+    _report(metrics, "token_raw", log_r, m, log=True)
     _report(metrics, "token_post_rejection", keep.to(ratio.dtype), m)
-    return Correction(keep.to(logp_old_BT.dtype), keep, metrics)
+    return Correction(keep.to(ratio.dtype), keep, metrics)
 
 
 def staleness(gen_version_B: torch.Tensor, train_version: int, max_staleness: int | None) -> tuple[torch.Tensor, dict]:

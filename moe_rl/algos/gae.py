@@ -13,8 +13,8 @@ gamma and lambda are applied once per valid model token; observation, tool and p
 neither advance the recursion nor receive a target. A_j is written back to raw position q_j; every
 mask-0 position gets 0. The critic target is G_j = A_j^{critic} + V_j.
 
-Rewards must already sit on action positions (see `rewards.move_rewards_to_actions`); values at
-mask-0 positions are ignored.
+Rewards must already sit on action positions (see `rewards.move_rewards_to_actions`); rewards and
+values at mask-0 positions are ignored (selected away with torch.where, so NaN or inf there is harmless).
 """
 
 from __future__ import annotations
@@ -59,32 +59,43 @@ def masked_gae(
     Returns:
         advantages_BT: [B, T], A_j at q_j, 0 at mask-0 positions.
         returns_BT: [B, T], A_j + V_j at q_j, 0 at mask-0 positions.
+
+    Rewards and values at mask-0 positions are never read: whatever they hold (NaN, inf), the result is
+    the one with zeros there. The bootstrap V(s_boundary) is read only for truncated samples that have
+    a model token. Computed in float64 when values_BT is float64, else in float32 (bf16/fp16 inputs are
+    upcast; the result is float32).
     """
     B, T = values_BT.shape
-    dtype = values_BT.dtype
+    dtype = torch.float64 if values_BT.dtype == torch.float64 else torch.float32
+    m_bool = mask_BT.bool()
     if T == 0:
-        return values_BT.clone(), values_BT.clone()
-    boot = torch.where(terminated_B.bool(), torch.zeros_like(boundary_value_B), boundary_value_B).to(dtype)
+        empty = torch.zeros(B, 0, dtype=dtype, device=values_BT.device)
+        return empty, empty.clone()
+    # torch.where, not multiplication: NaN * 0 = NaN
+    values = torch.where(m_bool, values_BT.to(dtype), 0.0)
+    rewards = torch.where(m_bool, rewards_BT.to(dtype), 0.0)
+    boundary = boundary_value_B.to(dtype=dtype, device=values.device)
+    boot = torch.where(terminated_B.bool() | ~m_bool.any(1), torch.zeros_like(boundary), boundary)
     if isinstance(lam, torch.Tensor):
         g_B = (gamma * lam.to(dtype)).reshape(B)
     else:
-        g_B = torch.full((B,), gamma * float(lam), dtype=dtype, device=values_BT.device)
+        g_B = torch.full((B,), gamma * float(lam), dtype=dtype, device=values.device)
 
     if backend not in ("auto", "kernel", "torch"):
         raise ValueError(f"backend must be 'auto', 'kernel' or 'torch', not {backend!r}")
-    if backend != "torch" and values_BT.device.type == "cpu":
+    if backend != "torch" and values.device.type == "cpu":
         kernel = _kernel(required=backend == "kernel")
         if kernel is not None:
-            adv, ret = kernel.masked_gae_cpu(rewards_BT.to(dtype), values_BT, mask_BT, boot, g_B, float(gamma))
+            adv, ret = kernel.masked_gae_cpu(rewards, values, m_bool, boot, g_B, float(gamma))
             return adv, ret
     elif backend == "kernel":
         raise ValueError("the fused GAE kernel runs on CPU tensors only; use backend='torch'")
 
-    m = mask_BT.to(dtype)
-    v_next = _next_valid_values(values_BT, mask_BT.bool(), boot)
-    delta = (rewards_BT.to(dtype) + gamma * v_next - values_BT) * m
+    m = m_bool.to(dtype)
+    v_next = _next_valid_values(values, m_bool, boot)
+    delta = torch.where(m_bool, rewards + gamma * v_next - values, 0.0)
     adv = _discounted_suffix_sum(delta, m, g_B)
-    return adv, (adv + values_BT) * m
+    return adv, torch.where(m_bool, adv + values, 0.0)
 
 
 @functools.cache

@@ -7,6 +7,11 @@ Policy losses are registered by name (`algorithm.policy_loss`) with the signatur
 loss_BT is [B, T] and 0 on mask-0 positions; aggregate.py turns it into a scalar with a global
 denominator. Ratios are r_t = exp(log pi_theta(a_t) - log pi_old(a_t)); metrics are 0-dim tensors
 (masked means over this batch), never host-synchronised here.
+
+Precision and masking, for every loss here: inputs of lower precision (bf16, fp16) are upcast and the
+loss is computed and returned in float32 (float64 stays float64); values at mask-0 positions (log-prob
+-inf or NaN on padding, say) are selected away with torch.where before any arithmetic, so neither the
+loss nor its gradient can become NaN through them.
 """
 
 from __future__ import annotations
@@ -26,9 +31,23 @@ class PolicyLossParams:
     dual_clip: float | None = None  # c_dual > 1: bound on the negative-advantage branch
 
 
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32: the RL math never runs in bf16/fp16 (a GSPO range
+    of 3e-4 is below bf16's resolution near 1, 2^-7)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _masked(x_BT: torch.Tensor, m_BT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x upcast to `dtype`, with 0 at mask-0 positions. torch.where, not x * m: NaN * 0 = NaN, and the
+    gradient of where is 0 (not NaN) at the positions it drops, whatever they held (-inf log-probs)."""
+    return torch.where(m_BT, x_BT.to(dtype), 0.0)
+
+
 def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    m = mask_BT.to(x_BT.dtype)
-    return (x_BT * m).sum() / m.sum().clamp(min=1)
+    """sum_t m_t x_t / max(sum_t m_t, 1), in float32 (float64 stays float64); mask-0 values are never read."""
+    dtype = compute_dtype(x_BT)
+    m = mask_BT.to(dtype)
+    return (torch.where(m != 0, x_BT.to(dtype), 0.0) * m).sum() / m.sum().clamp(min=1)
 
 
 def _ratio_metrics(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -45,50 +64,58 @@ def _ratio_metrics(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[st
     }
 
 
+def _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT):
+    """(log pi_theta, log pi_old, A, m): upcast to float32 (float64 stays), 0 at mask-0 positions."""
+    m = mask_BT.bool()
+    dtype = compute_dtype(logp_BT, logp_old_BT, adv_BT)
+    return _masked(logp_BT, m, dtype), _masked(logp_old_BT, m, dtype), _masked(adv_BT, m, dtype), m
+
+
 @register("policy_loss", "ppo")
 def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
-    """PPO-Clip with clip-higher and optional dual-clip:
+    """PPO-Clip with clip-higher and optional dual-clip, [B, T] -> [B, T]:
 
+        r_t    = exp(log pi_theta(a_t) - log pi_old(a_t))
         l^asym = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))
         l      = min(l^asym, -c_dual A)   if A < 0 and dual-clip is on,   else l^asym
     """
-    m = mask_BT.bool()
-    log_ratio = (logp_BT - logp_old_BT).masked_fill(~m, 0.0)
+    logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
+    log_ratio = logp - old  # 0 at mask-0 positions
     ratio = log_ratio.exp()
-    unclipped = -adv_BT * ratio
-    clipped = -adv_BT * ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
     loss = torch.maximum(unclipped, clipped)
     metrics = _ratio_metrics(log_ratio, m)
     was_clipped = clipped > unclipped
     metrics["clipfrac_low"] = masked_mean((was_clipped & (ratio < 1.0 - hp.clip_low)).float(), m)
     metrics["clipfrac_high"] = masked_mean((was_clipped & (ratio > 1.0 + hp.clip_high)).float(), m)
     if hp.dual_clip is not None:
-        bound = -hp.dual_clip * adv_BT
-        dual = (adv_BT < 0) & (loss > bound)
+        bound = -hp.dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         metrics["clipfrac_dual"] = masked_mean(dual.float(), m)
-    return loss * m, metrics
+    return torch.where(m, loss, 0.0), metrics
 
 
 @register("policy_loss", "gspo")
 def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
-    """GSPO: length-normalised sequence ratio, clipped at the sequence level:
+    """GSPO: length-normalised sequence ratio, clipped at the sequence level, [B, T] -> [B, T]:
 
         s_i = exp( (1/J_i) sum_t m_t (log pi_theta - log pi_old) )
         l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_l, 1 + eps_h))
 
     Written token-wise (GSPO-token form): s_{i,t} = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t)), whose
     value is s_i and whose gradient is s_i grad log pi_theta(a_t). With `seq_mean` aggregation and a
-    per-sequence advantage this is exactly GSPO; GSPO's ranges are small (e.g. eps 3e-4 / 4e-4).
+    per-sequence advantage this is exactly GSPO; GSPO's ranges are small (e.g. eps 3e-4 / 4e-4), which
+    is why everything here runs in float32 at least.
     """
-    m = mask_BT.bool()
-    mf = m.to(logp_BT.dtype)
-    J = mf.sum(1).clamp(min=1)
-    log_ratio = (logp_BT - logp_old_BT).masked_fill(~m, 0.0)
-    seq_log_ratio = (log_ratio * mf).sum(1) / J  # [B]
-    s_tok = torch.exp(seq_log_ratio.detach().unsqueeze(1) + logp_BT - logp_BT.detach())
-    unclipped = -adv_BT * s_tok
-    clipped = -adv_BT * s_tok.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
+    logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
+    J = m.sum(1).clamp(min=1).to(logp.dtype)
+    log_ratio = logp - old  # 0 at mask-0 positions
+    seq_log_ratio = log_ratio.sum(1) / J  # [B]
+    s_tok = torch.exp(seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach())
+    unclipped = -adv * s_tok
+    clipped = -adv * s_tok.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
     loss = torch.maximum(unclipped, clipped)
     has = m.any(1)
     s = seq_log_ratio.detach().exp()
@@ -98,48 +125,49 @@ def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     n_seq = has.sum().clamp(min=1)
     metrics["seq_clipfrac_high"] = hi.sum() / n_seq
     metrics["seq_clipfrac_low"] = lo.sum() / n_seq
-    return loss * m, metrics
+    return torch.where(m, loss, 0.0), metrics
 
 
 @register("policy_loss", "gmpo")
 def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
-    """GMPO: geometric mean of the clipped token objectives (token-level ratios, clipped in log space):
+    """GMPO: geometric mean of the clipped token objectives (token-level ratios, clipped in log space),
+    [B, T] -> [B, T]:
 
         log rho~_t = sgn(A) * min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_l, eps_h))
-        l_i        = -A_i * exp( (1/J_i) sum_t m_t log rho~_t )
+        l_i        = -A_i * exp( (1/J_i) sum_t m_t log rho~_t ),   A_i = (1/J_i) sum_t m_t A_t
 
     Every valid token of sample i carries l_i, so `seq_mean` aggregation gives mean_i l_i. Here eps_l,
     eps_h bound the *log* ratio (the paper uses 0.4, i.e. ratios in [e^-0.4, e^0.4]).
     """
-    m = mask_BT.bool()
-    mf = m.to(logp_BT.dtype)
-    J = mf.sum(1).clamp(min=1)
-    log_ratio = (logp_BT - logp_old_BT).masked_fill(~m, 0.0)
-    sgn = torch.sign(adv_BT)
+    logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
+    J = m.sum(1).clamp(min=1).to(logp.dtype)
+    log_ratio = logp - old  # 0 at mask-0 positions
+    sgn = torch.sign(adv)
     clipped = log_ratio.clamp(-hp.clip_low, hp.clip_high)
-    log_rho = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)
-    seq = torch.exp((log_rho * mf).sum(1) / J)  # [B]
-    adv_seq = (adv_BT * mf).sum(1) / J
-    loss = (-adv_seq * seq).unsqueeze(1).expand_as(logp_BT)
+    log_rho = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)  # 0 at mask-0 positions
+    seq = torch.exp(log_rho.sum(1) / J)  # [B]
+    adv_seq = adv.sum(1) / J
+    loss = (-adv_seq * seq).unsqueeze(1).expand_as(logp)
     metrics = _ratio_metrics(log_ratio, m)
     metrics["clipfrac"] = masked_mean((clipped != log_ratio).float(), m)
-    return loss * mf, metrics
+    return torch.where(m, loss, 0.0), metrics
 
 
 @register("policy_loss", "cispo")
 def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
-    """CISPO: REINFORCE with a clipped, detached importance weight, so clipped tokens still get gradient:
+    """CISPO: REINFORCE with a clipped, detached importance weight, so clipped tokens still get gradient,
+    [B, T] -> [B, T]:
 
         l_t = - sg(clip(r_t, 1 - eps_l, 1 + eps_h)) * A_t * log pi_theta(a_t)
     """
-    m = mask_BT.bool()
-    log_ratio = (logp_BT - logp_old_BT).masked_fill(~m, 0.0)
+    logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
+    log_ratio = logp - old  # 0 at mask-0 positions
     ratio = log_ratio.detach().exp()
     w = ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
-    loss = -w * adv_BT * logp_BT
+    loss = -w * adv * logp
     metrics = _ratio_metrics(log_ratio, m)
     metrics["clipfrac"] = masked_mean((w != ratio).float(), m)
-    return loss.masked_fill(~m, 0.0), metrics
+    return torch.where(m, loss, 0.0), metrics
 
 
 def clipped_value_loss(
@@ -148,29 +176,36 @@ def clipped_value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l^V = 1/2 max((V_phi - G)^2, (V_clip - G)^2),  V_clip = V_old + clip(V_phi - V_old, -eps_V, eps_V).
 
-    With clip=None: 1/2 (V_phi - G)^2. Returns (loss_BT, metrics); 0 on mask-0 positions.
+    With clip=None: 1/2 (V_phi - G)^2. All inputs [B, T]. Returns (loss_BT [B, T], metrics); 0 on mask-0
+    positions, whatever the inputs hold there. Computed in float32 (float64 stays float64).
     """
     m = mask_BT.bool()
-    unclipped = (values_BT - returns_BT).square()
+    dtype = compute_dtype(values_BT, values_old_BT, returns_BT)
+    v, v_old, G = (_masked(x, m, dtype) for x in (values_BT, values_old_BT, returns_BT))
+    unclipped = (v - G).square()
     if clip is None:
         loss = 0.5 * unclipped
-        frac = torch.zeros((), dtype=values_BT.dtype)
+        frac = torch.zeros((), dtype=dtype, device=v.device)
     else:
-        v_clip = values_old_BT + (values_BT - values_old_BT).clamp(-clip, clip)
-        clipped = (v_clip - returns_BT).square()
+        v_clip = v_old + (v - v_old).clamp(-clip, clip)
+        clipped = (v_clip - G).square()
         loss = 0.5 * torch.maximum(unclipped, clipped)
-        frac = masked_mean((clipped > unclipped).float(), m)
-    return loss.masked_fill(~m, 0.0), {"value_clipfrac": frac}
+        frac = masked_mean((clipped > unclipped).to(dtype), m)
+    return torch.where(m, loss, 0.0), {"value_clipfrac": frac}
 
 
 def sampled_kl_loss(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Actor-side KL(pi_theta || pi_ref) from the sampled tokens, [B, T].
+    """Actor-side KL(pi_theta || pi_ref) from the sampled tokens, [B, T] (estimator "k1", "k2" or "k3",
+    see rewards.py); 0 on mask-0 positions. Computed in float32 (float64 stays float64).
 
     The tokens were sampled from the behaviour policy mu, not pi_theta, so k1/k3 are unbiased only when
     pi_theta = mu (the first on-policy step) and are the usual approximation otherwise; k2's gradient
     is the KL gradient under that same assumption.
     """
-    return KL_ESTIMATORS[estimator](logp_BT, logp_ref_BT).masked_fill(~mask_BT.bool(), 0.0)
+    m = mask_BT.bool()
+    dtype = compute_dtype(logp_BT, logp_ref_BT)
+    k = KL_ESTIMATORS[estimator](_masked(logp_BT, m, dtype), _masked(logp_ref_BT, m, dtype))
+    return torch.where(m, k, 0.0)
 
 
 def full_kl_from_logits(logits_BTV: torch.Tensor, ref_logits_BTV: torch.Tensor) -> torch.Tensor:

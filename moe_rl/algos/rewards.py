@@ -33,17 +33,6 @@ def place_terminal_reward(score_B: torch.Tensor, mask_BT: torch.Tensor) -> torch
     return rewards
 
 
-def add_span_rewards(rewards_BT: torch.Tensor, span_end_BP: torch.Tensor, reward_BP: torch.Tensor) -> torch.Tensor:
-    """u_{e_p} += g_p: turn feedback on the last token of model-output span p.
-
-    span_end_BP: [B, P] long raw positions e_p (-1 pads); reward_BP: [B, P]. Returns a new [B, T].
-    """
-    valid = span_end_BP >= 0
-    out = rewards_BT.clone()
-    out.scatter_add_(1, span_end_BP.clamp(min=0), torch.where(valid, reward_BP.to(out.dtype), 0))
-    return out
-
-
 def move_rewards_to_actions(rewards_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Apply the placement rule above: each reward at a mask-0 position moves to the preceding action.
 
@@ -93,9 +82,12 @@ def kl_shaped_rewards(
     """u^total_t = u_t - beta * k_t on valid model tokens, applied before GAE.
 
     k_t is a sampled estimator of KL(mu || pi_ref) at the rollout action a_t ~ mu (the behaviour
-    policy); it is 0 at mask-0 positions. Returns (shaped rewards [B, T], k [B, T]).
+    policy); it is 0 at mask-0 positions, whatever the log-probs hold there (-inf on padding is never
+    read). Returns (shaped rewards [B, T], k [B, T]).
     """
-    k = KL_ESTIMATORS[estimator](logp_behaviour_BT, logp_ref_BT) * mask_BT.to(rewards_BT.dtype)
+    m = mask_BT.bool()
+    k = KL_ESTIMATORS[estimator](torch.where(m, logp_behaviour_BT, 0.0), torch.where(m, logp_ref_BT, 0.0))
+    k = torch.where(m, k, 0.0)
     return rewards_BT - beta * k, k
 
 

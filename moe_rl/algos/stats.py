@@ -1,4 +1,4 @@
-"""Diagnostics returned as tensors (no host synchronisation)."""
+"""Diagnostics returned as tensors (no host synchronisation); values at mask-0 positions are never read."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import torch
 
 
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """1 - Var[G - V] / Var[G] over valid tokens (1: perfect critic, <= 0: no better than a constant)."""
-    m = mask_BT.to(torch.float64)
+    """1 - Var[G - V] / Var[G] over valid tokens (1: perfect critic, <= 0: no better than a constant;
+    0 when Var[G] = 0). values_BT, returns_BT, mask_BT: [B, T]. Returns a 0-dim float64 tensor."""
+    mb = mask_BT.bool()
+    m = mb.to(torch.float64)
     n = m.sum().clamp(min=1)
-    g, v = returns_BT.to(torch.float64), values_BT.to(torch.float64)
+    g = torch.where(mb, returns_BT.to(torch.float64), 0.0)
+    v = torch.where(mb, values_BT.to(torch.float64), 0.0)
 
     def var(x):
         mean = (x * m).sum() / n
@@ -20,10 +23,11 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
 
 
 def masked_summary(x_BT: torch.Tensor, mask_BT: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """{prefix_mean, prefix_max, prefix_min} of x over valid positions, 0-dim float64 tensors."""
     m = mask_BT.bool()
     x = x_BT.detach().to(torch.float64)
     n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
+    mean = torch.where(m, x, 0.0).sum() / n
     big = torch.finfo(torch.float64).max
     return {f"{prefix}_mean": mean, f"{prefix}_max": torch.where(m, x, -big).max(),
             f"{prefix}_min": torch.where(m, x, big).min()}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moe_rl.algos.anchor import EwmaAnchor
-from moe_rl.algos.checks import BatchCheckError, check_batch
+from moe_rl.algos.checks import BatchCheckError, check_batch, finite_samples
 
 
 def test_ewma_anchor_by_hand_and_as_a_weighted_average():
@@ -47,6 +47,11 @@ def test_good_batch_passes_and_counts():
 @pytest.mark.parametrize("breaks, rule, sample", [
     (lambda b: b["attention_mask_BT"].__setitem__((1, 1), False), "action_mask", 1),
     (lambda b: b["rewards_BT"].__setitem__((0, 3), 1.0), "reward_placement", 0),
+    # a non-finite reward is named as such, on a model token or not (NaN != 0 must not pass as placement)
+    (lambda b: b["rewards_BT"].__setitem__((1, 3), float("nan")), "finite_rewards", 1),
+    (lambda b: b["rewards_BT"].__setitem__((0, 2), float("-inf")), "finite_rewards", 0),
+    (lambda b: (b["rewards_BT"].__setitem__((1, 1), float("inf")), b["rewards_BT"].__setitem__((0, 0), float("nan"))),
+     "finite_rewards", 0),
     (lambda b: b["boundary_value_B"].__setitem__(1, float("inf")), "boundary", 1),
     (lambda b: b["logp_behaviour_BT"].__setitem__((1, 0), float("nan")), "policy_roles", 1),
     (lambda b: b["logp_old_BT"].__setitem__((0, 2), -3.0), "sync_roles", 0),
@@ -70,3 +75,33 @@ def test_missing_roles():
         check_batch(**batch, needs_behaviour=True)
     with pytest.raises(BatchCheckError, match="reference"):
         check_batch(**_good(), needs_reference=True)
+
+
+def test_finite_rewards_message_names_the_position():
+    batch = _good()
+    batch["rewards_BT"][1, 2] = float("nan")
+    with pytest.raises(BatchCheckError, match="sample 1: reward at position 2 is nan"):
+        check_batch(**batch)
+
+
+def test_finite_samples_rejects_non_finite_score_or_any_reward():
+    score = torch.tensor([1.0, float("nan"), 0.5, 2.0, float("-inf")])
+    rewards = torch.zeros(5, 3)
+    rewards[0, 2] = 1.0
+    rewards[2, 0] = float("inf")  # a bad reward anywhere in the row, model token or not
+    rewards[3, 1] = 2.0
+    keep = finite_samples(score, rewards)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [True, False, False, True, False]
+    assert finite_samples(torch.zeros(0), torch.zeros(0, 4)).tolist() == []
+
+
+def test_sync_check_is_not_hidden_by_non_finite_padding():
+    batch = _good()
+    batch["logp_behaviour_BT"][1, 3] = float("-inf")  # padding: log-prob -inf in both roles
+    batch["logp_old_BT"][1, 3] = float("-inf")
+    check_batch(**batch, synchronous=True)  # passes: padding is never read
+    batch["logp_old_BT"][1, 0] = -3.0  # a real mismatch on a model token of the same sample
+    with pytest.raises(BatchCheckError) as info:
+        check_batch(**batch, synchronous=True)
+    assert info.value.rule == "sync_roles" and info.value.sample == 1

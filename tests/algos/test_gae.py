@@ -78,10 +78,27 @@ def test_decoupled_lambdas_use_the_same_frozen_values():
     torch.testing.assert_close(adv, torch.tensor([[0.1, 0.1, 0.7]]))
     # lambda_critic = 1, gamma = 1: Monte-Carlo return of the terminal reward
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+
+
+def test_gae_advantage_routes_decoupled_and_length_adaptive_traces():
+    mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
+    values = torch.tensor([[0.1, 0.2, 0.3]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
     inp = AdvantageInputs(rewards, mask, torch.ones(1), torch.zeros(1, dtype=torch.long), values, T_, torch.zeros(1))
-    a2, r2 = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.0, lam_critic=1.0))
-    torch.testing.assert_close(a2, adv)
-    torch.testing.assert_close(r2, ret)
+    # gamma = 1: delta = (0.2 - 0.1, 0.3 - 0.2, 1 - 0.3) = (0.1, 0.1, 0.7)
+    # lam_actor = 0 -> A = delta; lam_critic = 1 -> G = Monte-Carlo return 1 everywhere
+    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.0, lam_critic=1.0))
+    torch.testing.assert_close(adv, torch.tensor([[0.1, 0.1, 0.7]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+    # plain GAE with lam = 0.5: A3 = 0.7, A2 = 0.1 + 0.5*0.7 = 0.45, A1 = 0.1 + 0.5*0.45 = 0.325; G = A + V
+    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.5))
+    torch.testing.assert_close(adv, torch.tensor([[0.325, 0.45, 0.7]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.425, 0.65, 1.0]]))
+    # length-adaptive: J = 3, alpha = 2/3 -> lambda_actor = 1 - 1/(2/3 * 3) = 0.5 (same A as above);
+    # the critic keeps hp.lam = 1 -> G = 1
+    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=1.0, length_adaptive_alpha=2 / 3))
+    torch.testing.assert_close(adv, torch.tensor([[0.325, 0.45, 0.7]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
 
 
 def test_length_adaptive_lambda():
@@ -148,3 +165,44 @@ def test_long_sequences_stay_finite_in_float32():
     assert torch.isfinite(adv).all()
     assert math.isclose(float(adv[0, -1]), 1.0) and math.isclose(float(adv[0, -3]), 0.25, rel_tol=1e-5)
     assert float(adv[0, 0]) == 0.0  # 0.5**4999 underflows to exactly 0, as it should
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_and_rewards_at_mask0_positions_are_ignored(backend, bad):
+    # observation / padding positions may carry garbage (the critic's output there is never read)
+    mask = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.5, 0.0, 0.25, 0.0], [0.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    terminated, boundary = torch.tensor([True, False, False]), torch.tensor([bad, 3.0, bad])
+    clean, clean_ret = gae.masked_gae(rewards, values, mask, terminated, torch.tensor([0.0, 3.0, 0.0]), 0.9, 0.8,
+                                      backend=backend)
+    dirty_v, dirty_r = values.clone(), rewards.clone()
+    dirty_v[~mask] = bad
+    dirty_r[~mask] = bad
+    adv, ret = gae.masked_gae(dirty_r, dirty_v, mask, terminated, boundary, 0.9, 0.8, backend=backend)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    torch.testing.assert_close(adv, clean, rtol=0, atol=0)
+    torch.testing.assert_close(ret, clean_ret, rtol=0, atol=0)
+    # by hand, sample 0 (mask 1 0 1, terminated): A2 = 1 - 0.25 = 0.75; A1 = 0.9*0.25 - 0.5 + 0.72*0.75 = 0.265
+    # sample 1 (mask 0 1 1, truncated at V_boot = 3): A2 = 0 + 0.9*3 - 2 = 0.7; A1 = 0.5 + 0.9*2 - 1 + 0.72*0.7
+    torch.testing.assert_close(adv, torch.tensor([[0.265, 0.0, 0.75, 0.0], [0.0, 1.804, 0.7, 0.0], [0.0] * 4]))
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_are_computed_in_float32(backend, dtype):
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(3, 50, generator=gen) < 0.7
+    values = torch.randn(3, 50, generator=gen).to(dtype)
+    rewards = (torch.randn(3, 50, generator=gen) * mask).to(dtype)
+    terminated, boundary = torch.tensor([True, False, False]), torch.tensor([0.0, 1.5, -0.5], dtype=dtype)
+    adv, ret = gae.masked_gae(rewards, values, mask, terminated, boundary, 0.99, 0.95, backend=backend)
+    assert adv.dtype == torch.float32 and ret.dtype == torch.float32
+    # the same (exactly representable) numbers in float32 give the same result
+    ref_adv, ref_ret = gae.masked_gae(rewards.float(), values.float(), mask, terminated, boundary.float(), 0.99, 0.95,
+                                      backend=backend)
+    torch.testing.assert_close(adv, ref_adv, rtol=0, atol=0)
+    torch.testing.assert_close(ret, ref_ret, rtol=0, atol=0)
+    empty, _ = gae.masked_gae(rewards[:, :0], values[:, :0], mask[:, :0], terminated, boundary, 0.99, 0.95, backend=backend)
+    assert empty.shape == (3, 0) and empty.dtype == torch.float32

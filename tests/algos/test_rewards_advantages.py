@@ -15,10 +15,8 @@ def test_terminal_reward_goes_on_last_valid_model_token_not_tensor_end():
     assert rewards.last_action_index(mask).tolist() == [2, 3, -1]
 
 
-def test_span_rewards_and_the_mask0_rule():
+def test_the_mask0_reward_placement_rule():
     mask = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.bool)
-    r = rewards.add_span_rewards(torch.zeros(1, 6), torch.tensor([[1, 4]]), torch.tensor([[0.5, 0.25]]))
-    torch.testing.assert_close(r, torch.tensor([[0, 0.5, 0, 0, 0.25, 0]]))
     # a tool reward arriving at position 3 (observation) moves to position 1, the preceding action
     raw = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0, 1.0]])
     moved = rewards.move_rewards_to_actions(raw, mask)
@@ -31,8 +29,8 @@ def test_kl_estimators_by_hand():
     lp, lr = torch.tensor([-1.0]), torch.tensor([-1.5])
     assert torch.allclose(rewards.kl_k1(lp, lr), torch.tensor([0.5]))
     assert torch.allclose(rewards.kl_k2(lp, lr), torch.tensor([0.125]))
-    d = -0.5
-    assert torch.allclose(rewards.kl_k3(lp, lr), torch.tensor([torch.tensor(d).exp() - d - 1]))
+    # d = log pi_ref - log pi = -0.5: e^-0.5 + 0.5 - 1 = 0.10653065971263342
+    torch.testing.assert_close(rewards.kl_k3(lp, lr), torch.tensor([0.10653065971263342]))
     shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -1.0, -9.0]]),
                                           torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 0]], dtype=torch.bool), 0.1)
     torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
@@ -71,16 +69,27 @@ def test_outcome_estimators_by_hand():
     # RLOO: R_i - mean of the others; sample 0: 1 - (0+0+1)/3
     torch.testing.assert_close(get("rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0]))
     torch.testing.assert_close(get("reinforce"), torch.tensor(scores) - 4 / 6)
-    torch.testing.assert_close(get("reinforce_pp_baseline"), get("drgrpo"))
     mean, std_, n = group_stats(torch.tensor(scores), torch.tensor(groups))
     assert n.tolist() == [4, 4, 4, 4, 2, 2]
+    assert mean.tolist() == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0]
+    torch.testing.assert_close(std_, torch.tensor([std] * 4 + [0.0] * 2, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+def test_reinforce_pp_baseline_is_the_group_centred_score():
+    # groups {0: (3, 1)}, {5: (2, 5, 8)}: means 2 and 5 -> (1, -1, -3, 0, 3); no std division (the loop whitens)
+    inp = _inp([3.0, 1.0, 2.0, 5.0, 8.0], [0, 0, 5, 5, 5])
+    adv, ret = registry.get("advantage", "reinforce_pp_baseline")(inp, AdvantageParams(eps=0.0))
+    assert ret is None
+    torch.testing.assert_close(adv, torch.tensor([[1.0] * 3, [-1.0] * 3, [-3.0] * 3, [0.0] * 3, [3.0] * 3]))
 
 
 def test_outcome_advantages_only_on_model_tokens():
     mask = torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.bool)
     adv, ret = registry.get("advantage", "grpo")(_inp([1.0, 0.0], [0, 0], mask), AdvantageParams())
     assert ret is None
-    assert (adv[~mask] == 0).all() and adv[0, 0] > 0 and adv[1, 1] < 0
+    # mean 0.5, unbiased std sqrt(0.5): A = +-0.5 / (sqrt(0.5) + 1e-6)
+    a = 0.5 / (0.5**0.5 + 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([[a, 0.0, a], [0.0, -a, 0.0]]))
 
 
 def test_rloo_rejects_singleton_groups():
@@ -105,4 +114,34 @@ def test_whitening_over_valid_tokens_only():
     torch.testing.assert_close(valid.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
     torch.testing.assert_close(valid.var(unbiased=False), torch.tensor(1.0))
     assert (w[~mask] == 0).all()
+    # by hand: valid (1, 3, 5, -7), mean 0.5, var (0.25 + 6.25 + 20.25 + 56.25) / 4 = 20.75
+    sd = 20.75**0.5
+    torch.testing.assert_close(w, torch.tensor([[0.5 / sd, 0.0, 2.5 / sd], [4.5 / sd, -7.5 / sd, 0.0]]))
+    # shift_mean=False scales without centring
+    torch.testing.assert_close(whiten(adv, mask, eps=0.0, shift_mean=False),
+                               torch.tensor([[1 / sd, 0.0, 3 / sd], [5 / sd, -7 / sd, 0.0]]))
     torch.testing.assert_close(returns, adv)  # inputs (and so the critic target) untouched
+
+
+def test_move_rewards_to_actions_sums_onto_the_preceding_action():
+    mask = torch.tensor([[0, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    raw = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 0.5, 4.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, -2.0]])
+    moved = rewards.move_rewards_to_actions(raw, mask)
+    # row 0: 1 + 2 + 3 on position 1, 0.5 + 4 on position 5; row 1: 1 - 2 on position 2
+    torch.testing.assert_close(moved, torch.tensor([[0.0, 6.0, 0, 0, 0, 4.5, 0], [0.0, 0.0, -1.0, 0, 0, 0, 0]]))
+
+
+def test_whitening_ignores_non_finite_mask0_values():
+    adv = torch.tensor([[1.0, float("nan"), 3.0], [5.0, -7.0, float("inf")]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    w = whiten(adv, mask, eps=0.0)
+    sd = 20.75**0.5  # as in test_whitening_over_valid_tokens_only
+    torch.testing.assert_close(w, torch.tensor([[0.5 / sd, 0.0, 2.5 / sd], [4.5 / sd, -7.5 / sd, 0.0]]))
+
+
+def test_kl_shaping_ignores_non_finite_logprobs_at_mask0_positions():
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -1.0, float("-inf")]]),
+                                          torch.tensor([[-1.5, -0.5, float("-inf")]]), mask, 0.1)
+    torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
+    torch.testing.assert_close(shaped, torch.tensor([[-0.05, 1.05, 0.0]]))

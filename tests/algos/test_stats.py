@@ -1,0 +1,24 @@
+import torch
+
+from moe_rl.algos.stats import explained_variance, masked_summary
+
+
+def test_explained_variance_by_hand():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    G = torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 0.0]])
+    # V = G: 1; V = mean(G): Var[G - V] = Var[G] -> 0; V = G - (1, -1, 1, -1): 1 - 1 / 1.25 = 0.2
+    assert float(explained_variance(G, G, mask)) == 1.0
+    assert float(explained_variance(torch.full_like(G, 2.5), G, mask)) == 0.0
+    V = G - torch.tensor([[1.0, -1.0, 0.0], [1.0, -1.0, 0.0]])
+    torch.testing.assert_close(explained_variance(V, G, mask), torch.tensor(0.2, dtype=torch.float64))
+    # constant returns: 0, not a division by zero
+    assert float(explained_variance(G, torch.ones_like(G), mask)) == 0.0
+
+
+def test_stats_ignore_non_finite_mask0_values():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    G = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 4.0, float("inf")]])
+    V = torch.tensor([[0.0, 3.0, float("-inf")], [2.0, 5.0, float("nan")]])
+    torch.testing.assert_close(explained_variance(V, G, mask), torch.tensor(0.2, dtype=torch.float64))
+    s = masked_summary(G, mask, "ret")
+    assert {k: float(v) for k, v in s.items()} == {"ret_mean": 2.5, "ret_max": 4.0, "ret_min": 1.0}
