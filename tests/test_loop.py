@@ -45,16 +45,19 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
 
     out, proc = reference
     assert "run finished: 3 steps" in proc.stdout
-    acc = EventAccumulator(str(out / "tensorboard"))
+    acc = EventAccumulator(str(out / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for tag in ("reward/mean", "policy/loss", "policy/clipfrac_high", "policy/approx_kl_k3", "policy/entropy",
                 "critic/loss", "critic/explained_variance", "routing/agreement", "correction/logp_mismatch_mean",
                 "correction/logp_mismatch_no_replay", "rollout/length_mean", "rollout/outcome_truncated_budget",
                 "timing/score_s", "timing/sync_s", "perf/generate_tokens_per_s", "perf/train_tokens_per_s",
-                "memory/rss_gib", "warm_start/nll_last"):
+                "memory/rss_gib", "warm_start/nll_last", "policy/lr", "critic/lr", "correction/staleness_max",
+                "rollout/outcome_env_error"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    # an outcome that never happened is written as 0 every step (charts do not join distant points)
+    assert [e.value for e in acc.Scalars("rollout/outcome_env_error")] == [0.0, 0.0, 0.0]
     # R3: replayed log-probs equal the engine's behaviour log-probs (same weights, fp32)
     assert max(e.value for e in acc.Scalars("correction/logp_mismatch_mean")) < 1e-4
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -129,15 +132,66 @@ def test_two_rollout_engines_share_the_step(reference, tmp_path):
 
 def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     """PPO-EWMA: the anchor equals the policy at the first RL step (it starts after the warm start),
-    then lags behind it; a resumed run restores the anchor and reproduces the uninterrupted step 3."""
-    ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5"]
+    then lags behind it; a resumed run restores the anchor and reproduces the uninterrupted step 3.
+
+    The anchor moves after every update (4 per step here: 2 epochs x 2 minibatches), and each update
+    scores its minibatch under the anchor as it is then. At step 1 the first update's anchor is the
+    behaviour policy itself (w = pi_anchor / mu = 1), the later ones are not: the step's token ESS is
+    below 1. Scoring the anchor once per step would give w = 1 for all four (ESS fraction 1)."""
+    ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token"]
     full = tmp_path / "full"
     run_train(full, *ewma, "checkpoint.every=0")
-    gaps = [h["policy/anchor_logp_gap"] for h in torch.load(full / "history.pt", weights_only=False)]
+    hist = torch.load(full / "history.pt", weights_only=False)
+    gaps = [h["policy/anchor_logp_gap"] for h in hist]
     assert gaps[0] == 0.0 and gaps[1] > 0 and gaps[2] > 0, gaps
+    assert hist[0]["correction/ess_frac_token_raw"] < 1 - 1e-4
     split = tmp_path / "split"
     run_train(split, *ewma, "run.steps=2")
     run_train(split, *ewma, "run.steps=3")  # resume: auto, from step 2
     resumed = torch.load(split / "history.pt", weights_only=False)
     assert len(resumed) == 1
     assert resumed[0]["policy/anchor_logp_gap"] == pytest.approx(gaps[2], rel=1e-4, abs=1e-6)
+
+
+def test_tensor_parallel_loop_equals_one_rank(reference, tmp_path):
+    """TP2 (sequence parallel, odd and even lengths in the batch) scores and trains like one rank."""
+    ref_out, _ = reference
+    out = tmp_path / "tp2"
+    run_train(out, "parallel.tp=2", "parallel.world_size=2", "run.steps=1", "checkpoint.every=0")
+    hist = torch.load(out / "history.pt", weights_only=False)
+    ref = torch.load(ref_out / "history.pt", weights_only=False)
+    for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean",
+                "policy/entropy", "critic/loss", "critic/grad_norm", "correction/logp_mismatch_mean"):
+        assert hist[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
+
+
+def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
+    """stated_reward: each prompt states its reward, so V(s) is learnable exactly; the critic (actor
+    held back by critic.warmup_steps) must explain > 80% of the return variance within 10 steps."""
+    out = tmp_path / "stated"
+    run_train(out, "environment.name=stated_reward", "environment.options={}", "trainer.warm_start_steps=0",
+              "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10", "critic.warmup_steps=10",
+              "checkpoint.every=0")
+    ev = [h["critic/explained_variance"] for h in torch.load(out / "history.pt", weights_only=False)]
+    assert ev[-1] > 0.8 and max(ev[-3:]) > 0.9, ev
+
+
+def test_critic_starts_from_another_checkpoint(tmp_path):
+    """critic.init_from: a reward model's score head becomes the value head. Our own critic's head starts
+    at zero (V = 0 before its first update); this one's values are not."""
+    from safetensors.torch import load_file, save_file
+
+    from moe_rl.config import load_config
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml")
+    rm = build_tiny_checkpoint(tmp_path / "reward_model", cfg.model.tiny, seed=7)
+    weights = load_file(rm / "model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    weights["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
+    save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "init_from"
+    run_train(out, f"critic.init_from={rm}", "run.steps=1", "trainer.epochs=1", "trainer.minibatches=1",
+              "checkpoint.every=0")
+    value_mean = torch.load(out / "history.pt", weights_only=False)[0]["critic/value_mean"]
+    assert abs(value_mean) > 1e-3, value_mean

@@ -3,9 +3,10 @@
 `check_batch` raises `BatchCheckError` naming the sample and the rule it breaks; nothing is repaired
 silently. It runs once per batch before the update (it synchronises with the host by design).
 
-`finite_samples` is the one filter the loop applies *before* advantages: samples whose score or rewards
-are not finite are dropped (and counted), because a single NaN reward would otherwise spread through
-the group statistics, the GAE recursion and the batch whitening into every sample's advantage.
+Non-finite rewards never get this far in the loop: the agent rejects such trajectories (counted as
+`rollout/rejected_rewards`, see types.validate_trajectory), because one NaN reward would spread
+through group statistics, the GAE recursion and whitening into every advantage. The
+`finite_rewards` rule here is the batch-level guard.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ class BatchCheckError(ValueError):
 def _first(bad_B: torch.Tensor) -> int | None:
     idx = bad_B.nonzero()
     return int(idx[0, 0]) if idx.numel() else None
-
-
-def finite_samples(score_B: torch.Tensor, rewards_BT: torch.Tensor) -> torch.Tensor:
-    """keep_B [B] bool: the score R(tau_i) and every reward u_{i,t} (all T positions, model token or not)
-    of sample i are finite. score_B: [B]; rewards_BT: [B, T]. The loop keeps `b.select(keep_B)` and
-    reports `(~keep_B).sum()` rejected samples; it never repairs a non-finite reward.
-    """
-    return torch.isfinite(score_B) & torch.isfinite(rewards_BT).all(dim=1)
 
 
 def check_batch(

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moe_rl.algos.anchor import EwmaAnchor
-from moe_rl.algos.checks import BatchCheckError, check_batch, finite_samples
+from moe_rl.algos.checks import BatchCheckError, check_batch
 
 
 def test_ewma_anchor_by_hand_and_as_a_weighted_average():
@@ -82,18 +82,6 @@ def test_finite_rewards_message_names_the_position():
     batch["rewards_BT"][1, 2] = float("nan")
     with pytest.raises(BatchCheckError, match="sample 1: reward at position 2 is nan"):
         check_batch(**batch)
-
-
-def test_finite_samples_rejects_non_finite_score_or_any_reward():
-    score = torch.tensor([1.0, float("nan"), 0.5, 2.0, float("-inf")])
-    rewards = torch.zeros(5, 3)
-    rewards[0, 2] = 1.0
-    rewards[2, 0] = float("inf")  # a bad reward anywhere in the row, model token or not
-    rewards[3, 1] = 2.0
-    keep = finite_samples(score, rewards)
-    assert keep.dtype == torch.bool
-    assert keep.tolist() == [True, False, False, True, False]
-    assert finite_samples(torch.zeros(0), torch.zeros(0, 4)).tolist() == []
 
 
 def test_sync_check_is_not_hidden_by_non_finite_padding():

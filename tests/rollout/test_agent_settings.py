@@ -1,0 +1,36 @@
+"""Agent settings and rejections that reach the batch: DAPO overlong filtering as a setting, and
+trajectories with non-finite rewards rejected and counted (never trained on)."""
+
+import asyncio
+
+from test_agent import ScriptedPolicy
+from transformers import AutoTokenizer
+
+from moe_rl.rollout.agent import Agent, AgentSettings
+from moe_rl.rollout.envs import Environment, StepResult, get_env
+
+
+def test_overlong_filter_setting_excludes_truncated_episodes(tiny_qwen):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    prompts = [{"secret": 9, "low": 1, "high": 9}]
+    for on in (False, True):
+        agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {},
+                      AgentSettings(max_turns=2, overlong_filter=on))  # out of turns: truncated
+        [[t]] = asyncio.run(agent.run_groups(prompts, 1))
+        assert ("loss_excluded" in t.info) is on and agent.stats.overlong_filtered == int(on)
+
+
+class NanReward(Environment):
+    async def reset(self, prompt):
+        return [{"role": "user", "content": "say anything"}]
+
+    async def step(self, action_text):
+        return StepResult(None, done=True, final_reward=float("nan") if "bad" in action_text else 1.0)
+
+
+def test_non_finite_rewards_are_rejected_and_counted(tiny_qwen):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    agent = Agent(ScriptedPolicy(tok, ["good", "bad", "good"]), tok, NanReward, {}, AgentSettings(max_turns=1))
+    groups = asyncio.run(agent.run_groups([{}], 3))
+    assert [t.terminal_reward for g in groups for t in g] == [1.0, 1.0]
+    assert agent.stats.rejected == {"rewards": 1}
