@@ -233,12 +233,12 @@ class TrainerGroup:
 
     def _shard(self, batch, rank: int):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
+        from moe_rl.train.parallel import dp_rank_of, dp_rows
+
         if self.dp == 1:
             return batch
-        dp_rank = (rank // self.tp_cp) % self.dp  # megatron's rank order: tp, cp, (ep), dp, pp
-        B = batch.input_ids_BS.shape[0]
-        rows = slice(dp_rank * B // self.dp, (dp_rank + 1) * B // self.dp)
-        return batch.rows(rows)
+        dp_rank = dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
+        return batch.rows(dp_rows(batch.input_ids_BS.shape[0], dp_rank, self.dp))
 
     def score(self, batch, **kw):
         outs = ray.get([a.score.remote(batch, **kw) for a in self.actors])

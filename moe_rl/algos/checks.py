@@ -88,7 +88,9 @@ def check_batch(
         gap = torch.where(m, (logp_behaviour_BT - logp_old_BT).abs(), 0.0).amax(1)
         s = _first(gap > sync_tolerance)
         if s is not None:
-            raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step")
+            raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step "
+                                  "(an objective without off-policy correction assumes they are equal; "
+                                  "use a correction such as tis_token, or replay the rollout's routes)")
     empty = ~m.any(1)
     if bool(empty.all()):
         raise BatchCheckError("empty_batch", None, "no sample has a model token; skip this update")

@@ -111,3 +111,20 @@ def ranks() -> Ranks:
         tp_size=ps.get_tensor_model_parallel_world_size(), pp_size=ps.get_pipeline_model_parallel_world_size(),
         ep_size=ps.get_expert_model_parallel_world_size(), dp_size=ps.get_data_parallel_world_size(),
     )
+
+
+def dp_rank_of(rank: int, tp: int, cp: int, dp: int) -> int:
+    """The data-parallel rank of global `rank` in megatron-core's rank order tp, cp, (ep), dp, pp
+    (tp fastest): rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)). Expert parallelism
+    lives inside dp and does not change it; only the product tp * cp matters."""
+    if min(tp, cp, dp) < 1 or rank < 0:
+        raise ValueError(f"rank {rank} with tp={tp}, cp={cp}, dp={dp}: sizes must be >= 1 and the rank >= 0")
+    return (rank // (tp * cp)) % dp
+
+
+def dp_rows(batch_size: int, dp_rank: int, dp: int) -> slice:
+    """The rows of a `batch_size`-row batch that data-parallel rank `dp_rank` of `dp` trains on:
+    consecutive, disjoint, covering every row, sizes differing by at most one."""
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"data-parallel rank {dp_rank} is outside 0..{dp - 1}")
+    return slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)

@@ -11,7 +11,8 @@ tokens that router will see:
 Replay happens in the forward pass and again in activation recompute: megatron keeps a FIFO of the
 targets set per microbatch and pops it when the action is REPLAY_BACKWARD; `_phase_aware_topk` switches
 to that action automatically while autograd is running a backward pass (recompute), so callers set
-REPLAY_FORWARD once. Positions past a row's length (padding) get experts 0..K-1: they are never read.
+REPLAY_FORWARD once. Positions past a row's length (padding) without a route get experts 0..K-1 (they
+are never read); padding that carries a recorded route keeps it (see `fill_padding`).
 A valid token without a route (-1) is an error — never silently re-routed.
 """
 
@@ -70,11 +71,24 @@ def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> None:
 
 
 def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-    """Routes with every padding position (>= the row's length) set to experts 0..K-1 (any valid
-    choice: padding never reaches a loss)."""
+    """Routes with every padding position (>= the row's length) that holds no route set to experts
+    0..K-1 (any valid choice: padding never reaches a loss).
+
+    A padding position that does hold a route (K distinct expert ids >= 0: the trainer's own record
+    of a free forward) keeps it. Padding tokens still pass through the experts, and how many rows each
+    expert computes (and where its rows start) changes the rounding of the *valid* rows: MKL's sgemm
+    picks its kernel by shape and CPU (on an AVX-512 host, a row computed in a 1- or 2-row GEMM
+    differs in the last bit from the same row in a 3+-row GEMM). Re-routing all padding to experts
+    0..K-1 therefore moved 34 of 200 random tiny-model batches off free routing by an ulp (4.8e-7 in
+    a log-prob); keeping the recorded padding routes, 0 of 200: replaying one's own routes is bitwise
+    free routing. Missing routes (< 0) and the zeros of positions no microbatch computed (a
+    duplicated expert) are filled."""
     B, S, _, K = routes_BSLK.shape
+    routes = routes_BSLK.long()
     pad = (torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1))[:, :, None, None]
-    return torch.where(pad, torch.arange(K).expand_as(routes_BSLK), routes_BSLK.long())
+    ids = routes.sort(-1).values
+    has_route = (ids[..., :1] >= 0) & (ids[..., 1:] != ids[..., :-1]).all(-1, keepdim=True)
+    return torch.where(pad & ~has_route, torch.arange(K).expand_as(routes), routes)
 
 
 def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:

@@ -37,16 +37,18 @@ def shim_checks(rank, world):
     except RuntimeError:
         out["duplicate_refused"] = True
 
-    # cuda_streams
+    # cuda_streams: the calls megatron makes run (torch's own raise without CUDA) and change nothing
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        x = torch.ones(2)
+        x = torch.ones(2) * 3
     x.record_stream(s)
     torch.cuda.current_stream().wait_stream(s)
     ev = torch.cuda.Event()
     ev.record()
     torch.cuda.synchronize()
-    out["streams_ok"] = True
+    out["streams"] = {"x": x.tolist(), "event_done": ev.query(), "elapsed": ev.elapsed_time(ev),
+                      "stream_event_done": s.record_event().query(),
+                      "installed": torch.cuda.Stream is cpu_compat._NoStream and torch.cuda.Event is cpu_compat._NoEvent}
 
     # cuda_device
     out["current_device"] = torch.cuda.current_device()
@@ -85,8 +87,13 @@ def shim_checks(rank, world):
     # optimizer_step: the distributed optimizer's template state_dict works on a fresh optimizer
     from megatron.core.optimizer import distrib_optimizer as mdo
 
-    out["optimizer_step_patched"] = mdo.DistributedOptimizer.state_dict.__name__ == "state_dict" and \
-        "optimizer_step" in cpu_compat.APPLIED
+    cls = mdo.DistributedOptimizer
+    out["optimizer_step"] = {
+        "needed": not mdo.HAVE_APEX_OR_TE,  # without apex/TE torch Adam keeps the per-param step
+        # the methods are the shim's own (the originals are megatron's), not merely named alike
+        "patched": [f.__module__ + "." + f.__qualname__ for f in
+                    (cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states)],
+    }
     return out
 
 
@@ -96,14 +103,18 @@ def test_every_shim_in_a_fresh_process():
 
     assert out["applied"] == list(cpu_compat.SHIMS)
     assert out["default_untouched"] and out["fork_reproducible"] and out["duplicate_refused"]
-    assert out["streams_ok"]
+    assert out["streams"] == {"x": [3.0, 3.0], "event_done": True, "elapsed": 0.0, "stream_event_done": True,
+                              "installed": True}
     assert out["current_device"] == "cpu" and out["cuda_literal_device"] == "cpu"
     assert out["pinned_on_cpu"] == [1, 2]
     assert out["te_general_gemm"] is None
     assert out["sp_norm_tagged"] and out["sp_norm_names"] == ["weight"] and out["sp_norm_err"] < 1e-6
     assert out["param_type"] == "torch.cuda.FloatTensor" and out["explicit_type"] == "torch.float64"
     assert out["all_to_all"] == [0.0, 1.0, 2.0, 3.0]
-    assert out["optimizer_step_patched"]  # behaviour covered by test_checkpoint's resume
+    shim = "moe_rl.train.cpu_compat._optimizer_step.<locals>."
+    assert out["optimizer_step"] == {"needed": True, "patched": [shim + "state_dict", shim + "load_state_dict",
+                                                                 shim + "set_states"]}
+    # behaviour: test_checkpoint.py::test_distributed_optimizer_resume (DP2 save, DP2 load)
 
 
 def test_shims_do_nothing_here_when_not_applied():

@@ -3,7 +3,7 @@ TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
-from train_jobs import B, S, batch_tensors, critic_job, hf_roundtrip_job, layout_job
+from train_jobs import B, S, batch_tensors, critic_job, critic_returns, hf_roundtrip_job, layout_job
 
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.weights.hf import HFReader
@@ -47,15 +47,28 @@ def test_hf_round_trip_is_bitwise(arch, layout, request):
         assert torch.equal(exported[name], reader.get(name)), name
 
 
+def _value_loss(values_BS, returns, mask):
+    """1/2 (V(s_t) - G_t)^2, token mean over model tokens, where V(s_t) is the head's output at t-1 (the
+    value of the state before token t is produced)."""
+    pred = torch.zeros_like(values_BS)
+    pred[:, 1:] = values_BS[:, :-1]
+    return float((0.5 * (pred - returns).square() * mask).sum() / mask.sum())
+
+
 def test_critic_value_head(tiny_qwen):
     res = run_ranks(critic_job, 1, (str(tiny_qwen), {}))[0]
     assert res["before"].shape == (B, S)
     assert float(res["before"].abs().max()) == 0.0  # zero-initialised head: V = 0 everywhere
     assert res["head_moved"] > 0 and res["step"]["grad_norm"] > 0
     _, lengths, mask, _ = batch_tensors()
-    err_before = ((res["before"] - 1).square() * mask).sum()
-    err_after = ((res["after"] - 1).square() * mask).sum()
-    assert float(err_after) < float(err_before)  # one step towards the returns
+    returns = critic_returns()
+    # each step's loss is production's value loss of the values scored before it, with the V(s_t) shift
+    assert res["step"]["loss"] == pytest.approx(_value_loss(res["before"], returns, mask), rel=1e-6)
+    expected2 = _value_loss(res["after"], returns, mask)
+    assert res["step2"]["loss"] == pytest.approx(expected2, rel=1e-5)
+    unshifted = float((0.5 * (res["after"] - returns).square() * mask).sum() / mask.sum())
+    assert abs(unshifted - expected2) > 1e-3  # the returns vary: a loss without the shift would differ
+    assert expected2 < res["step"]["loss"]  # one step towards the returns
     assert "output_layer.weight" not in res["backbone_names"]
     # the backbone starts from the policy checkpoint
     assert torch.equal(res["embedding_at_start"], HFReader(tiny_qwen).get("model.embed_tokens.weight"))

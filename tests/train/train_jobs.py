@@ -2,6 +2,8 @@
 
 import torch
 
+from moe_rl.train.actor import PolicyLossSpec
+
 B, S = 4, 12
 
 
@@ -15,11 +17,43 @@ def batch_tensors(seed: int = 0):
     return ids, lengths, mask, adv
 
 
-def pg_loss(outputs, mb):
-    """Numerator of a token-sum policy-gradient loss: -sum A * logp over masked tokens."""
-    m = mb.tensors["mask"].float()
-    num = -(mb.tensors["adv"] * outputs["logp"] * m).sum()
-    return num, {"entropy_mean": (outputs["entropy"] * m).sum() / m.sum().clamp(min=1)}
+# production's policy loss (PPO-Clip, token mean, eps 0.2) and the loop's global denominator
+POLICY = PolicyLossSpec(name="ppo", clip_low=0.2, clip_high=0.2, aggregation="token_mean")
+
+
+def policy_loss():
+    from moe_rl.train.actor import policy_loss_fn
+
+    return policy_loss_fn(POLICY)
+
+
+def policy_tensors(logp_now, mask, adv):
+    """The loss tensors of a PPO step whose behaviour log-probs lie a fixed random offset (std 0.15)
+    away from the model's current ones, so ratios spread over both sides of the clip range and the
+    loss and its gradient depend on the model; importance weights in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(1)
+    offset = 0.15 * torch.randn(B, S, generator=g)
+    is_weight = 0.5 + torch.rand(B, S, generator=g)
+    return {"loss_mask": mask, "adv": adv, "logp_old": (logp_now - offset) * mask, "is_weight": is_weight}
+
+
+class Denominator(dict):
+    """The global token-mean denominator sum(mask), for a loss that returns one numerator (a tensor)
+    or one per term ({term: tensor}, as TrainWorker.train_step also accepts): every term of these
+    unweighted token-mean losses shares it."""
+
+    def __init__(self, mask):
+        from moe_rl.algos.aggregate import loss_denominator
+
+        super().__init__()
+        self.value = loss_denominator(mask, POLICY.aggregation)
+
+    def __missing__(self, term):
+        return self.value
+
+    def to(self, dtype):
+        return self.value.to(dtype)
+
 
 
 def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
@@ -32,15 +66,17 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
                     # eps 1e-4: Adam does not blow rounding noise in near-zero grads up to full lr steps
                     optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
-    dp, dp_size = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
-    rows = slice(dp * B // dp_size, (dp + 1) * B // dp_size)  # this data-parallel rank's shard
+    lay = parallel.Layout(**layout)
+    dp_size = w.ps.get_data_parallel_world_size()
+    dp = parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size)  # production's sharding (cluster._shard)
+    rows = parallel.dp_rows(B, dp, dp_size)
     free = TokenBatch(ids, lengths)
-    out = {"free": w.score(free, record_routes=True)}
+    out = {"free": w.score(free, record_routes=True), "dp_rank": (dp, w.ps.get_data_parallel_rank())}
     out["replay"] = w.score(TokenBatch(ids, lengths, routes))
-    shard = TokenBatch(ids[rows], lengths[rows], routes[rows], {"mask": mask[rows], "adv": adv[rows]})
-    denom = mask.sum().double()  # global denominator of the whole batch
+    tensors = policy_tensors(out["replay"]["logp"], mask, adv)  # pi_old: scored with the replayed routes
+    shard = TokenBatch(ids[rows], lengths[rows], routes[rows], {k: v[rows] for k, v in tensors.items()})
     routers = [(n, p.detach().clone()) for n, p in w.module.named_parameters() if "router" in n]
-    out["step"] = w.train_step(shard, pg_loss, denom)
+    out["step"] = w.train_step(shard, policy_loss(), Denominator(mask))  # global denominator of the batch
     out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max()) for n, p in routers]
     out["after_replay"] = w.score(TokenBatch(ids, lengths, routes))
     out["after_free"] = w.score(free, record_routes=True)
@@ -58,15 +94,17 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24),
                     load_weights=mode == "save")
     ids, lengths, mask, adv = batch_tensors()
-    batch = TokenBatch(ids, lengths, None, {"mask": mask, "adv": adv})
-    denom = mask.sum().double()
+
+    def batch():  # pi_old: the current weights' log-probs, offset (the same offset in both runs)
+        return TokenBatch(ids, lengths, None, policy_tensors(w.score(TokenBatch(ids, lengths))["logp"], mask, adv))
+
     if mode == "save":
-        w.train_step(batch, pg_loss, denom)
+        w.train_step(batch(), policy_loss(), Denominator(mask))
         checkpoint.save(w, ckpt_dir, extra={"step": 1, "note": "after one update"})
         extra = None
     else:
         extra = checkpoint.load(w, ckpt_dir)
-    step2 = w.train_step(batch, pg_loss, denom)
+    step2 = w.train_step(batch(), policy_loss(), Denominator(mask))
     return {"step2": step2, "after": w.score(TokenBatch(ids, lengths)), "extra": extra, "steps": w.steps}
 
 
@@ -92,25 +130,54 @@ def critic_job(rank, world, hf_path, layout):
     from moe_rl.train import parallel
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
+    from moe_rl.train.actor import value_loss_fn
+
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), role="critic", optim=OptimSettings(lr=1e-2, adam_eps=1e-4))
     ids, lengths, mask, adv = batch_tensors()
     before = w.score(TokenBatch(ids, lengths))["values"]
-    returns = torch.ones(B, S)
-
-    def value_loss(outputs, mb):
-        m = mb.tensors["mask"].float()
-        return (0.5 * (outputs["values"] - mb.tensors["returns"]).square() * m).sum(), {}
+    returns = critic_returns()
+    # values_old 0 with clip=None: the loss is 1/2 (V(s_t) - G_t)^2 on model tokens, V(s_t) = out[t-1]
+    batch = TokenBatch(ids, lengths, None, {"mask": mask, "returns": returns, "values_old": torch.zeros(B, S)})
 
     emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() if w.ps.is_pipeline_first_stage() else None
     head = w.module.output_layer.weight if w.ps.is_pipeline_last_stage() else None
     head0 = None if head is None else head.detach().clone()
-    step = w.train_step(TokenBatch(ids, lengths, None, {"mask": mask, "returns": returns}), value_loss, mask.sum().double())
+    step = w.train_step(batch, value_loss_fn(None), Denominator(mask))
     after = w.score(TokenBatch(ids, lengths))["values"]
     backbone = {n: p.detach().clone() for n, p in w.module.named_parameters() if "output_layer" not in n}
-    return {"before": before, "after": after, "step": step, "backbone_names": sorted(backbone),
+    # a second step: its loss is computed from `after` (nonzero values), where the V(s_t) shift shows
+    step2 = w.train_step(batch, value_loss_fn(None), Denominator(mask))
+    return {"before": before, "after": after, "step": step, "step2": step2, "backbone_names": sorted(backbone),
             "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
             "embedding_at_start": emb0}
+
+
+def critic_returns():
+    """Per-token returns (varying along the sequence, so V(s_t) = out[t-1] and out[t] fit differently)."""
+    return 1.0 + torch.randn(B, S, generator=torch.Generator().manual_seed(5))
+
+
+def own_routes_job(rank, world, hf_path, seeds):
+    """Free routing vs replaying the routes it recorded, over random batches of random lengths
+    (microbatched: padding positions inside each microbatch pass through the experts too). Returns,
+    per seed, the largest |replay - free| log-prob over valid positions."""
+    from moe_rl.train import model as M
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(micro_batch_tokens=24))
+    gaps = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 300, (B, S), generator=g)
+        lengths = torch.randint(3, S + 1, (B,), generator=g)
+        valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
+        free = w.score(TokenBatch(ids, lengths), record_routes=True)
+        again = w.score(TokenBatch(ids, lengths, free["routes"]))
+        gaps.append(float(((again["logp"] - free["logp"]).abs() * valid).max()))
+    return gaps
 
 
 def recompute_job(rank, world, hf_path, routes, pack=False):
@@ -125,8 +192,9 @@ def recompute_job(rank, world, hf_path, routes, pack=False):
     w = TrainWorker(M.ModelSpec(hf_path=hf_path, recompute=True),
                     optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
-    shard = TokenBatch(ids, lengths, routes, {"mask": mask, "adv": adv})
-    step = w.train_step(shard, pg_loss, mask.sum().double())
+    tensors = policy_tensors(w.score(TokenBatch(ids, lengths, routes))["logp"], mask, adv)
+    shard = TokenBatch(ids, lengths, routes, tensors)
+    step = w.train_step(shard, policy_loss(), Denominator(mask))
     after = w.score(TokenBatch(ids, lengths, routes))
     broken = routes.clone()
     broken[1, 2, 0, 0] = -1
