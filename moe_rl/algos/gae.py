@@ -13,7 +13,7 @@ gamma and lambda are applied once per valid model token; observation, tool and p
 neither advance the recursion nor receive a target. A_j is written back to raw position q_j; every
 mask-0 position gets 0. The critic target is G_j = A_j^{critic} + V_j.
 
-Rewards must already sit on action positions (see `rewards.move_rewards_to_actions`); rewards and
+Rewards must already sit on action positions (turn feedback on its span's last token); rewards and
 values at mask-0 positions are ignored (selected away with torch.where, so NaN or inf there is harmless).
 """
 

@@ -206,16 +206,3 @@ def sampled_kl_loss(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: t
     dtype = compute_dtype(logp_BT, logp_ref_BT)
     k = KL_ESTIMATORS[estimator](_masked(logp_BT, m, dtype), _masked(logp_ref_BT, m, dtype))
     return torch.where(m, k, 0.0)
-
-
-def full_kl_from_logits(logits_BTV: torch.Tensor, ref_logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Full categorical KL(pi_theta || pi_ref) = sum_a pi(a) (log pi(a) - log pi_ref(a)), [B, T]."""
-    logp = torch.log_softmax(logits_BTV.float(), -1)
-    logq = torch.log_softmax(ref_logits_BTV.float(), -1)
-    return (logp.exp() * (logp - logq)).sum(-1)
-
-
-def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a pi(a) log pi(a), [B, T] (the entropy bonus adds -beta_H * H to the loss)."""
-    logp = torch.log_softmax(logits_BTV.float(), -1)
-    return -(logp.exp() * logp).sum(-1)

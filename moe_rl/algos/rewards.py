@@ -1,9 +1,10 @@
 """Reward placement and shaping (guide 000 section 2.3; guide 004 on KL estimators and DAPO).
 
-Placement rule for rewards that arrive at mask-0 positions (tool results, observations, padding):
-a reward is credited to the nearest *preceding* valid model token — the action whose transition
-produced it — because mask-0 positions are not decisions and GAE never reads them. A reward that
-precedes every model token of its sample has no action to belong to and is an error.
+Placement rule: rewards sit on model tokens only, because mask-0 positions (tool results,
+observations, padding) are not decisions and GAE never reads them. The terminal reward goes on the
+last valid model token; feedback an environment returns after a turn (with its observation) is
+credited to that turn's last token, the action it followed (see moe_rl/batch.py). The checklist's
+`reward_placement` rule refuses any other placement.
 """
 
 from __future__ import annotations
@@ -31,24 +32,6 @@ def place_terminal_reward(score_B: torch.Tensor, mask_BT: torch.Tensor) -> torch
     rows = torch.arange(B, device=score_B.device)[has]
     rewards[rows, last[has]] = score_B[has]
     return rewards
-
-
-def move_rewards_to_actions(rewards_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Apply the placement rule above: each reward at a mask-0 position moves to the preceding action.
-
-    Raises ValueError naming the first sample whose non-zero reward precedes all of its model tokens.
-    """
-    B, T = mask_BT.shape
-    m = mask_BT.bool()
-    idx = torch.arange(T, device=m.device).expand(B, T)
-    prev_action = torch.where(m, idx, -1).cummax(dim=1).values  # last valid position <= t
-    orphan = (prev_action < 0) & (rewards_BT != 0)
-    if bool(orphan.any()):
-        b, t = (int(x) for x in orphan.nonzero()[0])
-        raise ValueError(f"sample {b}: reward at position {t} precedes every model token; no action can receive it")
-    out = torch.zeros_like(rewards_BT)
-    out.scatter_add_(1, prev_action.clamp(min=0), rewards_BT)
-    return out
 
 
 def kl_k1(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,3 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
 
     vg = var(g)
     return torch.where(vg > 0, 1 - var(g - v) / vg.clamp(min=1e-300), torch.zeros_like(vg))
-
-
-def masked_summary(x_BT: torch.Tensor, mask_BT: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-    """{prefix_mean, prefix_max, prefix_min} of x over valid positions, 0-dim float64 tensors."""
-    m = mask_BT.bool()
-    x = x_BT.detach().to(torch.float64)
-    n = m.sum().clamp(min=1)
-    mean = torch.where(m, x, 0.0).sum() / n
-    big = torch.finfo(torch.float64).max
-    return {f"{prefix}_mean": mean, f"{prefix}_max": torch.where(m, x, -big).max(),
-            f"{prefix}_min": torch.where(m, x, big).min()}

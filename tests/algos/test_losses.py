@@ -179,14 +179,6 @@ def test_value_loss_by_hand_and_gradcheck():
     torch.testing.assert_close(v.grad, torch.tensor([[0.0, 0.0, 1.5]], dtype=torch.float64))  # clipped branch has no grad
 
 
-def test_kl_and_entropy_from_logits():
-    logits = torch.randn(2, 3, 7, dtype=torch.float64)
-    ref = torch.randn(2, 3, 7, dtype=torch.float64)
-    p, q = logits.softmax(-1), ref.softmax(-1)
-    torch.testing.assert_close(losses.full_kl_from_logits(logits, ref), (p * (p.log() - q.log())).sum(-1).float())
-    torch.testing.assert_close(losses.entropy_from_logits(logits), (-(p * p.log()).sum(-1)).float())
-
-
 @pytest.mark.parametrize("estimator, expected", [
     # log pi = (-1, -2, -0.5), log pi_ref = (-1.5, -1, -3); the third position is masked out.
     ("k1", [0.5, -1.0]),  # log pi - log pi_ref

@@ -15,16 +15,6 @@ def test_terminal_reward_goes_on_last_valid_model_token_not_tensor_end():
     assert rewards.last_action_index(mask).tolist() == [2, 3, -1]
 
 
-def test_the_mask0_reward_placement_rule():
-    mask = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.bool)
-    # a tool reward arriving at position 3 (observation) moves to position 1, the preceding action
-    raw = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0, 1.0]])
-    moved = rewards.move_rewards_to_actions(raw, mask)
-    torch.testing.assert_close(moved, torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0]]))
-    with pytest.raises(ValueError, match="sample 0: reward at position 0 precedes every model token"):
-        rewards.move_rewards_to_actions(torch.tensor([[1.0, 0, 0, 0, 0, 0]]), torch.tensor([[0, 1, 1, 0, 1, 0]], dtype=torch.bool))
-
-
 def test_kl_estimators_by_hand():
     lp, lr = torch.tensor([-1.0]), torch.tensor([-1.5])
     assert torch.allclose(rewards.kl_k1(lp, lr), torch.tensor([0.5]))
@@ -121,14 +111,6 @@ def test_whitening_over_valid_tokens_only():
     torch.testing.assert_close(whiten(adv, mask, eps=0.0, shift_mean=False),
                                torch.tensor([[1 / sd, 0.0, 3 / sd], [5 / sd, -7 / sd, 0.0]]))
     torch.testing.assert_close(returns, adv)  # inputs (and so the critic target) untouched
-
-
-def test_move_rewards_to_actions_sums_onto_the_preceding_action():
-    mask = torch.tensor([[0, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    raw = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 0.5, 4.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, -2.0]])
-    moved = rewards.move_rewards_to_actions(raw, mask)
-    # row 0: 1 + 2 + 3 on position 1, 0.5 + 4 on position 5; row 1: 1 - 2 on position 2
-    torch.testing.assert_close(moved, torch.tensor([[0.0, 6.0, 0, 0, 0, 4.5, 0], [0.0, 0.0, -1.0, 0, 0, 0, 0]]))
 
 
 def test_whitening_ignores_non_finite_mask0_values():
