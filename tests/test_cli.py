@@ -44,10 +44,14 @@ def test_unknown_benchmark_is_a_user_error():
 def test_gae_benchmark_runs_and_ends_with_json():
     import json
 
-    out = run("bench", "gae", "--B", "4", "--T", "64", "--repeats", "1", "--loop-rows", "4")
+    out = run("bench", "gae", "--B", "4", "--T", "64", "--repeats", "3", "--loop-rows", "4")
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
-    assert figures["bench"] == "gae" and figures["max_abs_err"] < 1e-5 and figures["speedup_vs_loop"] > 0
+    assert figures["bench"] == "gae" and figures["max_abs_err"] < 1e-5
+    assert figures["max_abs_err_vs_loop"] < 1e-5  # the kernel computes what the per-token loop computes
+    # even on 256 positions the kernel beats the Python loop: measured 18-30x on 1-2 busy cores; > 2
+    # (median of 3 kernel timings) leaves room for a loaded CI machine and still fails a slow kernel
+    assert figures["speedup_vs_loop"] > 2
 
 
 def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):

@@ -28,7 +28,8 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     reader = HFReader(model_path)
     engine.update_weights([(k, reader.get(k)) for k in sorted(reader.names())], version=2)
     restored = engine.generate(PROMPTS, s)
-    return {"before": before, "after": after, "restored": restored, "synced_tensors": n, "buckets": len(paths),
+    return {"before": before, "after": after, "restored": restored, "synced_tensors": n,
+            "checkpoint_tensors": len(reader.names()), "buckets": len(paths),
             "turn2": turn2, "turn2_start": start, "whole": whole,
             "layers": engine.num_moe_layers}
 
@@ -36,6 +37,7 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
+    from moe_rl.train.actor import sft_loss_fn
     from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
     from moe_rl.weights.hf import export_hf_weights, save_hf_checkpoint
     from moe_rl.weights.sync import buckets, write_bucket
@@ -44,11 +46,8 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
     w = TrainWorker(M.ModelSpec(hf_path=model_path), optim=OptimSettings(lr=3e-3))
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
-
-    def loss(outputs, mb):
-        return -(outputs["logp"] * mb.tensors["mask"]).sum(), {}
-
-    w.train_step(TokenBatch(ids, torch.full((4,), 16), None, {"mask": mask}), loss, mask.sum().double())
+    # one production SFT step (NLL of every token): new weights for vLLM to receive
+    w.train_step(TokenBatch(ids, torch.full((4,), 16), None, {"loss_mask": mask}), sft_loss_fn(), mask.sum().double())
     n = 0
     for i, b in enumerate(buckets(export_hf_weights(w.bridge, w.module), bucket_mb)):
         write_bucket(b, bucket_dir, i)

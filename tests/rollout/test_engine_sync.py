@@ -24,7 +24,7 @@ def synced(request, tmp_path_factory):
 def test_sync_changes_outputs_and_old_weights_restore_them(synced):
     _, n_buckets, gen = synced
     assert n_buckets > 1 and gen["buckets"] == n_buckets  # really bucketed
-    assert gen["synced_tensors"] > 0
+    assert gen["synced_tensors"] == gen["checkpoint_tensors"]  # the whole model went over, once
     before, after, restored = gen["before"], gen["after"], gen["restored"]
     assert any(a.logprobs != b.logprobs for a, b in zip(after, before, strict=True))
     for b, r in zip(before, restored, strict=True):
@@ -63,9 +63,13 @@ def test_vllm_logprobs_match_megatron_with_replayed_routes(synced):
         total += same.numel()
     assert max_err <= 1e-4
     # without replay the trainer routes for itself; in fp32 with identical weights it agrees with vLLM
-    # (reported as a metric by the loop; bf16 would show the mismatch R3 exists for)
-    print(f"free-routing agreement with vLLM: {agree / total:.4f}, replayed logp max err {max_err:.2e}")
-    assert agree / total > 0.95
+    # (reported as a metric by the loop; bf16 would show the mismatch R3 exists for). Measured: 1.0000
+    # for both models. A position-layer can only disagree at a near-tie, where the k-th and (k+1)-th
+    # router logits lie within the ~1e-6 fp32 gap between vLLM's CPU kernels and Megatron's; the bound
+    # allows a few such ties (1%, at least one), while a real error (expert ids permuted, routes shifted
+    # by a position, layers swapped) drops agreement towards chance (1/6 for top-2 of 4 experts).
+    print(f"free-routing agreement with vLLM: {agree}/{total} = {agree / total:.4f}, replayed logp max err {max_err:.2e}")
+    assert total - agree <= max(1, total // 100)
 
 
 def test_next_turn_returns_routes_from_where_the_record_ends(synced):

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from convert_jobs import S, score_converted_job, tokens
+from convert_jobs import B, S, score_converted_job, tokens
 
 from moe_rl.train.checkpoint import CheckpointError, read_metadata
 from moe_rl.train.launch_local import run_ranks
@@ -48,6 +48,7 @@ def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_pat
     # the converted checkpoint, loaded by a single-rank trainer, gives transformers' log-probs
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen), str(mc), "policy"))[0]
+    assert out["logp"].shape == ids.shape == (B, S)
     torch.testing.assert_close(out["logp"][:, 1:], hf_logp(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
@@ -82,8 +83,9 @@ def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, t
     ours = run_ranks(score_converted_job, 1, (str(rm), str(mc), "critic"))[0]["values"]
     with torch.no_grad():
         theirs = AutoModelForTokenClassification.from_pretrained(back.out)(ids).logits[..., 0]
+    assert ours.shape == theirs.shape == (B, S)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    assert float(ours.abs().max()) > 0
+    assert float(ours.abs().max()) > 0.01  # a real head (random, std 1) on real hidden states, not zeros
 
 
 def _edit_config(src, dst, **changes):
@@ -156,4 +158,3 @@ def test_cli_and_tool_script(tmp_path, tiny_qwen):
                         str(tmp_path / "hf2")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"moe-rl: error: {tmp_path / 'nothing'}: no such checkpoint directory"
-    assert S  # the scored batch shape used above stays in sync with convert_jobs
