@@ -245,13 +245,11 @@ class TrainerGroup:
         return outs[0]
 
     def train(self, batch, loss, denominator):
+        from moe_rl.metrics import reduce_updates
+
         outs = ray.get([a.train.remote(self._shard(batch, r), loss, denominator) for r, a in enumerate(self.actors)])
-        merged = {}
-        for o in outs:
-            for k, v in o.items():
-                merged.setdefault(k, []).append(v)
         losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
-        merged = {k: sum(v) / len(v) for k, v in merged.items()}
+        merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
         if losses:
             merged["loss"] = sum(losses) / self.tp_cp  # each replica's share of the global loss, summed
         return merged

@@ -85,7 +85,7 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     with torch.no_grad():
         assert torch.isfinite(AutoModelForCausalLM.from_pretrained(tmp_path / "policy")(ids).logits).all()
         values = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")(ids).logits
-    assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the trained value head
+    assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the value head starts at 0: trained
 
 
 def test_kill9_then_resume_reproduces_the_next_step(reference, tmp_path):

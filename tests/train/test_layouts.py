@@ -3,7 +3,7 @@ logits, log-probs and one-step loss as a single rank (fp32, <= 1e-5), with and w
 
 import pytest
 import torch
-from train_jobs import B, POLICY, S, batch_tensors, layout_job, own_routes_job, policy_tensors
+from train_jobs import POLICY, B, S, batch_tensors, layout_job, own_routes_job, policy_tensors
 
 from moe_rl.train.launch_local import run_ranks
 

@@ -128,9 +128,8 @@ def hf_roundtrip_job(rank, world, hf_path, layout):
 def critic_job(rank, world, hf_path, layout):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
-
     from moe_rl.train.actor import value_loss_fn
+    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), role="critic", optim=OptimSettings(lr=1e-2, adam_eps=1e-4))
