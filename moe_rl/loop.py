@@ -114,7 +114,10 @@ class Trainer:
             # critic.init_from: the policy's checkpoint, or another one (a reward model: its score head
             # becomes the value head)
             source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
-            cspec = spec if source is None else dataclasses.replace(spec, hf_path=source)
+            # the critic routes freely: replaying the policy's rollout routes would force another
+            # model's (possibly differently shaped) routers onto the policy's choices
+            cspec = dataclasses.replace(spec, hf_path=source or spec.hf_path, routing_replay=False)
+            self.critic_path = cspec.hf_path
             self.critic = cluster.TrainerGroup(cfg, place, "critic", cspec, "critic", copt, cfg.run.seed + 1,
                                                value_head_from=source)
         self.reference = None
@@ -188,10 +191,11 @@ class Trainer:
             stats.tool_errors += st.tool_errors
         return trajs, stats
 
-    def _token_batch(self, b, **tensors):
+    def _token_batch(self, b, replay: bool = True, **tensors):
+        """Batch `b` for a trainer group; with `replay` (the policy's groups) the rollout's routes ride along."""
         from moe_rl.train.worker import TokenBatch
 
-        return TokenBatch(b.input_ids, b.lengths, b.routes if self.cfg.rollout.record_routes else None, tensors)
+        return TokenBatch(b.input_ids, b.lengths, b.routes if replay and self.cfg.rollout.record_routes else None, tensors)
 
     def _correct(self, logp_old, b):
         alg = self.cfg.algorithm
@@ -214,14 +218,13 @@ class Trainer:
         # pi_old: mu itself (bypass), the EWMA anchor (scored per minibatch, below: it moves after each
         # update), or the policy before this step's updates
         logp_old = b.logp_mu if alg.correction == "bypass" else None if ewma else logp_replay
-        from moe_rl.train.worker import TokenBatch
-
         # the trainer's own routing (no replay): the mismatch R3 removes, and the routing agreement
-        free = self.policy.score(TokenBatch(b.input_ids, b.lengths, None, {}), record_routes=b.routes is not None)
+        free = self.policy.score(self._token_batch(b, replay=False), record_routes=b.routes is not None)
         logp_ref = self.reference.score(plain)["logp"] if self.reference else None
         values = boundary = None
         if self.critic:
-            values, boundary = batching.state_values(self.critic.score(plain)["values"], b.boundary_len)
+            values, boundary = batching.state_values(self.critic.score(self._token_batch(b, replay=False))["values"],
+                                                     b.boundary_len)
         timings["timing/score_s"] = time.perf_counter() - t
         # --- the pre-update checklist, before any target is computed
         corr = None if ewma else self._correct(logp_old, b)  # EWMA: per minibatch (config: ewma reads mu)
@@ -241,7 +244,7 @@ class Trainer:
         if self.critic:
             for _ in range(cfg.trainer.epochs):
                 for rows in self._minibatches(b.size):
-                    mb = self._token_batch(b.select(rows), mask=b.mask[rows], returns=returns[rows].float(),
+                    mb = self._token_batch(b.select(rows), replay=False, mask=b.mask[rows], returns=returns[rows].float(),
                                            values_old=values[rows].float())
                     denom = aggregate.loss_denominator(b.mask[rows], "token_mean")
                     if float(denom) > 0:
@@ -368,8 +371,9 @@ class Trainer:
             self.critic.call("save", str(tmp / "critic"), state)
         torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
                     "np_rng": np.random.get_state()}, tmp / "loop_state.pt")
-        for role in ("policy", "critic") if self.critic else ("policy",):
-            copy_hf_config(self.model_path, tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
+        sources = {"policy": self.model_path, **({"critic": self.critic_path} if self.critic else {})}
+        for role, source in sources.items():
+            copy_hf_config(source, tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
         for old in sorted(root.glob("step_*"))[: -self.cfg.checkpoint.keep]:

@@ -177,24 +177,31 @@ def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
 
 
 def test_critic_starts_from_another_checkpoint(tmp_path):
-    """critic.init_from: a reward model's score head becomes the value head. Our own critic's head starts
-    at zero (V = 0 before its first update); this one's values are not."""
+    """critic.init_from: a reward model, here of another shape (1 layer, 8 experts; the policy has 2
+    layers, 4 experts), whose score head becomes the value head. The critic routes freely (the
+    policy's rollout routes do not fit its routers). Our own critic's head starts at zero (V = 0
+    before its first update); this one's values are not, and its checkpoint carries its own config."""
+    import dataclasses
+    import json
+
     from safetensors.torch import load_file, save_file
 
     from moe_rl.config import load_config
     from moe_rl.tiny import build_tiny_checkpoint
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
-    rm = build_tiny_checkpoint(tmp_path / "reward_model", cfg.model.tiny, seed=7)
+    rm = build_tiny_checkpoint(tmp_path / "reward_model", dataclasses.replace(cfg.model.tiny, num_layers=1, num_experts=8),
+                               seed=7)
     weights = load_file(rm / "model.safetensors")
     hidden = weights["model.embed_tokens.weight"].shape[1]
     weights["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
     save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "init_from"
-    run_train(out, f"critic.init_from={rm}", "run.steps=1", "trainer.epochs=1", "trainer.minibatches=1",
-              "checkpoint.every=0")
+    run_train(out, f"critic.init_from={rm}", "run.steps=1", "trainer.epochs=1", "trainer.minibatches=1")
     value_mean = torch.load(out / "history.pt", weights_only=False)[0]["critic/value_mean"]
     assert abs(value_mean) > 1e-3, value_mean
+    saved = json.loads((out / "checkpoints" / "step_000001" / "critic" / "hf_config" / "config.json").read_text())
+    assert (saved["num_hidden_layers"], saved["num_local_experts"]) == (1, 8)
 
 
 def test_synchronous_check_runs_before_the_update(tmp_path):
