@@ -107,7 +107,7 @@ class TrainActor:
         from moe_rl.train.worker import TrainWorker
 
         parallel.init_distributed(layout)
-        self.rank = rank
+        self.rank, self.world = rank, world
         self.transfer = None
         self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights,
                                   value_head_from=value_head_from)
@@ -174,19 +174,26 @@ class TrainActor:
             self.transfer.client.version = version
         self.transfer.send_weights()
 
+    def _anchor_file(self, path: str) -> str:
+        return os.path.join(path, f"ewma_anchor_rank{self.rank:05d}.pt")
+
     def save(self, path: str, extra: dict) -> None:
         from moe_rl.train import checkpoint
 
-        if self.anchor is not None:
-            extra = dict(extra, anchor=self.anchor.state_dict())
-        checkpoint.save(self.worker, path, extra)
+        checkpoint.save(self.worker, path, dict(extra, anchor_ranks=self.world if self.anchor is not None else 0))
+        if self.anchor is not None:  # this rank's shards of the EWMA anchor (each rank holds other tensors)
+            torch.save(self.anchor.state_dict(), self._anchor_file(path))
 
     def load(self, path: str) -> dict:
         from moe_rl.train import checkpoint
 
         extra = checkpoint.load(self.worker, path)
-        if self.anchor is not None and "anchor" in extra:
-            self.anchor.load_state_dict(extra["anchor"])
+        if self.anchor is not None and extra.get("anchor_ranks"):
+            if extra["anchor_ranks"] != self.world:
+                raise checkpoint.CheckpointError(
+                    f"{path}: its EWMA anchor was saved by {extra['anchor_ranks']} trainer ranks, this run has "
+                    f"{self.world}; resume it with the layout it was saved with")
+            self.anchor.load_state_dict(torch.load(self._anchor_file(path), weights_only=True))
         return extra
 
 

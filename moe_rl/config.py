@@ -48,6 +48,9 @@ class RunSection:
 
     def check(self) -> None:
         _positive("run.steps", self.steps)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
+            raise ConfigError("run.name", f"{self.name!r} names the TensorBoard run directory: use letters, digits, "
+                              "'_', '-' and '.' (no '/' or '..')")
 
 
 @dataclass(frozen=True)
@@ -460,9 +463,18 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
                           "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
     if alg.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.samples_per_prompt < 2:
         raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least 2 samples per prompt")
-    if alg.policy_loss in ("gspo", "gmpo") and alg.aggregation == "token_mean":
-        raise ConfigError("algorithm.aggregation", f"'token_mean' is inexact for the sequence-level policy loss "
+    if alg.policy_loss in ("gspo", "gmpo") and alg.aggregation != "seq_mean":
+        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level policy loss "
                           f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
+    if alg.self_normalize and alg.aggregation == "seq_sum_const":
+        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean aggregation "
+                          "(seq_sum_const divides by a fixed constant)")
+    if cfg.critic.warmup_steps and not cfg.critic_enabled:
+        raise ConfigError("critic.warmup_steps", f"{cfg.critic.warmup_steps} holds the actor back for critic-only steps, "
+                          "and this run has no critic; use 0")
+    if cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
+        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
+                          "(no config.json); use 'policy' or such a directory")
     if alg.anchor == "ewma" and alg.correction in ("none", "bypass"):
         why = ("sets pi_old := mu, so the anchor would be ignored" if alg.correction == "bypass"
                else "drops the pi_anchor/mu behaviour weight of the decoupled objective")

@@ -270,14 +270,14 @@ class Trainer:
                             anchor_gap = ((old_rows - logp_replay[rows]).abs() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
                     else:
                         old_rows, mb_corr = logp_old[rows], correction.Correction(corr.weight_BT[rows], corr.keep_BT[rows])
-                    lm = mb.loss_mask & mb_corr.keep_BT
+                    lm = mb.loss_mask & mb_corr.keep_BT  # the policy-gradient term: tokens the correction keeps
                     w = mb_corr.weight_BT.float()
                     denoms = {"policy": aggregate.loss_denominator(lm, alg.aggregation, constant, w, alg.self_normalize),
-                              "regularizer": aggregate.loss_denominator(lm, alg.aggregation, constant)}
-                    if float(denoms["policy"]) <= 0:
-                        skipped += 1  # empty minibatch: a skip signal, never an epsilon denominator
+                              "regularizer": aggregate.loss_denominator(mb.loss_mask, alg.aggregation, constant)}
+                    if not float(denoms["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
+                        skipped += 1
                         continue
-                    tensors = dict(loss_mask=lm, adv=adv[rows], logp_old=old_rows.float(), is_weight=w)
+                    tensors = dict(loss_mask=lm, reg_mask=mb.loss_mask, adv=adv[rows], logp_old=old_rows.float(), is_weight=w)
                     if logp_ref is not None:
                         tensors["logp_ref"] = logp_ref[rows]
                     policy_updates.append(self.policy.train(self._token_batch(mb, **tensors), ("policy", spec), denoms))
@@ -333,7 +333,8 @@ class Trainer:
         return out
 
     def _minibatches(self, n: int) -> list[torch.Tensor]:
-        k = max(1, min(self.cfg.trainer.minibatches, n))
+        # every data-parallel rank gets at least one row of each minibatch
+        k = max(1, min(self.cfg.trainer.minibatches, n // self.cfg.parallel.dp))
         g = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.step)
         perm = torch.randperm(n, generator=g)
         return [perm[i::k] for i in range(k)]

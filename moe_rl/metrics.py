@@ -3,7 +3,6 @@ timing/, perf/, memory/) and a console progress bar with ETA."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import psutil
@@ -17,22 +16,23 @@ def scalar(v) -> float | None:
             return None
         v = v.item()
     try:
-        v = float(v)
+        return float(v)  # NaN and inf are kept: a diverging run must show it
     except (TypeError, ValueError):
         return None
-    return v if math.isfinite(v) else None
 
 
 def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
     """One step's figures from its updates (every minibatch of every epoch): the mean of each key,
     except max-like keys (`*_max`, `*max`) take the maximum and min-like keys (`*_min`) the minimum.
-    Keys missing from some updates are reduced over the updates that have them."""
+    Keys missing from some updates are reduced over the updates that have them. A non-finite value
+    is kept (a NaN loss in one update makes the step's NaN), never averaged away."""
     seen: dict[str, list[float]] = {}
     for u in updates:
         for k, v in u.items():
-            f = scalar(v)
-            if f is not None:
-                seen.setdefault(k, []).append(f)
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                seen.setdefault(k, []).append(float(v))
     out = {}
     for k, vs in seen.items():
         if k.endswith("max"):

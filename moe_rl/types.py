@@ -91,6 +91,7 @@ class Outcome(str, enum.Enum):
     COMPLETED = "completed"  # the environment ended the episode (true termination)
     TRUNCATED_BUDGET = "truncated_budget"  # the episode's token budget ran out (bootstrap)
     TRUNCATED_CONTEXT = "truncated_context"  # the model's context limit was reached (bootstrap)
+    TRUNCATED_TURNS = "truncated_turns"  # environment.max_turns turns taken, the task not over (bootstrap)
     REPETITION = "repetition"  # the model repeated itself and was cut off (bootstrap)
     TOOL_ERROR = "tool_error"  # too many failed tool calls; the environment ended the episode
     ENV_ERROR = "env_error"  # the environment itself failed: reward unreliable, not trained on

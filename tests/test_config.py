@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 from conftest import ROOT
@@ -214,3 +215,16 @@ def test_environment_option_declarations(monkeypatch):
                     ["trainer.warm_start_steps=0"], cuda_available=False)
     assert cfg.environment.options["anything"] == [1, 2]
     assert "trainer.warm_start_steps" in _err([], {"environment": {"name": "mine"}, "trainer": {"warm_start_steps": 1}})
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_sum_const"], "algorithm.aggregation"),
+    (["algorithm.correction=tis_token", "algorithm.self_normalize=true", "algorithm.aggregation=seq_sum_const"],
+     "algorithm.self_normalize"),
+    (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.warmup_steps=3"], "critic.warmup_steps"),
+    (["critic.init_from=/nonexistent/reward_model"], "critic.init_from"),
+    (["run.name=../elsewhere"], "run.name"),
+])
+def test_more_refused_combinations(overrides, field):
+    with pytest.raises(ConfigError, match=f"^{re.escape(field)}: "):
+        load_config(ROOT / "configs" / "quickstart.yaml", overrides, cuda_available=False)

@@ -50,7 +50,7 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     tags = set(acc.Tags()["scalars"])
     for tag in ("reward/mean", "policy/loss", "policy/clipfrac_high", "policy/approx_kl_k3", "policy/entropy",
                 "critic/loss", "critic/explained_variance", "routing/agreement", "correction/logp_mismatch_mean",
-                "correction/logp_mismatch_no_replay", "rollout/length_mean", "rollout/outcome_truncated_budget",
+                "correction/logp_mismatch_no_replay", "rollout/length_mean", "rollout/outcome_truncated_turns",
                 "timing/score_s", "timing/sync_s", "perf/generate_tokens_per_s", "perf/train_tokens_per_s",
                 "memory/rss_gib", "warm_start/nll_last", "policy/lr", "critic/lr", "correction/staleness_max",
                 "rollout/outcome_env_error"):
@@ -132,13 +132,16 @@ def test_two_rollout_engines_share_the_step(reference, tmp_path):
 
 def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     """PPO-EWMA: the anchor equals the policy at the first RL step (it starts after the warm start),
-    then lags behind it; a resumed run restores the anchor and reproduces the uninterrupted step 3.
+    then lags behind it; a resumed run restores the anchor (each rank its own shards) and reproduces
+    the uninterrupted step 3.
 
     The anchor moves after every update (4 per step here: 2 epochs x 2 minibatches), and each update
     scores its minibatch under the anchor as it is then. At step 1 the first update's anchor is the
     behaviour policy itself (w = pi_anchor / mu = 1), the later ones are not: the step's token ESS is
     below 1. Scoring the anchor once per step would give w = 1 for all four (ESS fraction 1)."""
-    ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token"]
+    # two tensor-parallel ranks: each holds its own shards of the anchor, saved and restored per rank
+    ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token",
+            "parallel.tp=2", "parallel.world_size=2"]
     full = tmp_path / "full"
     run_train(full, *ewma, "checkpoint.every=0")
     hist = torch.load(full / "history.pt", weights_only=False)

@@ -94,12 +94,13 @@ def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageParams):
 
 @register("advantage", "rloo")
 def rloo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
-    """RLOO: A_i = R_i - 1/(G-1) sum_{j != i} R_j = G/(G-1) (R_i - mean_g R) within each prompt group."""
+    """RLOO: A_i = R_i - 1/(G-1) sum_{j != i} R_j = G/(G-1) (R_i - mean_g R) within each prompt group.
+
+    A group left with one sample (its siblings rejected) has no leave-one-out baseline: A = 0 (as
+    GRPO and Dr.GRPO give a group of one)."""
     mean, _, n = group_stats(inp.score_B, inp.group_B)
-    if bool((n < 2).any()):
-        raise ValueError("RLOO needs at least 2 samples in every prompt group")
     s = inp.score_B.to(torch.float64)
-    return _broadcast((s - mean) * n / (n - 1), inp.mask_BT), None
+    return _broadcast((s - mean) * n / (n - 1).clamp(min=1), inp.mask_BT), None
 
 
 @register("advantage", "grpo")

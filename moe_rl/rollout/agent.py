@@ -8,7 +8,8 @@ is sampled by the engine from the exact token prefix (the model's own tokens are
 re-encoded); the decoded text of the turn goes to the environment; its observation is tokenised as the
 next chat message plus the assistant header and appended with response mask 0. The episode ends when
 the environment says so (completed / tool_error), the token budget or context limit is reached
-(truncated_budget / truncated_context, bootstrapped from the boundary state), the model repeats itself
+(truncated_budget / truncated_context, bootstrapped from the boundary state), the turns run out
+(truncated_turns, bootstrapped too), the model repeats itself
 (repetition), or the environment fails (env_error; counted, not trained on).
 """
 
@@ -136,7 +137,7 @@ class Agent:
                 mask.extend([False] * len(obs))
                 logps.extend([0.0] * len(obs))
         if outcome is None:
-            outcome = Outcome.TRUNCATED_BUDGET  # out of turns: the task could go on
+            outcome = Outcome.TRUNCATED_TURNS  # out of turns: the task could go on
         self.stats.tool_errors += tool_errors
         return Trajectory(
             token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
@@ -204,7 +205,8 @@ class Agent:
         return kept[:groups_wanted]
 
     def overlong_filter(self, trajectories: list[Trajectory]) -> None:
-        """DAPO overlong filtering: truncated samples stay in the batch but get no policy loss."""
+        """DAPO overlong filtering: samples cut off by a length limit (the token budget or the context)
+        stay in the batch but get no policy loss. Running out of turns is not a length cut."""
         for t in trajectories:
             if t.outcome in (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_CONTEXT):
                 t.info["loss_excluded"] = "overlong"

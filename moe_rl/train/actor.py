@@ -29,11 +29,12 @@ class PolicyLossSpec:
 def policy_loss_fn(spec: PolicyLossSpec):
     """fn(outputs, mb) -> ({"policy": n_pg, "regularizer": n_reg}, metrics).
 
-    mb.tensors: loss_mask, adv, logp_old, is_weight and, with kl_coef > 0, logp_ref. The off-policy
-    weight w multiplies the policy-gradient term only; the KL and entropy terms are not importance
-    weighted (they regularise pi_theta itself):
+    mb.tensors: loss_mask, adv, logp_old, is_weight, optionally reg_mask (default: loss_mask) and, with
+    kl_coef > 0, logp_ref. The off-policy weight w and the correction's keep mask (in loss_mask) act
+    on the policy-gradient term only; the KL and entropy terms are neither weighted nor rejected
+    (they regularise pi_theta itself) and cover reg_mask r:
 
-        L = sum_t w_t m_t l_t / D_pg  +  sum_t m_t (beta_KL k_t - beta_H H_t) / D
+        L = sum_t w_t m_t l_t / D_pg  +  sum_t r_t (beta_KL k_t - beta_H H_t) / D
 
     D_pg is the (possibly self-normalised) denominator of the weighted term, D the plain one; both use
     the policy loss's aggregation. The caller passes them as {"policy": D_pg, "regularizer": D}.
@@ -47,16 +48,17 @@ def policy_loss_fn(spec: PolicyLossSpec):
         logp = outputs["logp"]
         loss_BT, metrics = fn(logp, t["logp_old"], t["adv"], mask, hp)
         numerators = {"policy": aggregate.loss_numerator(loss_BT, mask, spec.aggregation, t["is_weight"])}
+        reg_mask = t.get("reg_mask", mask)
         reg_BT = None
         if spec.kl_coef:
-            kl = losses.sampled_kl_loss(logp, t["logp_ref"], mask, spec.kl_estimator)
+            kl = losses.sampled_kl_loss(logp, t["logp_ref"], reg_mask, spec.kl_estimator)
             reg_BT = spec.kl_coef * kl
-            metrics["kl_ref"] = losses.masked_mean(kl.detach(), mask)
+            metrics["kl_ref"] = losses.masked_mean(kl.detach(), reg_mask)
         if spec.entropy_coef:
             ent = -spec.entropy_coef * outputs["entropy"]
             reg_BT = ent if reg_BT is None else reg_BT + ent
         if reg_BT is not None:
-            numerators["regularizer"] = aggregate.loss_numerator(reg_BT, mask, spec.aggregation)
+            numerators["regularizer"] = aggregate.loss_numerator(reg_BT, reg_mask, spec.aggregation)
         metrics["entropy"] = losses.masked_mean(outputs["entropy"].detach(), mask)
         return numerators, metrics
 

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from moe_rl.metrics import reduce_updates
 from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
@@ -309,9 +310,10 @@ class TrainWorker:
                 full = torch.zeros(B, S, dtype=torch.float32)
                 row = 0
                 for mb, res in zip(mbs, results, strict=True):
-                    b = mb.input_ids_BS.shape[0]
-                    s = min(mb.input_ids_BS.shape[1], S)  # a microbatch may be padded past S (a multiple of tp)
-                    full[row:row + b, :s] = res[name][:, :s].detach().float()
+                    # a microbatch may be padded past S (a multiple of tp) and past B (uniform microbatches)
+                    b = min(mb.input_ids_BS.shape[0], B - row)
+                    s = min(mb.input_ids_BS.shape[1], S)
+                    full[row:row + b, :s] = res[name][:b, :s].detach().float()
                     row += b
                 out[name] = full
         out = self._broadcast_from_last_stage(out)
@@ -324,9 +326,9 @@ class TrainWorker:
         mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=torch.long)
         row = 0
         for mb, r in zip(mbs, recorded, strict=True):
-            b = mb.input_ids_BS.shape[0]
+            b = min(mb.input_ids_BS.shape[0], B - row)
             s = min(r.shape[1], S)
-            mine[row:row + b, :s] = r[:, :s]
+            mine[row:row + b, :s] = r[:b, :s]
             row += b
         if self.ps.get_pipeline_model_parallel_world_size() == 1:
             return mine
@@ -398,7 +400,8 @@ class TrainWorker:
             replay.clear(self.replay_instances)
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        metrics = {k: float(torch.stack(v).mean()) for k, v in metrics_acc.items()}
+        metrics = reduce_updates([{k: v[i] for k, v in metrics_acc.items() if i < len(v)}
+                                  for i in range(max(map(len, metrics_acc.values()), default=0))])
         if self.ps.is_pipeline_last_stage():
             metrics["loss"] = float(sum(float(x["loss"]) for x in losses))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from moe_rl.algos import registry, rewards
@@ -82,11 +81,6 @@ def test_outcome_advantages_only_on_model_tokens():
     torch.testing.assert_close(adv, torch.tensor([[a, 0.0, a], [0.0, -a, 0.0]]))
 
 
-def test_rloo_rejects_singleton_groups():
-    with pytest.raises(ValueError, match="at least 2"):
-        registry.get("advantage", "rloo")(_inp([1.0, 0.0], [0, 1]), AdvantageParams())
-
-
 def test_reward_to_go():
     mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
     r = torch.tensor([[1.0, 0.0, 2.0, 3.0]])
@@ -127,3 +121,12 @@ def test_kl_shaping_ignores_non_finite_logprobs_at_mask0_positions():
                                           torch.tensor([[-1.5, -0.5, float("-inf")]]), mask, 0.1)
     torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
     torch.testing.assert_close(shaped, torch.tensor([[-0.05, 1.05, 0.0]]))
+
+
+def test_rloo_group_of_one_gets_no_advantage():
+    """Scores (1, 0 | 5): group 0 by hand 2/1 * (1 - 0.5) = 1 and -1; group 1 lost its siblings: 0."""
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    inp = AdvantageInputs(rewards_BT=torch.zeros(3, 2), mask_BT=mask, score_B=torch.tensor([1.0, 0.0, 5.0]),
+                          group_B=torch.tensor([0, 0, 1]))
+    adv, _ = registry.get("advantage", "rloo")(inp, AdvantageParams())
+    assert adv[:, 0].tolist() == [1.0, -1.0, 0.0]

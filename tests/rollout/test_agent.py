@@ -67,7 +67,7 @@ def test_truncation_keeps_the_boundary_observation(tok):
     policy = ScriptedPolicy(tok, ["1", "2"])
     agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=2, token_budget=200))
     t = run(agent.run_episode({"secret": 9}))
-    assert t.outcome is Outcome.TRUNCATED_BUDGET and not t.terminated
+    assert t.outcome is Outcome.TRUNCATED_TURNS and not t.terminated
     # the boundary state includes the observation returned after the last model token
     assert t.boundary_len == len(t.token_ids)
     assert tok.decode(t.token_ids).endswith("2<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
@@ -173,11 +173,16 @@ def test_group_sampling_and_dynamic_sampling(tok):
     assert kept == [] and agent.stats.dropped_groups == 6
 
 
-def test_overlong_filter_marks_truncated(tok):
+def test_overlong_filter_marks_length_cuts_only(tok):
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, get_env("guess_number"), {},
+                  AgentSettings(max_turns=5, token_budget=10))
+    cut = run(agent.run_episode({"secret": 3}))
     agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {}, AgentSettings(max_turns=2))
-    t = run(agent.run_episode({"secret": 9}))
-    agent.overlong_filter([t])
-    assert t.info["loss_excluded"] == "overlong" and agent.stats.overlong_filtered == 1
+    out_of_turns = run(agent.run_episode({"secret": 9}))
+    assert (cut.outcome, out_of_turns.outcome) == (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_TURNS)
+    agent.overlong_filter([cut, out_of_turns])
+    assert cut.info["loss_excluded"] == "overlong" and "loss_excluded" not in out_of_turns.info
+    assert agent.stats.overlong_filtered == 1
 
 
 def test_env_registry_and_datasets(tmp_path):

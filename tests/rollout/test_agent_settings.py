@@ -14,8 +14,8 @@ def test_overlong_filter_setting_excludes_truncated_episodes(tiny_qwen):
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
     prompts = [{"secret": 9, "low": 1, "high": 9}]
     for on in (False, True):
-        agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {},
-                      AgentSettings(max_turns=2, overlong_filter=on))  # out of turns: truncated
+        agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, get_env("guess_number"), {},
+                      AgentSettings(max_turns=5, token_budget=10, overlong_filter=on))  # cut by the token budget
         [[t]] = asyncio.run(agent.run_groups(prompts, 1))
         assert ("loss_excluded" in t.info) is on and agent.stats.overlong_filtered == int(on)
 
