@@ -70,7 +70,7 @@ def test_quickstart_runs_across_both_nodes(slurm, tmp_path):
     assert "run finished: 3 steps" in driver
     for node in NODES:  # per-node logs
         assert "Ray runtime started" in (logs / f"ray-{node}.log").read_text()
-    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
     assert "driver exited with 0" in (logs / "driver.log").read_text()

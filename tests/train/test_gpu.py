@@ -86,11 +86,13 @@ def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}",
            "run.steps=2", "trainer.warm_start_steps=1", "trainer.eval_prompts=0", "rollout.prompts_per_step=4",
            "rollout.samples_per_prompt=2", "logging.progress_bar=false", f"rollout.weight_transfer={transfer}",
-           "rollout.route_source=vllm"]
+           "rollout.route_source=vllm",
+           # GPU kernels of vLLM and the trainer differ by more than the synchronous check's 1e-3
+           "algorithm.correction=tis_token"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"weight sync: {transfer}" in proc.stdout
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
     # after the syncs the engine scores like the trainer (R3 routes from vLLM itself)
     assert max(e.value for e in acc.Scalars("correction/logp_mismatch_mean")) < 1e-2
