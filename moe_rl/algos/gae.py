@@ -61,8 +61,8 @@ def masked_gae(
         returns_BT: [B, T], A_j + V_j at q_j, 0 at mask-0 positions.
 
     Rewards and values at mask-0 positions are never read: whatever they hold (NaN, inf), the result is
-    the one with zeros there. The bootstrap V(s_boundary) is read only for truncated samples that have
-    a model token. Computed in float64 when values_BT is float64, else in float32 (bf16/fp16 inputs are
+    the one with zeros there. The bootstrap V(s_boundary) is read only for truncated samples, and only
+    through their last model token. Computed in float64 when values_BT is float64, else in float32 (bf16/fp16 inputs are
     upcast; the result is float32).
     """
     B, T = values_BT.shape
@@ -71,11 +71,9 @@ def masked_gae(
     if T == 0:
         empty = torch.zeros(B, 0, dtype=dtype, device=values_BT.device)
         return empty, empty.clone()
-    # torch.where, not multiplication: NaN * 0 = NaN
-    values = torch.where(m_bool, values_BT.to(dtype), 0.0)
-    rewards = torch.where(m_bool, rewards_BT.to(dtype), 0.0)
+    values, rewards = values_BT.to(dtype), rewards_BT.to(dtype)  # no copy when already in dtype
     boundary = boundary_value_B.to(dtype=dtype, device=values.device)
-    boot = torch.where(terminated_B.bool() | ~m_bool.any(1), torch.zeros_like(boundary), boundary)
+    boot = torch.where(terminated_B.bool(), torch.zeros_like(boundary), boundary)
     if isinstance(lam, torch.Tensor):
         g_B = (gamma * lam.to(dtype)).reshape(B)
     else:
@@ -85,12 +83,15 @@ def masked_gae(
         raise ValueError(f"backend must be 'auto', 'kernel' or 'torch', not {backend!r}")
     if backend != "torch" and values.device.type == "cpu":
         kernel = _kernel(required=backend == "kernel")
-        if kernel is not None:
+        if kernel is not None:  # it selects (never multiplies) at mask-0 positions: NaN there is never read
             adv, ret = kernel.masked_gae_cpu(rewards, values, m_bool, boot, g_B, float(gamma))
             return adv, ret
     elif backend == "kernel":
         raise ValueError("the fused GAE kernel runs on CPU tensors only; use backend='torch'")
 
+    # torch.where, not multiplication: NaN * 0 = NaN
+    values = torch.where(m_bool, values, 0.0)
+    rewards = torch.where(m_bool, rewards, 0.0)
     m = m_bool.to(dtype)
     v_next = _next_valid_values(values, m_bool, boot)
     delta = torch.where(m_bool, rewards + gamma * v_next - values, 0.0)
