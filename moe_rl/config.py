@@ -9,6 +9,7 @@ combinations. All validation lives in this module; the rest of the code trusts a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from moe_rl.strict_yaml import DuplicateKey, load_unique_keys
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -630,7 +633,7 @@ def _check_tree(cfg) -> None:
 def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"a config is a mapping of sections, got {type(data).__name__}")
-    data = _deep_copy(data)
+    data = copy.deepcopy(data)
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value)
     cfg = _build(RunConfig, data, "")
@@ -643,60 +646,13 @@ def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None
     return cfg
 
 
-def _deep_copy(data):
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
-    return data
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, path: str, first: int, second: int):
-        super().__init__(path)
-        self.path, self.first, self.second = path, first, second
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key repeated within one mapping (plain YAML silently keeps the last)."""
-
-    def get_single_data(self):
-        node = self.get_single_node()
-        if node is None:
-            return None
-        _check_unique_keys(node, "", set())
-        return self.construct_document(node)
-
-
-def _check_unique_keys(node, path: str, seen: set[int]) -> None:
-    if id(node) in seen:  # an alias of a node already walked
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        lines: dict[tuple[str, str], int] = {}
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                sub = f"{path}.{key_node.value}" if path else str(key_node.value)
-                line = key_node.start_mark.line + 1
-                key = (key_node.tag, key_node.value)
-                if key in lines:
-                    raise _DuplicateKey(sub, lines[key], line)
-                lines[key] = line
-                _check_unique_keys(value_node, sub, seen)
-            else:
-                _check_unique_keys(value_node, path, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_unique_keys(item, f"{path}[{i}]", seen)
-
-
 def load_config(path: str | Path, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"config file '{path}' does not exist")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
-    except _DuplicateKey as dup:
+        data = load_unique_keys(path.read_text()) or {}
+    except DuplicateKey as dup:
         raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML would keep "
                           "only the last, silently: keep one") from None
     except yaml.YAMLError as err:
