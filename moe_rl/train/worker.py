@@ -380,12 +380,11 @@ class TrainWorker:
         # megatron divides by the microbatch count and averages over DP; under CP it also multiplies by
         # cp (it expects CP-local losses) while our CP ranks each compute the whole loss: cancel that too
         scale = len(mbs) * self.ps.get_data_parallel_world_size() / self.cp
-        metrics_acc: dict[str, list[torch.Tensor]] = {}
+        microbatch_metrics: list[dict[str, torch.Tensor]] = []
 
         def loss_func(mb, output_tensor):
             numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
-            for k, v in metrics.items():
-                metrics_acc.setdefault(k, []).append(v.detach().float())
+            microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
             if isinstance(numerator, dict):
                 loss = sum(num / denominator[k].to(num.dtype) for k, num in numerator.items())
             else:
@@ -400,8 +399,7 @@ class TrainWorker:
             replay.clear(self.replay_instances)
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        metrics = reduce_updates([{k: v[i] for k, v in metrics_acc.items() if i < len(v)}
-                                  for i in range(max(map(len, metrics_acc.values()), default=0))])
+        metrics = reduce_updates(microbatch_metrics)
         if self.ps.is_pipeline_last_stage():
             metrics["loss"] = float(sum(float(x["loss"]) for x in losses))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
