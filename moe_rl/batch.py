@@ -1,14 +1,24 @@
-"""Trajectories -> padded training tensors (the TrainBatch), and the per-step RL math wiring.
+"""The one batch of the program: trajectories as right-padded tensors, plus the targets of an update.
 
-Position conventions (all [B, S], right-padded):
-  input_ids, attention_mask, mask (response mask: sampled tokens), logp_mu (behaviour log-probs)
-  rewards      terminal reward on the last model token, turn feedback on each span's last token
-  values       V(s_t) for the state *before* token t = the critic's output at position t-1
-  boundary     V(s_boundary) = the critic's output at position boundary_len-1
+A `Batch` is built once from a step's trajectories (`build_batch`), filled with targets by the
+update loops (`dataclasses.replace(mb, adv_BS=..., ...)`), and cut into data-parallel shards and
+microbatches on its way to the trainer ranks. Every field is named with its shape:
+
+  B rows (samples), S positions (right-padded), L MoE layers, K experts per token.
+
+Position conventions (all [B, S]):
+  mask_BS      model-sampled tokens (the actions)
+  rewards_BS   terminal reward on the last model token, turn feedback on each span's last token
+  logp_*_BS    the log-prob of the token at position t, scored by the model that read 0..t-1
+  values_*_BS  V(s_t), the state before token t (the critic's output at t-1; see algos.targets)
+
+Routes stay in the smallest integer dtype that holds the expert count (uint8 up to 256 experts,
+int16 beyond) everywhere, over Ray included; a trainer rank widens one microbatch at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,34 +28,109 @@ from moe_rl.types import Trajectory
 
 
 @dataclass
-class TrainBatch:
-    input_ids: torch.Tensor  # [B, S] long
-    lengths: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, S] bool: model-sampled tokens
-    loss_mask: torch.Tensor  # [B, S] bool: mask minus samples excluded from the policy loss
-    logp_mu: torch.Tensor  # [B, S]
-    rewards: torch.Tensor  # [B, S]
-    score: torch.Tensor  # [B] total reward R(tau) (terminal + turn feedback)
-    group: torch.Tensor  # [B] long
-    terminated: torch.Tensor  # [B] bool
-    boundary_len: torch.Tensor  # [B] long
-    prompt_len: torch.Tensor  # [B] long: tokens before the first model turn
-    version: torch.Tensor  # [B] long: weight version at generation start
-    routes: torch.Tensor | None  # [B, S, L, K] long, or None
-    routes_filled: int = 0  # tail positions filled (never computed by the engine; cannot matter)
+class Batch:
+    input_ids_BS: torch.Tensor  # long
+    lengths_B: torch.Tensor  # long: valid tokens per row
+    routes_BSLK: torch.Tensor | None = None  # uint8 / int16 global expert ids; None: route freely
+    # --- from the rollout
+    mask_BS: torch.Tensor | None = None  # bool: model-sampled tokens
+    loss_mask_BS: torch.Tensor | None = None  # bool: mask minus samples excluded from the policy loss
+    logp_mu_BS: torch.Tensor | None = None  # behaviour log-probs (the engine's)
+    rewards_BS: torch.Tensor | None = None
+    score_B: torch.Tensor | None = None  # R(tau) = terminal + turn feedback
+    terminal_B: torch.Tensor | None = None  # the terminal reward alone (success: > 0)
+    turns_B: torch.Tensor | None = None  # long: model turns
+    group_B: torch.Tensor | None = None  # long: prompt group
+    terminated_B: torch.Tensor | None = None  # bool: true termination (else truncated: bootstrap)
+    boundary_len_B: torch.Tensor | None = None  # long: tokens of the boundary state
+    prompt_len_B: torch.Tensor | None = None  # long: tokens before the first model turn
+    version_B: torch.Tensor | None = None  # long: weight version at generation start
+    routes_filled: int = 0  # tail positions given placeholder routes (never computed; cannot matter)
+    # --- targets of an update (set by the policy and critic loops)
+    adv_BS: torch.Tensor | None = None
+    logp_old_BS: torch.Tensor | None = None  # pi_old, the PPO ratio's anchor
+    logp_ref_BS: torch.Tensor | None = None  # the reference policy (KL)
+    is_weight_BS: torch.Tensor | None = None  # off-policy weight of the policy-gradient term
+    pg_mask_BS: torch.Tensor | None = None  # bool: tokens of the policy-gradient term (correction keeps)
+    returns_BS: torch.Tensor | None = None  # critic targets
+    values_old_BS: torch.Tensor | None = None  # pre-update V(s_t) (value clipping)
 
     @property
     def size(self) -> int:
-        return self.input_ids.shape[0]
+        return self.input_ids_BS.shape[0]
 
-    def select(self, rows: torch.Tensor) -> TrainBatch:
-        def pick(x):
-            return x[rows] if isinstance(x, torch.Tensor) else x
+    def _map(self, per_row, per_position) -> Batch:
+        """Apply per_row to every [B] tensor and per_position to every [B, S, ...] tensor."""
+        out = {}
+        for f in dataclasses.fields(self):
+            x = getattr(self, f.name)
+            if isinstance(x, torch.Tensor):
+                x = per_position(x) if x.dim() >= 2 else per_row(x)
+            out[f.name] = x
+        return Batch(**out)
 
-        return TrainBatch(**{k: pick(getattr(self, k)) for k in self.__dataclass_fields__})
+    def rows(self, idx: slice | torch.Tensor, multiple: int = 1) -> Batch:
+        """Rows `idx`, cut to their longest length rounded up to `multiple` (sequence parallelism)."""
+        lengths = self.lengths_B[idx]
+        S = -(-(int(lengths.max()) if lengths.numel() else 1) // multiple) * multiple
+
+        def cut(x):
+            out = x[idx, :S]
+            if out.shape[1] < S:
+                out = torch.nn.functional.pad(out, (0, 0) * (x.dim() - 2) + (0, S - out.shape[1]))
+            return out
+
+        return self._map(lambda x: x[idx], cut)
+
+    def padded(self, rows: int, length: int) -> Batch:
+        """Append empty rows (length 0) and right-pad every tensor to `length` positions."""
+        B, S = self.input_ids_BS.shape
+
+        def grow_rows(x):
+            return torch.cat([x, torch.zeros((rows - B, *x.shape[1:]), dtype=x.dtype)])
+
+        return self._map(grow_rows, lambda x: grow_rows(
+            torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, length - S))))
+
+    def uniform_microbatches(self, rows_per_mb: int, count: int, length: int) -> list[Batch]:
+        """`count` microbatches of exactly [rows_per_mb, length] (empty rows appended)."""
+        full = self.padded(rows_per_mb * count, length)
+        return [full._map(lambda x, i=i: x[i * rows_per_mb:(i + 1) * rows_per_mb],
+                          lambda x, i=i: x[i * rows_per_mb:(i + 1) * rows_per_mb]) for i in range(count)]
+
+    def microbatches(self, token_budget: int, multiple: int = 1, packed: bool = False) -> list[Batch]:
+        """Consecutive rows whose padded size B*S_max (packed: sum of lengths) stays within
+        token_budget (at least one row)."""
+        out, start, B = [], 0, self.size
+        while start < B:
+            end, longest, total = start, 0, 0
+            while end < B:
+                longest_new = max(longest, int(self.lengths_B[end]))
+                cost = total + int(self.lengths_B[end]) if packed else longest_new * (end - start + 1)
+                if end > start and cost > token_budget:
+                    break
+                total += int(self.lengths_B[end])
+                longest, end = longest_new, end + 1
+            out.append(self.rows(slice(start, end), multiple))
+            start = end
+        return out
+
+    def with_targets(self, t) -> Batch:
+        """This batch carrying a step's targets (algos.targets.Targets) for the update loops; under
+        PPO-EWMA pi_old and the correction are left to each minibatch."""
+        keep = None if t.keep_BS is None else self.loss_mask_BS & t.keep_BS
+        return dataclasses.replace(self, adv_BS=t.adv_BS, returns_BS=t.returns_BS, values_old_BS=t.values_BS,
+                                   logp_old_BS=t.logp_old_BS, logp_ref_BS=t.logp_ref_BS, is_weight_BS=t.weight_BS,
+                                   pg_mask_BS=keep)
+
+    def model_inputs(self, routes: bool = True) -> Batch:
+        """What scoring needs (tokens, lengths and, with `routes`, the routes to replay)."""
+        return Batch(self.input_ids_BS, self.lengths_B, self.routes_BSLK if routes else None)
 
 
-def build_batch(trajs: list[Trajectory], top_k: int | None) -> TrainBatch:
+def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
+    """A step's trajectories as one batch; routes (when recorded and `top_k` is given) in their
+    recorded dtype."""
     B = len(trajs)
     S = max(len(t.token_ids) for t in trajs)
     ids = torch.zeros(B, S, dtype=torch.long)
@@ -66,24 +151,17 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> TrainBatch:
         if t.routes is not None and top_k is not None:
             r, tail = t.routes.to_replay(n, top_k)
             if routes is None:
-                routes = torch.zeros(B, S, r.shape[1], r.shape[2], dtype=torch.long)
+                routes = torch.zeros(B, S, r.shape[1], r.shape[2], dtype=r.dtype)
             routes[i, :n] = r
             filled += tail
     terminal = torch.tensor([t.terminal_reward for t in trajs])
-    rewards = R.place_terminal_reward(terminal, mask) + span_rewards
-    return TrainBatch(
-        input_ids=ids, lengths=torch.tensor([len(t.token_ids) for t in trajs]), mask=mask,
-        loss_mask=mask & ~excluded.unsqueeze(1), logp_mu=logp, rewards=rewards,
-        score=torch.tensor([t.total_reward for t in trajs]), group=torch.tensor([t.group_id for t in trajs]),
-        terminated=torch.tensor([t.terminated for t in trajs]), boundary_len=torch.tensor([t.boundary_len for t in trajs]),
-        prompt_len=torch.tensor([t.prompt_len for t in trajs]),
-        version=torch.tensor([t.weight_version for t in trajs]), routes=routes, routes_filled=filled)
-
-
-def state_values(critic_out: torch.Tensor, boundary_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic outputs per position -> (V(s_t) for every t [B, S], V(s_boundary) [B])."""
-    from moe_rl.train.actor import state_values as shift
-
-    values = shift(critic_out)
-    boundary = critic_out.gather(1, (boundary_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    return values, boundary
+    return Batch(
+        input_ids_BS=ids, lengths_B=torch.tensor([len(t.token_ids) for t in trajs]), routes_BSLK=routes,
+        mask_BS=mask, loss_mask_BS=mask & ~excluded.unsqueeze(1), logp_mu_BS=logp,
+        rewards_BS=R.place_terminal_reward(terminal, mask) + span_rewards,
+        score_B=torch.tensor([t.total_reward for t in trajs]), terminal_B=terminal,
+        turns_B=torch.tensor([len(t.spans) for t in trajs]), group_B=torch.tensor([t.group_id for t in trajs]),
+        terminated_B=torch.tensor([t.terminated for t in trajs]),
+        boundary_len_B=torch.tensor([t.boundary_len for t in trajs]),
+        prompt_len_B=torch.tensor([t.prompt_len for t in trajs]),
+        version_B=torch.tensor([t.weight_version for t in trajs]), routes_filled=filled)

@@ -59,7 +59,7 @@ def _cmd_train(args) -> int:
     from moe_rl.cluster import PlacementError
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
-    from moe_rl.train.checkpoint import CheckpointError
+    from moe_rl.weights.hf import CheckpointError
 
     try:
         return loop.main(cfg)
@@ -88,9 +88,9 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from moe_rl.train.checkpoint import CheckpointError
+    from moe_rl.train import convert
     from moe_rl.train.parallel import Layout
-    from moe_rl.weights import convert
+    from moe_rl.weights.hf import CheckpointError
 
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     try:

@@ -121,14 +121,12 @@ class TrainActor:
             return self.worker.score_with(self.anchor.params, batch)
         return self.worker.score(batch, record_routes=record_routes)
 
-    def train(self, batch, loss: tuple, denominator):
-        from moe_rl.train import actor
+    def train(self, batch, loss, denominator):
+        """One optimizer update with `loss` (a train.objectives type) on this rank's shard."""
+        from moe_rl.train.objectives import PolicyLoss
 
-        kind, spec = loss
-        fn = {"policy": lambda: actor.policy_loss_fn(spec), "value": lambda: actor.value_loss_fn(spec),
-              "sft": actor.sft_loss_fn}[kind]()
-        metrics = self.worker.train_step(batch, fn, denominator)
-        if self.anchor is not None and kind == "policy":
+        metrics = self.worker.train_step(batch, loss, denominator)
+        if self.anchor is not None and isinstance(loss, PolicyLoss):
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics
 
@@ -144,7 +142,7 @@ class TrainActor:
     def export_weights(self, directory: str, bucket_mb: float) -> list[str]:
         """Write the tensors this rank owns (each (pp, ep) shard once) as buckets in `directory` on this
         node; all ranks take part (TP shards are gathered)."""
-        from moe_rl.weights.hf import export_hf_weights
+        from moe_rl.train.hf_io import export_hf_weights
         from moe_rl.weights.sync import buckets, write_bucket
 
         named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
@@ -159,8 +157,8 @@ class TrainActor:
 
     def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int]) -> None:
         """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export)."""
-        from moe_rl.weights.hf import export_hf_weights
-        from moe_rl.weights.transfer import ExportSource, GatheredExport, start_transfer
+        from moe_rl.rollout.transfer import ExportSource, GatheredExport, start_transfer
+        from moe_rl.train.hf_io import export_hf_weights
 
         w = self.worker
         source = GatheredExport(lambda: export_hf_weights(w.bridge, w.module, owned_only=True)) if backend == "nccl" \
@@ -213,6 +211,9 @@ class TrainerGroup:
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.nodes = ray.get([a.node.remote() for a in self.actors])
+        # bytes of routes sent to the ranks: as sent (each rank its shard, compact dtype), and as whole
+        # batches of int64 to every rank for scoring (the layout before 2026-12; the benchmark's baseline)
+        self.route_bytes = {"sent": 0, "whole_int64": 0}
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
         """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""
@@ -229,7 +230,7 @@ class TrainerGroup:
 
     def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int]) -> None:
         """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker."""
-        from moe_rl.weights.transfer import engine_rank_offsets
+        from moe_rl.rollout.transfer import engine_rank_offsets
 
         world = 1 + sum(workers_per_engine)
         self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine))
@@ -238,23 +239,46 @@ class TrainerGroup:
         """One sync round: rank 0 sends while the others take part in the export."""
         self.call("send_weights", version)
 
+    def _dp_rank(self, rank: int) -> int:
+        from moe_rl.train.parallel import dp_rank_of
+
+        return dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
+
     def _shard(self, batch, rank: int):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
-        from moe_rl.train.parallel import dp_rank_of, dp_rows
+        from moe_rl.train.parallel import dp_rows
 
         if self.dp == 1:
             return batch
-        dp_rank = dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
-        return batch.rows(dp_rows(batch.input_ids_BS.shape[0], dp_rank, self.dp))
+        return batch.rows(dp_rows(batch.size, self._dp_rank(rank), self.dp))
 
-    def score(self, batch, **kw):
-        outs = ray.get([a.score.remote(batch, **kw) for a in self.actors])
-        return outs[0]
+    def _send(self, batch, whole_int64: bool) -> list:
+        """This batch's shard for each rank, counting the route bytes it carries (and, for the
+        baseline, what whole batches (`whole_int64`; else the same shards) of int64 routes would be)."""
+        shards = [self._shard(batch, r) for r in range(self.world)]
+        if batch.routes_BSLK is not None:
+            self.route_bytes["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
+            self.route_bytes["whole_int64"] += 8 * sum((batch if whole_int64 else s).routes_BSLK.numel() for s in shards)
+        return shards
+
+    def score(self, batch, **kw) -> dict:
+        """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
+        from moe_rl.train.parallel import dp_rows
+
+        outs = ray.get([a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, True), strict=True)])
+        if self.dp == 1:
+            return outs[0]
+        (B, S), full = batch.input_ids_BS.shape, {}
+        for rank in range(0, self.tp_cp * self.dp, self.tp_cp):  # one rank per replica (its ranks all agree)
+            rows = dp_rows(B, self._dp_rank(rank), self.dp)
+            for name, x in outs[rank].items():
+                full.setdefault(name, torch.zeros((B, S, *x.shape[2:]), dtype=x.dtype))[rows, :x.shape[1]] = x
+        return full
 
     def train(self, batch, loss, denominator):
         from moe_rl.metrics import reduce_updates
 
-        outs = ray.get([a.train.remote(self._shard(batch, r), loss, denominator) for r, a in enumerate(self.actors)])
+        outs = ray.get([a.train.remote(s, loss, denominator) for a, s in zip(self.actors, self._send(batch, False), strict=True)])
         losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
         merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
         if losses:
@@ -305,10 +329,6 @@ class RolloutActor:
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         self.agent = Agent(self.engine, tok, get_env(env_name), env_options, agent_settings)
         self.top_k = self.engine.top_k
-        self.settings = agent_settings
-
-    def agent_settings(self):
-        return self.settings
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,
                       first_group_id: int = 0):

@@ -286,7 +286,7 @@ class AlgorithmSection:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return _meta("advantage", self.advantage).needs_critic
 
 
 @dataclass(frozen=True)
@@ -343,9 +343,14 @@ class LoggingSection:
     tensorboard: bool = True
     progress_bar: bool = True
     log_every: int = 1
+    # the diagnostic forward without routing replay (how far the trainer's own routing is from the
+    # rollout's: routing/agreement, correction/logp_mismatch_no_replay) every this many steps; 0: never.
+    # It is a full extra forward; it never runs when routes are not replayed (it would repeat the plain one)
+    routing_diagnostics_every: int = 10
 
     def check(self) -> None:
         _positive("logging.log_every", self.log_every)
+        _in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
 
 
 @dataclass(frozen=True)
@@ -400,6 +405,11 @@ class RunConfig:
     def critic_enabled(self) -> bool:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
 
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term (in the reward or the loss) reads the reference policy."""
+        return bool(self.algorithm.kl_loss_coef or self.algorithm.kl_reward_coef)
+
 
 # --------------------------------------------------------------------------------------------------
 # Validation helpers
@@ -429,6 +439,13 @@ def _registered(path: str, name: str, kind: str) -> None:
         raise ConfigError(path, f"unknown {kind} '{name}'{_did_you_mean(name, names)}; choose one of {', '.join(names)}")
 
 
+def _meta(kind: str, name: str):
+    """What the registered method needs (moe_rl.algos.registry.meta)."""
+    from moe_rl.algos import registry
+
+    return registry.meta(kind, name)
+
+
 def _did_you_mean(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -455,18 +472,19 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm
-    if alg.lam_critic is not None and alg.advantage != "gae":
+    if alg.lam_critic is not None and "lam_critic" not in _meta("advantage", alg.advantage).params:
         raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
-    if alg.length_adaptive_alpha is not None and alg.advantage != "gae":
+    if alg.length_adaptive_alpha is not None and "length_adaptive_alpha" not in _meta("advantage", alg.advantage).params:
         raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
     if cfg.critic.enabled is False and alg.uses_critic:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
     if cfg.critic.enabled and not alg.uses_critic:
         raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values (only gae "
                           "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
-    if alg.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline") and cfg.rollout.samples_per_prompt < 2:
-        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least 2 samples per prompt")
-    if alg.policy_loss in ("gspo", "gmpo") and alg.aggregation != "seq_mean":
+    if cfg.rollout.samples_per_prompt < _meta("advantage", alg.advantage).min_group_size:
+        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least "
+                          f"{_meta('advantage', alg.advantage).min_group_size} samples per prompt")
+    if _meta("policy_loss", alg.policy_loss).sequence_level and alg.aggregation != "seq_mean":
         raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level policy loss "
                           f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
     if alg.self_normalize and alg.aggregation == "seq_sum_const":
@@ -478,8 +496,8 @@ def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
     if cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
         raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
                           "(no config.json); use 'policy' or such a directory")
-    if alg.anchor == "ewma" and alg.correction in ("none", "bypass"):
-        why = ("sets pi_old := mu, so the anchor would be ignored" if alg.correction == "bypass"
+    if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
+        why = ("sets pi_old := mu, so the anchor would be ignored" if _meta("correction", alg.correction).old_is_behaviour
                else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
         raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
                           "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")

@@ -1,8 +1,15 @@
 """Metrics: TensorBoard scalars (namespaced rollout/, reward/, policy/, critic/, correction/, routing/,
-timing/, perf/, memory/) and a console progress bar with ETA."""
+timing/, perf/, memory/) and a console progress bar with ETA.
+
+A step's figures come from three places and meet in `StepLog.step`: the rollout manager's (rollout/,
+staleness), the update loops' (policy/, critic/, correction/ of the updates), and `step_figures`,
+what the batch, the scores and the targets say (reward/, routing/, the log-prob mismatch).
+"""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -84,3 +91,70 @@ class Metrics:
             self.writer.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def step_figures(batch, scores, targets) -> dict[str, object]:
+    """The figures of a step's batch (moe_rl.batch.Batch), scores and targets (algos.targets)."""
+    from moe_rl.algos import stats
+    from moe_rl.algos.rewards import last_action_index
+
+    valid = batch.mask_BS
+    n_tok = valid.sum().clamp(min=1)
+
+    def mismatch(logp):  # |log pi - log mu| over model tokens
+        return ((logp - batch.logp_mu_BS).abs() * valid).sum() / n_tok
+
+    out = {
+        "reward/mean": batch.score_B.mean(), "reward/max": batch.score_B.max(), "reward/min": batch.score_B.min(),
+        "reward/success_rate": (batch.terminal_B > 0).float().mean(),
+        "rollout/length_mean": batch.lengths_B.float().mean(), "rollout/model_tokens_mean": valid.sum(1).float().mean(),
+        "rollout/turns_mean": batch.turns_B.float().mean(),
+        "policy/advantage_mean": (targets.adv_BS * valid).sum() / n_tok,
+        "correction/logp_mismatch_mean": mismatch(scores.logp_BS),
+        "correction/logp_mismatch_max": ((scores.logp_BS - batch.logp_mu_BS).abs() * valid).max(),
+        "routing/filled_tail_positions_per_sample": batch.routes_filled / max(1, batch.size),
+        **targets.metrics,
+    }
+    if scores.free_logp_BS is not None:
+        out["correction/logp_mismatch_no_replay"] = mismatch(scores.free_logp_BS)
+    if scores.free_routes_BSLK is not None:
+        # positions that influence a sampled token: everything before each sample's last model token
+        S = batch.input_ids_BS.shape[1]
+        attn = torch.arange(S).expand_as(valid) < last_action_index(valid).unsqueeze(1)
+        same = (scores.free_routes_BSLK.sort(-1).values == batch.routes_BSLK.sort(-1).values).all(-1)  # [B, S, L]
+        out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
+    if targets.returns_BS is not None:
+        out["critic/explained_variance"] = stats.explained_variance(targets.values_BS, targets.returns_BS, valid)
+    return out
+
+
+class StepLog:
+    """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, start_step: int,
+                 every: int):
+        self.metrics = Metrics(log_dir, enabled, total_steps, progress, start_step, every)
+        self.history: list[dict[str, float]] = []
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def timer(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[f"timing/{name}_s"] = time.perf_counter() - t
+
+    def step(self, step: int, *parts: dict) -> dict[str, float]:
+        """Log step `step` from its figures (later parts win on a shared key) and the timers run since
+        the last step (timing/step_s: the step's timer)."""
+        out = {k: v for part in parts for k, v in part.items()}
+        out.update(self.timings)
+        if "timing/step_s" in out:
+            out["timing/train_step_s"] = out["timing/step_s"] - out.get("timing/generate_wait_s", 0.0)
+        self.history.append(self.metrics.log(step, out))
+        self.timings = {}
+        return self.history[-1]
+
+    def close(self) -> None:
+        self.metrics.close()

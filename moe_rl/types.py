@@ -17,12 +17,17 @@ import torch
 
 
 def route_dtype(num_experts: int):
-    return np.uint8 if num_experts <= 256 else np.uint16
+    """The smallest dtype that holds a global expert id (int16, not uint16: torch supports few operations on uint16)."""
+    return np.uint8 if num_experts <= 256 else np.int16
+
+
+def route_torch_dtype(num_experts: int) -> torch.dtype:
+    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 @dataclass
 class RoutingRecord:
-    experts_PLK: np.ndarray  # [P, L, K] uint8/uint16 global expert ids
+    experts_PLK: np.ndarray  # [P, L, K] uint8/int16 global expert ids (route_dtype)
     computed_P: np.ndarray  # [P] bool: position was run through the model
 
     @classmethod
@@ -67,7 +72,8 @@ class RoutingRecord:
         return np.nonzero(~computed[: last + 1])[0]
 
     def to_replay(self, length: int, top_k: int) -> tuple[torch.Tensor, int]:
-        """[length, L, K] int64 routes for replay and the number of tail positions filled.
+        """[length, L, K] routes for replay, in the record's dtype, and the number of tail positions
+        filled.
 
         Raises ValueError if a position before the last computed one has no route (misalignment).
         """
@@ -75,13 +81,13 @@ class RoutingRecord:
         if missing.size:
             raise ValueError(f"routing record has no route for positions {missing[:5].tolist()} (of {length})")
         P, L, K = self.experts_PLK.shape
-        out = torch.empty(length, L, K, dtype=torch.long)
+        out = torch.empty(length, L, K, dtype=torch.uint8 if self.experts_PLK.dtype == np.uint8 else torch.int16)
         n = min(P, length)
-        out[:n] = torch.from_numpy(self.experts_PLK[:n].astype(np.int64))
+        out[:n] = torch.from_numpy(self.experts_PLK[:n].copy())  # a copy: arrays from Ray are read-only
         computed = np.zeros(length, dtype=bool)
         computed[:n] = self.computed_P[:n]
         tail = ~computed
-        out[torch.from_numpy(tail)] = torch.arange(top_k)
+        out[torch.from_numpy(tail)] = torch.arange(top_k, dtype=out.dtype)
         return out, int(tail.sum())
 
 

@@ -1,6 +1,6 @@
 """Trajectories -> the training batch, and the per-step target math the driver runs on it
-(moe_rl.batch, loop.step_targets, the policy and value losses of train/actor.py, step metrics),
-on tensors small enough to work by hand."""
+(moe_rl.batch, algos.targets.targets, the policy and value losses of train/objectives.py, step
+metrics), on tensors small enough to work by hand."""
 
 import math
 from types import SimpleNamespace
@@ -9,11 +9,20 @@ import pytest
 import torch
 
 from moe_rl import batch as batching
-from moe_rl.config import AlgorithmSection
-from moe_rl.loop import step_targets
+from moe_rl import settings
+from moe_rl.algos.targets import Scores, boundary_values, state_values, targets
+from moe_rl.config import AlgorithmSection, EnvironmentSection, RunConfig
 from moe_rl.metrics import Metrics, reduce_updates
-from moe_rl.train.actor import PolicyLossSpec, policy_loss_fn, state_values, value_loss_fn
+from moe_rl.train.objectives import ValueLoss
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
+
+
+def step_targets(b, alg: AlgorithmSection, token_budget: int, logp_ref=None, critic: bool = False):
+    """algos.targets on batch `b` with the settings of a config holding `alg` (pi_old = mu: a
+    synchronous step); a critic that outputs 0 everywhere when `critic`."""
+    cfg = RunConfig(algorithm=alg, environment=EnvironmentSection(token_budget=token_budget))
+    scores = Scores(b.logp_mu_BS, logp_ref, torch.zeros(b.input_ids_BS.shape) if critic else None)
+    return targets(b, scores, settings.target_params(cfg))
 
 
 def traj(n_prompt, turns, terminal, group=0, outcome=Outcome.COMPLETED, obs=2):
@@ -37,30 +46,48 @@ def test_build_batch_places_rewards_and_pads_by_hand():
     b = traj(3, [(1, 0.0)], 0.0, group=1, outcome=Outcome.TRUNCATED_BUDGET)  # P P P M
     b.info["loss_excluded"] = "overlong"
     batch = batching.build_batch([a, b], None)
-    assert batch.input_ids.shape == (2, 7) and batch.lengths.tolist() == [7, 4]
-    assert batch.mask.int().tolist() == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0]]
+    assert batch.input_ids_BS.shape == (2, 7) and batch.lengths_B.tolist() == [7, 4]
+    assert batch.mask_BS.int().tolist() == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0]]
     # turn feedback on its span's last token, the terminal reward on the last model token
-    assert batch.rewards.equal(torch.tensor([[0, 0, 0, -0.05, 0, 0, 1.0], [0] * 7]))
-    assert batch.loss_mask[1].sum() == 0 and batch.loss_mask[0].equal(batch.mask[0])  # excluded: no policy loss
-    assert batch.score.tolist() == pytest.approx([0.95, 0.0])
-    assert batch.terminated.tolist() == [True, False] and batch.prompt_len.tolist() == [2, 3]
-    sub = batch.select(torch.tensor([1]))
-    assert sub.size == 1 and sub.group.tolist() == [1] and sub.rewards.shape == (1, 7)
+    assert batch.rewards_BS.equal(torch.tensor([[0, 0, 0, -0.05, 0, 0, 1.0], [0] * 7]))
+    assert batch.loss_mask_BS[1].sum() == 0 and batch.loss_mask_BS[0].equal(batch.mask_BS[0])  # excluded: no policy loss
+    assert batch.score_B.tolist() == pytest.approx([0.95, 0.0]) and batch.turns_B.tolist() == [2, 1]
+    assert batch.terminated_B.tolist() == [True, False] and batch.prompt_len_B.tolist() == [2, 3]
+    sub = batch.rows(torch.tensor([1]))  # cut to the rows' longest length
+    assert sub.size == 1 and sub.group_B.tolist() == [1] and sub.rewards_BS.shape == (1, 4)
+    assert sub.mask_BS.equal(batch.mask_BS[1:, :4]) and sub.routes_BSLK is None
+
+
+def test_batch_rows_pad_and_microbatches_keep_every_field_aligned():
+    trajs = [traj(2, [(2, 0.0)], 1.0), traj(1, [(1, 0.0)], 0.0), traj(3, [(3, 0.0)], 1.0)]  # lengths 4, 2, 6
+    b = batching.build_batch(trajs, None)
+    b = batching.Batch(**{**b.__dict__, "routes_BSLK": torch.arange(3 * 6 * 2 * 1, dtype=torch.uint8).reshape(3, 6, 2, 1),
+                          "adv_BS": torch.arange(18.0).reshape(3, 6)})
+    mbs = b.microbatches(token_budget=8)  # rows 0+1 cost 2 x 4 = 8; row 2 alone (6)
+    assert [m.size for m in mbs] == [2, 1] and [m.input_ids_BS.shape[1] for m in mbs] == [4, 6]
+    assert mbs[0].routes_BSLK.dtype == torch.uint8 and mbs[0].routes_BSLK.equal(b.routes_BSLK[:2, :4])
+    assert mbs[0].adv_BS.equal(b.adv_BS[:2, :4]) and mbs[1].lengths_B.tolist() == [6]
+    grown = b.padded(4, 8)
+    assert grown.input_ids_BS.shape == (4, 8) and grown.lengths_B.tolist() == [4, 2, 6, 0]
+    assert grown.routes_BSLK.shape == (4, 8, 2, 1) and grown.routes_BSLK[:3, :6].equal(b.routes_BSLK)
+    assert grown.score_B.tolist() == [1.0, 0.0, 1.0, 0.0]
+    uniform = b.uniform_microbatches(2, 2, 6)
+    assert [m.input_ids_BS.shape for m in uniform] == [(2, 6), (2, 6)] and uniform[1].lengths_B.tolist() == [6, 0]
+    assert b.model_inputs(routes=False).routes_BSLK is None and b.model_inputs().adv_BS is None
 
 
 def test_state_values_shift_and_boundary():
     out = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
     assert state_values(out).tolist() == [[0, 1, 2, 3], [0, 5, 6, 7]]  # V(s_t) = out[t-1]
-    values, boundary = batching.state_values(out, torch.tensor([4, 2]))
-    assert values.equal(state_values(out)) and boundary.tolist() == [4.0, 6.0]  # out[boundary_len - 1]
+    assert boundary_values(out, torch.tensor([4, 2])).tolist() == [4.0, 6.0]  # out[boundary_len - 1]
 
 
 def _outcome_batch():
     # two samples of one prompt, 2 model tokens each; behaviour log-probs -1, reference -1.5 and -1
     trajs = [traj(1, [(2, 0.0)], 1.0), traj(1, [(2, 0.0)], 0.0)]
     b = batching.build_batch(trajs, None)
-    b.logp_mu = torch.where(b.mask, -1.0, 0.0)
-    logp_ref = torch.where(b.mask, torch.tensor([[-1.5], [-1.0]]), 0.0)
+    b.logp_mu_BS = torch.where(b.mask_BS, -1.0, 0.0)
+    logp_ref = torch.where(b.mask_BS, torch.tensor([[-1.5], [-1.0]]), 0.0)
     return b, logp_ref
 
 
@@ -70,15 +97,15 @@ def test_kl_reward_shapes_outcome_estimators():
     unbiased std 0.4 sqrt(2) -> advantages +-1/sqrt(2) (eps 1e-6 aside)."""
     b, ref = _outcome_batch()
     alg = AlgorithmSection(advantage="grpo", whiten_advantages=False, kl_reward_coef=0.2)
-    adv, returns, m = step_targets(b, None, None, ref, alg, token_budget=64)
-    assert returns is None
+    t = step_targets(b, alg, 64, ref)
+    assert t.returns_BS is None and t.logp_ref_BS is ref
+    adv = t.adv_BS
     expected = 0.4 / (0.4 * math.sqrt(2) + 1e-6)
     assert adv[0, 1:].tolist() == pytest.approx([expected] * 2, rel=1e-6)
     assert adv[1, 1:].tolist() == pytest.approx([-expected] * 2, rel=1e-6)
-    assert float(m["reward/kl_penalty_mean"]) == pytest.approx(0.25)
-    plain, _, _ = step_targets(b, None, None, ref, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64)
-    shaped, _, _ = step_targets(b, None, None, ref, AlgorithmSection(advantage="rloo", whiten_advantages=False,
-                                                                     kl_reward_coef=0.2), 64)
+    assert float(t.metrics["reward/kl_penalty_mean"]) == pytest.approx(0.25)
+    plain = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64, ref).adv_BS
+    shaped = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False, kl_reward_coef=0.2), 64, ref).adv_BS
     # rloo: A_0 = R_0 - R_1: 1 without the penalty, 0.8 with it
     assert plain[0, 1].item() == pytest.approx(1.0) and shaped[0, 1].item() == pytest.approx(0.8)
 
@@ -90,12 +117,12 @@ def test_overlong_penalty_reaches_every_estimator(advantage):
     short = traj(1, [(2, 0.0)], 0.5)
     long = traj(1, [(2, 0.0), (2, 0.0), (2, 0.0)], 0.5, obs=1)  # 2+1+2+1+2 = 8 tokens after the prompt
     b = batching.build_batch([short, long], None)
-    assert (b.lengths - b.prompt_len).tolist() == [2, 8]
-    values = torch.zeros(b.input_ids.shape)
+    assert (b.lengths_B - b.prompt_len_B).tolist() == [2, 8]
     kw = dict(advantage=advantage, whiten_advantages=False, gamma=1.0, lam=1.0)
-    base, _, _ = step_targets(b, values, torch.zeros(2), None, AlgorithmSection(**kw), token_budget=8)
-    pen, _, m = step_targets(b, values, torch.zeros(2), None, AlgorithmSection(**kw, overlong_buffer=4), token_budget=8)
-    first = b.mask.float().argmax(1)
+    base = step_targets(b, AlgorithmSection(**kw), 8, critic=True).adv_BS
+    t = step_targets(b, AlgorithmSection(**kw, overlong_buffer=4), 8, critic=True)
+    pen, m = t.adv_BS, t.metrics
+    first = b.mask_BS.float().argmax(1)
     if advantage == "grpo":  # one group; scores 0.5, 0.5 -> all 0; penalised 0.5, -0.5 -> +-1/sqrt(2)
         assert base.abs().max() == 0
         assert [pen[i, first[i]].item() for i in (0, 1)] == pytest.approx([2**-0.5, -(2**-0.5)], rel=1e-5)
@@ -107,15 +134,15 @@ def test_overlong_penalty_reaches_every_estimator(advantage):
 
 def _policy_mb(weight, adv=0.0):
     mask = torch.tensor([[True, True, False]])
-    t = dict(loss_mask=mask, adv=torch.full((1, 3), adv), logp_old=torch.tensor([[-1.0, -2.0, 0.0]]),
-             is_weight=torch.full((1, 3), weight), logp_ref=torch.tensor([[-1.5, -1.0, 0.0]]))
-    return SimpleNamespace(tensors=t)
+    return SimpleNamespace(pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=torch.full((1, 3), adv),
+                           logp_old_BS=torch.tensor([[-1.0, -2.0, 0.0]]), is_weight_BS=torch.full((1, 3), weight),
+                           logp_ref_BS=torch.tensor([[-1.5, -1.0, 0.0]]))
 
 
 def test_importance_weight_multiplies_the_policy_term_only():
     """With advantage 0 only the KL term is left: doubling w must not change it. k3 at
     d = logp_ref - logp = (-0.5, +1): e^d - d - 1 = 0.10653 and 0.71828; beta 0.1."""
-    fn = policy_loss_fn(PolicyLossSpec(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.0))
+    fn = settings.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3")))
     out = {"logp": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy": torch.zeros(1, 3)}
     one, _ = fn(out, _policy_mb(1.0))
     two, _ = fn(out, _policy_mb(2.0))
@@ -131,9 +158,9 @@ def test_importance_weight_multiplies_the_policy_term_only():
 def test_value_loss_regresses_shifted_values():
     """out = (0.1, 0.2, 0.3): V(s_1) = 0.1, V(s_2) = 0.2 on model tokens 1, 2; returns 1 and 0:
     1/2 ((0.1 - 1)^2 + (0.2 - 0)^2) = 0.425 (no clipping)."""
-    mb = SimpleNamespace(tensors=dict(mask=torch.tensor([[False, True, True]]), returns=torch.tensor([[0.0, 1.0, 0.0]]),
-                                      values_old=torch.zeros(1, 3)))
-    num, metrics = value_loss_fn(None)({"values": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
+    mb = SimpleNamespace(mask_BS=torch.tensor([[False, True, True]]), returns_BS=torch.tensor([[0.0, 1.0, 0.0]]),
+                         values_old_BS=torch.zeros(1, 3))
+    num, metrics = ValueLoss(None)({"values": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
     assert float(num) == pytest.approx(0.425) and float(metrics["value_mean"]) == pytest.approx(0.15)
 
 

@@ -1,6 +1,11 @@
-"""DESIGN.md's layering rules, checked on the source: algos imports only torch (and itself);
-rollout never imports megatron or moe_rl.train; train never imports vllm or moe_rl.rollout;
-only loop.py and cluster.py know Ray."""
+"""The layering rules of docs/architecture.md, checked on the source: algos imports only torch (and itself);
+rollout never imports megatron or moe_rl.train; train never imports vllm or moe_rl.rollout; weights
+(names, buckets, files) imports none of megatron, vllm, ray, train, rollout, loop or cluster; only
+the driver side (loop.py, cluster.py, rollouts.py) knows Ray; importing cluster.py loads neither megatron nor vllm; and the
+modules of moe_rl import one another without a cycle.
+
+Imports are read from the source, at any depth (a function's lazy import counts), relative ones
+resolved."""
 
 import ast
 from pathlib import Path
@@ -9,25 +14,58 @@ PKG = Path(__file__).resolve().parent.parent / "moe_rl"
 STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "logging", "pathlib", "typing", "collections"}
 
 
-def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(f): f for f in sorted(PKG.rglob("*.py"))}
+
+
+def parsed_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every import statement of `path`. `from m import y`
+    gives m.y where that is a module of moe_rl, else m; relative imports are made absolute."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+
+    def visit(node: ast.AST, top: bool) -> None:
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
+            out.extend((a.name, top) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for a in node.names:
+                out.append((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, top))
+        inner = top and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), True)
     return out
+
+
+def imports(path: Path) -> set[str]:
+    return {mod for mod, _ in parsed_imports(path)}
 
 
 def files(sub: str):
     return sorted((PKG / sub).rglob("*.py")) if (PKG / sub).exists() else []
 
 
+def internal(mod: str) -> str | None:
+    """The moe_rl module an import of `mod` runs (the longest module prefix), None outside moe_rl."""
+    while mod and mod not in MODULES:
+        mod = mod.rpartition(".")[0]
+    return mod or None
+
+
 def test_algos_imports_only_torch():
     assert files("algos")
     for f in files("algos"):
-        for mod in imports(f):
+        for mod in sorted(imports(f)):
             top = mod.split(".")[0]
             ok = top == "torch" or mod.startswith("moe_rl.algos") or top in STDLIB_OK
             assert ok, f"{f.relative_to(PKG)} imports {mod}"
@@ -35,19 +73,99 @@ def test_algos_imports_only_torch():
 
 def test_rollout_never_imports_megatron():
     for f in files("rollout"):
-        for mod in imports(f):
+        for mod in sorted(imports(f)):
             assert not mod.startswith(("megatron", "moe_rl.train")), f"{f.relative_to(PKG)} imports {mod}"
 
 
 def test_train_never_imports_vllm():
     for f in files("train"):
-        for mod in imports(f):
+        for mod in sorted(imports(f)):
             assert not mod.startswith(("vllm", "moe_rl.rollout")), f"{f.relative_to(PKG)} imports {mod}"
 
 
-def test_only_loop_and_cluster_know_ray():
+def test_weights_is_names_buckets_and_files():
+    banned = ("megatron", "vllm", "ray", "moe_rl.train", "moe_rl.rollout", "moe_rl.loop", "moe_rl.cluster")
+    assert files("weights")
+    for f in files("weights"):
+        for mod in sorted(imports(f)):
+            assert not (mod in banned or mod.startswith(tuple(b + "." for b in banned))), f"{f.relative_to(PKG)} imports {mod}"
+
+
+def test_only_the_driver_side_knows_ray():
+    """Ray is the driver's: loop.py, cluster.py (actors, placement) and rollouts.py (the engines'
+    manager); worker code (algos, train, rollout, weights) and the rest never import it."""
     for f in PKG.rglob("*.py"):
-        if f.name in ("loop.py", "cluster.py"):
+        if f.relative_to(PKG).as_posix() in ("loop.py", "cluster.py", "rollouts.py"):
             continue
-        for mod in imports(f):
+        for mod in sorted(imports(f)):
             assert mod.split(".")[0] != "ray", f"{f.relative_to(PKG)} imports {mod}"
+
+
+def test_importing_cluster_loads_neither_megatron_nor_vllm():
+    """What `import moe_rl.cluster` runs: its module-level imports and theirs (parent packages'
+    __init__ included), followed through moe_rl; function-level imports are left out."""
+    seen, todo, external = set(), ["moe_rl.cluster"], {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        for mod, top in parsed_imports(MODULES[name]):
+            if not top:
+                continue
+            if internal(mod):
+                todo.append(internal(mod))
+            else:
+                external.setdefault(mod, name)
+    bad = {mod: by for mod, by in external.items() if mod.split(".")[0] in ("megatron", "vllm")}
+    assert not bad, f"importing moe_rl.cluster imports {bad} (module: imported by)"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """moe_rl module -> the moe_rl modules it imports (any depth), less a package __init__'s imports
+    of its own submodules."""
+    graph = {}
+    for name, path in MODULES.items():
+        own = name + "." if path.name == "__init__.py" else None
+        targets = {internal(mod) for mod, _ in parsed_imports(path)} - {None, name}
+        graph[name] = {t for t in targets if not (own and t.startswith(own))}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+
+
+def test_no_import_cycles():
+    """No moe_rl module imports (at any depth) a module that imports it back, directly or through
+    others. Allowed: a package's __init__ importing its own submodules (moe_rl.algos imports its method
+    modules so that their registrations are complete), which Python runs before those submodules."""
+    graph = import_graph()
+    assert "moe_rl.algos.registry" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4",
          "trainer.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-         "logging.progress_bar=false", "cluster.num_cpus=2"]
+         "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=2"]
 
 
 def train_cmd(out: Path, *extra: str) -> list[str]:
@@ -56,6 +56,12 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
                 "rollout/outcome_env_error"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    # the free-routing diagnostic pass runs every routing_diagnostics_every (2) steps: steps 0 and 2
+    assert [e.step for e in acc.Scalars("routing/agreement")] == [1, 3]
+    assert [e.step for e in acc.Scalars("correction/logp_mismatch_no_replay")] == [1, 3]
+    # routes reach each trainer rank in uint8, not as int64 whole batches
+    sent, whole = (acc.Scalars(f"routing/route_bytes_per_rank{s}")[0].value for s in ("", "_whole_int64"))
+    assert 0 < sent and whole >= 8 * sent
     # an outcome that never happened is written as 0 every step (charts do not join distant points)
     assert [e.value for e in acc.Scalars("rollout/outcome_env_error")] == [0.0, 0.0, 0.0]
     # R3: replayed log-probs equal the engine's behaviour log-probs (same weights, fp32)
@@ -156,11 +162,13 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     assert resumed[0]["policy/anchor_logp_gap"] == pytest.approx(gaps[2], rel=1e-4, abs=1e-6)
 
 
-def test_tensor_parallel_loop_equals_one_rank(reference, tmp_path):
-    """TP2 (sequence parallel, odd and even lengths in the batch) scores and trains like one rank."""
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
+    """TP2 (sequence parallel, odd and even lengths in the batch) and DP2 (each replica scores and
+    trains on its half of the rows; results gathered once) score and train like one rank."""
     ref_out, _ = reference
-    out = tmp_path / "tp2"
-    run_train(out, "parallel.tp=2", "parallel.world_size=2", "run.steps=1", "checkpoint.every=0")
+    out = tmp_path / f"tp{tp}"
+    run_train(out, f"parallel.tp={tp}", "parallel.world_size=2", "run.steps=1", "checkpoint.every=0")
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
     for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean",

@@ -4,7 +4,7 @@
     python tools/convert_checkpoint.py hf-to-mcore models/base ckpt/base --tp 2 --ep 2
     python tools/convert_checkpoint.py mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf
 
-See `moe-rl convert --help` and moe_rl/weights/convert.py.
+See `moe-rl convert --help` and moe_rl/train/convert.py.
 """
 
 import sys

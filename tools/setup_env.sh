@@ -29,5 +29,7 @@ echo "[setup] torch ready ($((SECONDS - start)) s); installing moe_rl[cpu,dev]" 
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, megatron.core, mbridge, ray, vllm, moe_rl" 2>/dev/null \
   || { echo "[setup] the environment does not import; see the pip output above" >&2; exit 1; }
+echo "[setup] compiling the fused GAE kernel (cached by torch)" >&2
+"$VENV/bin/python" -c "from moe_rl.algos import gae; gae.prepare_kernel()"
 echo "$want" > "$stamp"
 echo "[setup] done in $((SECONDS - start)) s" >&2

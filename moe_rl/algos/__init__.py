@@ -9,4 +9,8 @@ denominators), anchor (PPO-EWMA), checks (the pre-update checklist, finite-sampl
 Conventions: tensors are [B, T] (samples x raw positions) unless named otherwise; values at mask-0
 positions are never read (selected away with torch.where, so NaN/inf there is harmless); losses and
 corrections compute in float32 at least (bf16/fp16 inputs are upcast, float64 stays float64).
+
+Importing the package imports the method modules, whose @register calls fill `registry`.
 """
+
+from moe_rl.algos import advantages, correction, losses  # noqa: F401

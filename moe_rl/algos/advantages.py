@@ -58,7 +58,8 @@ def group_stats(x_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor,
     return mean[inv], std[inv], n[inv]
 
 
-@register("advantage", "gae")
+@register("advantage", "gae", needs_critic=True,
+          params=frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"}))
 def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """Masked model-token GAE (gae.masked_gae); decoupled when hp.lam_critic is set, length-adaptive
     (lambda_i = 1 - 1/(alpha J_i)) for the actor when hp.length_adaptive_alpha is set."""
@@ -74,7 +75,7 @@ def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return gae.decoupled_gae(*args, lam_actor, lam_critic)
 
 
-@register("advantage", "reward_to_go")
+@register("advantage", "reward_to_go", params=frozenset({"gamma"}))
 def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """Process-reward reward-to-go: A_j = sum_{k >= j} gamma^(k-j) u_{q_k} on the decision timeline
     (GAE with V = 0, lambda = 1, terminal bootstrap 0)."""
@@ -92,7 +93,7 @@ def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return _broadcast(s - s.mean(), inp.mask_BT), None
 
 
-@register("advantage", "rloo")
+@register("advantage", "rloo", min_group_size=2)
 def rloo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """RLOO: A_i = R_i - 1/(G-1) sum_{j != i} R_j = G/(G-1) (R_i - mean_g R) within each prompt group.
 
@@ -103,7 +104,7 @@ def rloo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return _broadcast((s - mean) * n / (n - 1).clamp(min=1), inp.mask_BT), None
 
 
-@register("advantage", "grpo")
+@register("advantage", "grpo", min_group_size=2, params=frozenset({"eps"}))
 def grpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased within the prompt group."""
     mean, std, _ = group_stats(inp.score_B, inp.group_B)
@@ -111,14 +112,14 @@ def grpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return _broadcast((s - mean) / (std + hp.eps), inp.mask_BT), None
 
 
-@register("advantage", "drgrpo")
+@register("advantage", "drgrpo", min_group_size=2)
 def drgrpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """Dr.GRPO: A_i = R_i - mean_g R (no std division; pair with seq_sum_const aggregation)."""
     mean, _, _ = group_stats(inp.score_B, inp.group_B)
     return _broadcast(inp.score_B.to(torch.float64) - mean, inp.mask_BT), None
 
 
-@register("advantage", "reinforce_pp_baseline")
+@register("advantage", "reinforce_pp_baseline", min_group_size=2)
 def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """REINFORCE++-baseline: A_i = R_i - mean_g R, then whitened over all valid tokens of the batch
     (the loop's global whitening does that step; this returns the group-centred score)."""

@@ -36,7 +36,6 @@ class Correction:
     weight_BT: torch.Tensor  # detached importance weight per token (1 where no correction)
     keep_BT: torch.Tensor  # bool: tokens that stay in the loss
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    needs_behaviour: bool = True  # whether mu's log-probs were read (the role must be present)
 
 
 def ess(weights: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,19 +87,19 @@ def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tens
     metrics[f"ess_frac_{prefix}"] = frac
 
 
-@register("correction", "none")
+@register("correction", "none", reads_behaviour=False)
 def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """No correction: w = 1. (Synchronous PPO, where mu = pi_old.)"""
     m = mask_BT.bool()
-    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m, {}, needs_behaviour=False)
+    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m)
 
 
-@register("correction", "bypass")
+@register("correction", "bypass", old_is_behaviour=True)
 def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """Bypass: pi_old := mu, so the PPO ratio is pi_theta / mu and no separate weight is applied. The
     loop uses the behaviour log-probs as logp_old (no proximal forward pass)."""
     m = mask_BT.bool()
-    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m, {}, needs_behaviour=True)
+    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m)
 
 
 @register("correction", "tis_token")

@@ -107,6 +107,12 @@ def _build_kernel():
     return load(name="moe_rl_gae_kernel", sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def prepare_kernel() -> bool:
+    """Build (first call on a machine: ~30 s; torch caches it) and load the fused kernel ahead of its
+    first use; whether it is available. `make setup` and the driver call it before any RL step."""
+    return _kernel(required=False) is not None
+
+
 def _kernel(required: bool):
     """The fused CPU kernel, compiled on first use and cached by torch; None if it cannot be built."""
     try:

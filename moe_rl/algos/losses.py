@@ -97,7 +97,7 @@ def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     return torch.where(m, loss, 0.0), metrics
 
 
-@register("policy_loss", "gspo")
+@register("policy_loss", "gspo", sequence_level=True)
 def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """GSPO: length-normalised sequence ratio, clipped at the sequence level, [B, T] -> [B, T]:
 
@@ -128,7 +128,7 @@ def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     return torch.where(m, loss, 0.0), metrics
 
 
-@register("policy_loss", "gmpo")
+@register("policy_loss", "gmpo", sequence_level=True)
 def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """GMPO: geometric mean of the clipped token objectives (token-level ratios, clipped in log space),
     [B, T] -> [B, T]:

@@ -1,47 +1,87 @@
-"""Name -> function registries for the selectable pieces of the RL math.
+"""Name -> function registries for the selectable pieces of the RL math, with what each method needs.
 
-    @register("advantage", "grpo")
+    @register("advantage", "grpo", min_group_size=2, params=frozenset({"eps"}))
     def grpo_advantage(...): ...
 
-    get("advantage", "grpo")  # -> the function
+    get("advantage", "grpo")   # -> the function
+    meta("advantage", "grpo")  # -> AdvantageMeta(needs_critic=False, min_group_size=2, params=frozenset({'eps'}))
 
-Configs select methods by these names; `names(kind)` lists what a config may choose.
+Configs select methods by these names; `names(kind)` lists what a config may choose and `meta` what a
+choice implies (for config checks and the driver), so no caller compares method names. The method
+modules (advantages, correction, losses) register on import; the package moe_rl.algos imports them,
+and importing this module runs the package first, so the registries are complete for every caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-KINDS = ("advantage", "policy_loss", "correction")
-_REGISTRY: dict[str, dict[str, Callable]] = {kind: {} for kind in KINDS}
+from dataclasses import dataclass
 
 
-def register(kind: str, name: str) -> Callable[[Callable], Callable]:
+@dataclass(frozen=True)
+class AdvantageMeta:
+    needs_critic: bool = False  # reads values_BT and boundary_value_B: the run trains a critic
+    min_group_size: int = 1  # samples per prompt it needs; > 1: a baseline from the prompt's other samples
+    params: frozenset[str] = frozenset()  # the AdvantageParams fields it reads
+
+    @property
+    def needs_groups(self) -> bool:
+        """Reads group_B (the prompt groups)."""
+        return self.min_group_size > 1
+
+
+@dataclass(frozen=True)
+class CorrectionMeta:
+    reads_behaviour: bool = True  # needs mu's log-probs (the rollout's), as a weight or as pi_old
+    old_is_behaviour: bool = False  # pi_old := mu: the PPO ratio is pi_theta / mu (no proximal pass)
+
+    @property
+    def reweights(self) -> bool:
+        """Weights or masks tokens by pi_old / mu (with pi_old its own policy, e.g. an EWMA anchor)."""
+        return self.reads_behaviour and not self.old_is_behaviour
+
+
+@dataclass(frozen=True)
+class PolicyLossMeta:
+    sequence_level: bool = False  # defined per sequence (one ratio or objective per sample): seq_mean aggregation
+
+
+META = {"advantage": AdvantageMeta, "policy_loss": PolicyLossMeta, "correction": CorrectionMeta}
+KINDS = tuple(META)
+_REGISTRY: dict[str, dict[str, tuple[Callable, object]]] = {kind: {} for kind in KINDS}
+
+
+def register(kind: str, name: str, **meta) -> Callable[[Callable], Callable]:
+    """Register fn as `name` of `kind`; `meta`: fields of the kind's META dataclass (unset ones take
+    its defaults)."""
     if kind not in _REGISTRY:
         raise KeyError(f"unknown registry kind {kind!r}; kinds: {KINDS}")
+    info = META[kind](**meta)
 
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY[kind]:
             raise KeyError(f"{kind} {name!r} is registered twice")
-        _REGISTRY[kind][name] = fn
+        _REGISTRY[kind][name] = (fn, info)
         return fn
 
     return deco
 
 
+def _entry(kind: str, name: str) -> tuple[Callable, object]:
+    entries = _REGISTRY[kind]
+    if name not in entries:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(entries))}")
+    return entries[name]
+
+
 def get(kind: str, name: str) -> Callable:
-    _load_all()
-    try:
-        return _REGISTRY[kind][name]
-    except KeyError:
-        raise KeyError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(_REGISTRY[kind]))}") from None
+    return _entry(kind, name)[0]
+
+
+def meta(kind: str, name: str) -> AdvantageMeta | PolicyLossMeta | CorrectionMeta:
+    """What the method needs: an instance of META[kind]."""
+    return _entry(kind, name)[1]
 
 
 def names(kind: str) -> list[str]:
-    _load_all()
     return sorted(_REGISTRY[kind])
-
-
-def _load_all() -> None:
-    # Importing the modules runs their @register decorators.
-    from moe_rl.algos import advantages, correction, losses  # noqa: F401

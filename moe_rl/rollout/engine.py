@@ -17,7 +17,7 @@ The engine runs in-process (vLLM's V1 engine core without its own process); a Ra
 put it in another process. Weight updates go through the worker's in-place `reload_weights`; on the
 CPU build the MoE expert weights are then prepacked again (vLLM leaves the stale packed copy, see
 `_refresh_cpu_moe`). On GPU, `weight_transfer` nccl | ipc lets vLLM's own weight transfer receive
-the trainer's tensors instead (`transfer`, driven by the trainer's sender: weights/transfer.py).
+the trainer's tensors instead (`transfer`, driven by the trainer's sender: rollout/transfer.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Routing records (R3): which experts the rollout engine's routers chose, for every computed position.
 
 `RoutingRecord` is the compact per-trajectory array: experts_PLK [positions, MoE layers, top-k] as
-uint8 (<= 256 experts) or uint16, plus `computed_P`, which positions the engine actually ran through
+uint8 (<= 256 experts) or int16, plus `computed_P`, which positions the engine actually ran through
 the model. The last token of a trajectory is sampled but never fed back, so it has no route; that
 position cannot influence any scored token (attention is causal), and `to_replay` fills it — and
 only positions past the last computed one — with experts 0..K-1, counting them.

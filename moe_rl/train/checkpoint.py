@@ -28,14 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.weights.hf import CheckpointError
+
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_FILE = "moe_rl_extra.pt"
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                      "torch.distributed.checkpoint.filesystem")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, unsafe, or does not fit the model."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -21,18 +21,20 @@ factor also divides out the cp megatron multiplies in.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from moe_rl.batch import Batch
 from moe_rl.metrics import reduce_updates
 from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
 from moe_rl.train.packing import Packing
+from moe_rl.types import route_torch_dtype
 
 
 @dataclass(frozen=True)
@@ -48,80 +50,6 @@ class OptimSettings:
     pack_sequences: bool = False  # THD: each microbatch's sequences end to end in one row (train/packing.py)
 
 
-@dataclass
-class TokenBatch:
-    """A data-parallel shard: right-padded token rows and per-token tensors for the loss.
-
-    input_ids_BS: [B, S] long; lengths_B: [B] valid tokens per row; routes_BSLK: [B, S, L, K] global
-    expert ids per position and MoE layer (None: route freely); tensors: name -> [B, S] or [B] tensors.
-    """
-
-    input_ids_BS: torch.Tensor
-    lengths_B: torch.Tensor
-    routes_BSLK: torch.Tensor | None = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def rows(self, idx: slice, multiple: int = 1) -> TokenBatch:
-        """Rows `idx`, cut to their longest length rounded up to `multiple` (sequence parallelism)."""
-        S = int(self.lengths_B[idx].max()) if self.lengths_B[idx].numel() else 1
-        S = -(-S // multiple) * multiple
-
-        def cut(x):
-            if x.dim() < 2:
-                return x[idx]
-            out = x[idx, :S]
-            if out.shape[1] < S:
-                out = torch.nn.functional.pad(out, (0, 0) * (x.dim() - 2) + (0, S - out.shape[1]))
-            return out
-
-        return TokenBatch(cut(self.input_ids_BS), self.lengths_B[idx],
-                          None if self.routes_BSLK is None else cut(self.routes_BSLK),
-                          {k: cut(v) for k, v in self.tensors.items()})
-
-    def padded(self, rows: int, length: int) -> TokenBatch:
-        """Append empty rows (length 0) and right-pad every tensor to `length` positions."""
-        B, S = self.input_ids_BS.shape
-
-        def grow(x):
-            if x.dim() < 2:
-                return torch.cat([x, torch.zeros(rows - B, dtype=x.dtype)])
-            pad_s = (0, 0) * (x.dim() - 2) + (0, length - S)
-            x = torch.nn.functional.pad(x, pad_s)
-            return torch.cat([x, torch.zeros((rows - B, *x.shape[1:]), dtype=x.dtype)])
-
-        return TokenBatch(grow(self.input_ids_BS), grow(self.lengths_B),
-                          None if self.routes_BSLK is None else grow(self.routes_BSLK),
-                          {k: grow(v) for k, v in self.tensors.items()})
-
-    def uniform_microbatches(self, rows_per_mb: int, count: int, length: int) -> list[TokenBatch]:
-        """`count` microbatches of exactly [rows_per_mb, length] (empty rows appended)."""
-        full = self.padded(rows_per_mb * count, length)
-        out = []
-        for i in range(count):
-            idx = slice(i * rows_per_mb, (i + 1) * rows_per_mb)
-            out.append(TokenBatch(full.input_ids_BS[idx], full.lengths_B[idx],
-                                  None if full.routes_BSLK is None else full.routes_BSLK[idx],
-                                  {k: v[idx] for k, v in full.tensors.items()}))
-        return out
-
-    def microbatches(self, token_budget: int, multiple: int = 1, packed: bool = False) -> list[TokenBatch]:
-        """Consecutive rows whose padded size B*S_max (packed: sum of lengths) stays within
-        token_budget (at least one row)."""
-        out, start, B = [], 0, self.input_ids_BS.shape[0]
-        while start < B:
-            end, longest, total = start, 0, 0
-            while end < B:
-                longest_new = max(longest, int(self.lengths_B[end]))
-                cost = total + int(self.lengths_B[end]) if packed else longest_new * (end - start + 1)
-                if end > start and cost > token_budget:
-                    break
-                total += int(self.lengths_B[end])
-                longest, end = longest_new, end + 1
-            out.append(self.rows(slice(start, end), multiple))
-            start = end
-        return out
-
-
 class TrainWorker:
     def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", optim: OptimSettings = OptimSettings(),
                  seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None):
@@ -130,7 +58,7 @@ class TrainWorker:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        from moe_rl.weights import hf
+        from moe_rl.train import hf_io as hf
 
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', not {role!r}")
@@ -189,7 +117,7 @@ class TrainWorker:
         # the allgather dispatcher gathers equal-sized token blocks across the expert group
         return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
 
-    def _packing(self, mb: TokenBatch) -> Packing | None:
+    def _packing(self, mb: Batch) -> Packing | None:
         """The microbatch's packing, computed once (forward and loss both need it; it reads lengths)."""
         if not self.optim_settings.pack_sequences or self._uniform_microbatches() or self.cp > 1:
             return None
@@ -198,9 +126,10 @@ class TrainWorker:
             self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
         return self._packings[id(mb)]
 
-    def _forward(self, mb: TokenBatch, model) -> torch.Tensor:
+    def _forward(self, mb: Batch, model) -> torch.Tensor:
         ps, pk = self.ps, self._packing(mb)
-        ids, lengths, routes = mb.input_ids_BS, mb.lengths_B, mb.routes_BSLK
+        ids, lengths = mb.input_ids_BS, mb.lengths_B
+        routes = None if mb.routes_BSLK is None else mb.routes_BSLK.long()  # widened one microbatch at a time
         if routes is not None and (pk is not None or self.cp > 1):
             replay.check_complete(routes, lengths)  # errors name the sample and position, not the shard's
         pos = torch.arange(ids.shape[1]).expand_as(ids)
@@ -230,7 +159,7 @@ class TrainWorker:
             self._recording.append(rec)
         return out
 
-    def _outputs(self, mb: TokenBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _outputs(self, mb: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token model outputs [b, s] for microbatch `mb` from the last stage's output."""
         ps, pk = self.ps, self._packing(mb)
         tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
@@ -252,7 +181,7 @@ class TrainWorker:
             logp, ent = (torch.nn.functional.pad(pk.unpack(x)[:, 1:], (1, 0)) for x in (logp, ent))
         return {"logp": logp, "entropy": ent}
 
-    def _run(self, microbatches: list[TokenBatch], forward_only: bool, loss_func=None):
+    def _run(self, microbatches: list[Batch], forward_only: bool, loss_func=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         fb = get_forward_backward_func()
@@ -273,7 +202,7 @@ class TrainWorker:
             collect_non_loss_data=forward_only and loss_func is None,
         )
 
-    def _microbatches(self, batch: TokenBatch) -> list[TokenBatch]:
+    def _microbatches(self, batch: Batch) -> list[Batch]:
         multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         if self.cp > 1:
             multiple *= 2 * self.cp  # two chunks per CP rank, each a multiple of tp
@@ -287,11 +216,12 @@ class TrainWorker:
         return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self.optim_settings.pack_sequences)
 
     @torch.no_grad()
-    def score(self, batch: TokenBatch, record_routes: bool = False) -> dict[str, torch.Tensor]:
+    def score(self, batch: Batch, record_routes: bool = False) -> dict[str, torch.Tensor]:
         """Forward only. Returns {"logp", "entropy"} (policy) or {"values"} (critic), [B, S], on every rank.
 
         batch.routes_BSLK, when given, is replayed. With record_routes=True the routers choose freely and
-        the result also holds "routes": [B, S, L, K] int64, the trainer's own top-k for every position.
+        the result also holds "routes": [B, S, L, K] (uint8 / int16, as rollout routes), the trainer's own
+        top-k for every position.
         """
         self.module.eval()
         mbs = self._microbatches(batch)
@@ -321,9 +251,9 @@ class TrainWorker:
             out["routes"] = self._gather_stage_routes(recorded, mbs, B, S)
         return out
 
-    def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[TokenBatch], B: int, S: int) -> torch.Tensor:
+    def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[Batch], B: int, S: int) -> torch.Tensor:
         K = self.config.moe_router_topk
-        mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=torch.long)
+        mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=route_torch_dtype(self.config.num_moe_experts))
         row = 0
         for mb, r in zip(mbs, recorded, strict=True):
             b = min(mb.input_ids_BS.shape[0], B - row)
@@ -335,7 +265,7 @@ class TrainWorker:
         parts = [None] * self.ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(parts, (self.moe_layer_ids, mine), group=self.ps.get_pipeline_model_parallel_group())
         L = sum(len(ids) for ids, _ in parts)
-        full = torch.zeros(B, S, L, K, dtype=torch.long)
+        full = torch.zeros(B, S, L, K, dtype=mine.dtype)
         for ids, t in parts:
             full[:, :, ids] = t
         return full
@@ -345,7 +275,7 @@ class TrainWorker:
         return {n: p.detach() for n, p in self.module.named_parameters()}
 
     @torch.no_grad()
-    def score_with(self, params: dict[str, torch.Tensor], batch: TokenBatch) -> dict[str, torch.Tensor]:
+    def score_with(self, params: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
         """Score with other weights (e.g. the EWMA anchor) swapped in, then restore the current ones."""
         current = {n: p.detach().clone() for n, p in self.module.named_parameters()}
         named = dict(self.module.named_parameters())
@@ -365,11 +295,11 @@ class TrainWorker:
         dist.broadcast_object_list(box, src=last, group=self.ps.get_pipeline_model_parallel_group())
         return box[0]
 
-    def train_step(self, batch: TokenBatch, loss_fn: Callable,
+    def train_step(self, batch: Batch, loss_fn: Callable,
                    denominator: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer update on this shard.
 
-        loss_fn(outputs: dict of [b, s] tensors, mb: TokenBatch) -> (numerator, metrics dict)
+        loss_fn(outputs: dict of [b, s] tensors, mb: Batch) -> (numerator, metrics dict)
         denominator: the global denominator of the whole minibatch (all microbatches, all DP ranks).
         A loss of several terms with their own denominators (e.g. an importance-weighted policy term
         and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator

@@ -1,6 +1,6 @@
 """Trainer -> rollout-engine weight sync, in buckets, with a version bump.
 
-    for bucket in buckets(export_hf_weights(bridge, model), bucket_mb=64): ...
+    for bucket in buckets(export_hf_weights(bridge, model), bucket_mb=64): ...  # moe_rl.train.hf_io
 
 In-process, buckets of HF-named tensors go straight to `RolloutEngine.update_weights`. Across
 processes (a Ray actor, a separate engine process) a bucket travels as a safetensors file in shared

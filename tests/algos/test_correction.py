@@ -131,7 +131,7 @@ def test_bypass_and_none_need_no_weights():
     m = torch.ones(1, 2, dtype=torch.bool)
     for name, needs in (("none", False), ("bypass", True)):
         c = corr(name, torch.tensor([[-0.5, -2.0]]), torch.tensor([[-1.0, -1.0]]), m)  # ratios e^0.5, e^-1
-        assert (c.weight_BT == 1).all() and c.keep_BT.all() and c.needs_behaviour == needs
+        assert (c.weight_BT == 1).all() and c.keep_BT.all() and registry.meta("correction", name).reads_behaviour == needs
 
 
 def test_ess_by_hand():

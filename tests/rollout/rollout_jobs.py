@@ -35,11 +35,13 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
 
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
+    from moe_rl.batch import Batch
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.actor import sft_loss_fn
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
-    from moe_rl.weights.hf import export_hf_weights, save_hf_checkpoint
+    from moe_rl.train.hf_io import export_hf_weights
+    from moe_rl.train.objectives import SftLoss
+    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.weights.hf import save_hf_checkpoint
     from moe_rl.weights.sync import buckets, write_bucket
 
     parallel.init_distributed(parallel.Layout())
@@ -47,7 +49,7 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
     # one production SFT step (NLL of every token): new weights for vLLM to receive
-    w.train_step(TokenBatch(ids, torch.full((4,), 16), None, {"loss_mask": mask}), sft_loss_fn(), mask.sum().double())
+    w.train_step(Batch(ids, torch.full((4,), 16), loss_mask_BS=mask), SftLoss(), mask.sum().double())
     n = 0
     for i, b in enumerate(buckets(export_hf_weights(w.bridge, w.module), bucket_mb)):
         write_bucket(b, bucket_dir, i)
@@ -57,9 +59,10 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
 
 
 def megatron_score_job(rank, world, model_path, sequences, routes):
+    from moe_rl.batch import Batch
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import TokenBatch, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(M.ModelSpec(hf_path=model_path))
@@ -68,8 +71,8 @@ def megatron_score_job(rank, world, model_path, sequences, routes):
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
     lengths = torch.tensor([len(s) for s in sequences])
-    replayed = w.score(TokenBatch(ids, lengths, routes))
-    free = w.score(TokenBatch(ids, lengths), record_routes=True)
+    replayed = w.score(Batch(ids, lengths, routes))
+    free = w.score(Batch(ids, lengths), record_routes=True)
     return {"replay": replayed["logp"], "free": free["logp"], "free_routes": free["routes"]}
 
 
@@ -104,11 +107,11 @@ def export_source_job(rank, world, model_path, layout, gathered):
     check against the metadata it announced."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
+    from moe_rl.rollout.transfer import ExportSource, GatheredExport
     from moe_rl.train import model as M
     from moe_rl.train import parallel
+    from moe_rl.train.hf_io import export_hf_weights
     from moe_rl.train.worker import TrainWorker
-    from moe_rl.weights.hf import export_hf_weights
-    from moe_rl.weights.transfer import ExportSource, GatheredExport
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=model_path))

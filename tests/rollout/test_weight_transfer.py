@@ -9,9 +9,9 @@ import torch
 from rollout_jobs import export_source_job
 
 from moe_rl.config import ConfigError, from_dict
+from moe_rl.rollout.transfer import engine_rank_offsets
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.weights.hf import HFReader
-from moe_rl.weights.transfer import engine_rank_offsets
 
 
 def test_replicated_export_announces_exactly_what_it_sends(tiny_qwen):

@@ -10,9 +10,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def te_job(rank, world, hf_path, fp8, tp):
+    from moe_rl.batch import Batch
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout(tp=tp))
     assert torch.distributed.get_backend() == "nccl"
@@ -22,7 +23,7 @@ def te_job(rank, world, hf_path, fp8, tp):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 32), generator=g).cuda()
     lengths = torch.full((4,), 32)
-    out = w.score(TokenBatch(ids, lengths))
+    out = w.score(Batch(ids, lengths))
     return {k: v.cpu() for k, v in out.items() if k != "routes"}
 
 

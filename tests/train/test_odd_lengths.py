@@ -15,10 +15,12 @@ LENGTHS = [43, 17, 30]  # the longest is odd: padded to 44 under TP2 / CP2
 
 
 def odd_job(rank, world, hf_path, layout):
+    from moe_rl import settings
+    from moe_rl.batch import Batch
+    from moe_rl.config import RunConfig
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.actor import PolicyLossSpec, policy_loss_fn
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-3, micro_batch_tokens=64))
@@ -29,13 +31,13 @@ def odd_job(rank, world, hf_path, layout):
     out = {}
     for pack in (False, True):
         w.optim_settings = dataclasses.replace(w.optim_settings, pack_sequences=pack)
-        out[pack] = w.score(TokenBatch(ids, lengths))
+        out[pack] = w.score(Batch(ids, lengths))
     dp, dps = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
     rows = slice(dp * B // dps, (dp + 1) * B // dps)
-    t = dict(loss_mask=mask, adv=torch.randn(B, S, generator=g) * mask, logp_old=out[False]["logp"],
-             is_weight=torch.ones(B, S))
-    shard = TokenBatch(ids[rows], lengths[rows], None, {k: v[rows] for k, v in t.items()})
-    out["step"] = w.train_step(shard, policy_loss_fn(PolicyLossSpec()), {"policy": mask.sum().double()})
+    full = Batch(ids, lengths, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=torch.randn(B, S, generator=g) * mask,
+                 logp_old_BS=out[False]["logp"], is_weight_BS=torch.ones(B, S))
+    loss = settings.policy_loss(RunConfig())  # PPO-Clip, token mean, as configured by default
+    out["step"] = w.train_step(full.rows(rows), loss, {"policy": mask.sum().double()})
     return out
 
 

@@ -36,20 +36,20 @@ def test_dp_rows_partition_the_batch(B, dp):
 
 
 def test_trainer_group_shard_gives_each_replica_its_rows():
+    from moe_rl.batch import Batch
     from moe_rl.cluster import TrainerGroup
-    from moe_rl.train.worker import TokenBatch
 
     tp, cp, dp, pp = 2, 1, 3, 2
     group = object.__new__(TrainerGroup)  # no Ray actors: _shard only reads the sizes
     group.tp_cp, group.dp = tp * cp, dp
     B, S = 7, 5
     ids = torch.arange(B * S).reshape(B, S)
-    batch = TokenBatch(ids, torch.full((B,), S), None, {"mask": torch.ones(B, S)})
+    batch = Batch(ids, torch.full((B,), S), mask_BS=torch.ones(B, S))
     dp_of = megatron_dp_ranks(tp, cp, dp, pp)
     for rank in range(tp * cp * dp * pp):
         shard = group._shard(batch, rank)
         want = ids[dp_rows(B, dp_of[rank], dp)]
         assert torch.equal(shard.input_ids_BS, want), rank
-        assert shard.tensors["mask"].shape == want.shape
+        assert shard.mask_BS.shape == want.shape
     group.dp = 1
     assert group._shard(batch, 3) is batch

@@ -2,7 +2,9 @@
 
 import torch
 
-from moe_rl.train.actor import PolicyLossSpec
+from moe_rl import settings
+from moe_rl.batch import Batch
+from moe_rl.config import RunConfig
 
 B, S = 4, 12
 
@@ -17,14 +19,13 @@ def batch_tensors(seed: int = 0):
     return ids, lengths, mask, adv
 
 
-# production's policy loss (PPO-Clip, token mean, eps 0.2) and the loop's global denominator
-POLICY = PolicyLossSpec(name="ppo", clip_low=0.2, clip_high=0.2, aggregation="token_mean")
+# production's policy loss as configured by default (PPO-Clip, token mean, eps 0.2) and the loop's
+# global denominator
+POLICY = settings.policy_loss(RunConfig())
 
 
 def policy_loss():
-    from moe_rl.train.actor import policy_loss_fn
-
-    return policy_loss_fn(POLICY)
+    return POLICY
 
 
 def policy_tensors(logp_now, mask, adv):
@@ -34,7 +35,8 @@ def policy_tensors(logp_now, mask, adv):
     g = torch.Generator().manual_seed(1)
     offset = 0.15 * torch.randn(B, S, generator=g)
     is_weight = 0.5 + torch.rand(B, S, generator=g)
-    return {"loss_mask": mask, "adv": adv, "logp_old": (logp_now - offset) * mask, "is_weight": is_weight}
+    return {"pg_mask_BS": mask, "loss_mask_BS": mask, "adv_BS": adv, "logp_old_BS": (logp_now - offset) * mask,
+            "is_weight_BS": is_weight}
 
 
 class Denominator(dict):
@@ -59,7 +61,7 @@ class Denominator(dict):
 def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path, moe_dispatcher=dispatcher),
@@ -70,15 +72,15 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     dp_size = w.ps.get_data_parallel_world_size()
     dp = parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size)  # production's sharding (cluster._shard)
     rows = parallel.dp_rows(B, dp, dp_size)
-    free = TokenBatch(ids, lengths)
+    free = Batch(ids, lengths)
     out = {"free": w.score(free, record_routes=True), "dp_rank": (dp, w.ps.get_data_parallel_rank())}
-    out["replay"] = w.score(TokenBatch(ids, lengths, routes))
+    out["replay"] = w.score(Batch(ids, lengths, routes))
     tensors = policy_tensors(out["replay"]["logp"], mask, adv)  # pi_old: scored with the replayed routes
-    shard = TokenBatch(ids[rows], lengths[rows], routes[rows], {k: v[rows] for k, v in tensors.items()})
+    shard = Batch(ids, lengths, routes, **tensors).rows(rows)
     routers = [(n, p.detach().clone()) for n, p in w.module.named_parameters() if "router" in n]
     out["step"] = w.train_step(shard, policy_loss(), Denominator(mask))  # global denominator of the batch
     out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max()) for n, p in routers]
-    out["after_replay"] = w.score(TokenBatch(ids, lengths, routes))
+    out["after_replay"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(free, record_routes=True)
     out["mbs"] = len(shard.microbatches(24))
     return out
@@ -88,7 +90,7 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures."""
     from moe_rl.train import checkpoint, parallel
     from moe_rl.train import model as M
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24),
@@ -96,7 +98,7 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     ids, lengths, mask, adv = batch_tensors()
 
     def batch():  # pi_old: the current weights' log-probs, offset (the same offset in both runs)
-        return TokenBatch(ids, lengths, None, policy_tensors(w.score(TokenBatch(ids, lengths))["logp"], mask, adv))
+        return Batch(ids, lengths, None, **policy_tensors(w.score(Batch(ids, lengths))["logp"], mask, adv))
 
     if mode == "save":
         w.train_step(batch(), policy_loss(), Denominator(mask))
@@ -105,14 +107,13 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     else:
         extra = checkpoint.load(w, ckpt_dir)
     step2 = w.train_step(batch(), policy_loss(), Denominator(mask))
-    return {"step2": step2, "after": w.score(TokenBatch(ids, lengths)), "extra": extra, "steps": w.steps}
+    return {"step2": step2, "after": w.score(Batch(ids, lengths)), "extra": extra, "steps": w.steps}
 
 
 def hf_roundtrip_job(rank, world, hf_path, layout):
     """Load HF weights into this layout, export them back; return the exported tensors of this rank."""
+    from moe_rl.train import hf_io, parallel
     from moe_rl.train import model as M
-    from moe_rl.train import parallel
-    from moe_rl.weights import hf
 
     parallel.init_distributed(parallel.Layout(**layout))
     from moe_rl.train import cpu_compat
@@ -121,32 +122,32 @@ def hf_roundtrip_job(rank, world, hf_path, layout):
     spec = M.ModelSpec(hf_path=hf_path)
     bridge = M.make_bridge(spec)
     module = M.build_gpt(bridge, spec)
-    hf.load_hf_weights(bridge, module, hf_path)
-    return dict(hf.export_hf_weights(bridge, module))
+    hf_io.load_hf_weights(bridge, module, hf_path)
+    return dict(hf_io.export_hf_weights(bridge, module))
 
 
 def critic_job(rank, world, hf_path, layout):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.actor import value_loss_fn
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.objectives import ValueLoss
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), role="critic", optim=OptimSettings(lr=1e-2, adam_eps=1e-4))
     ids, lengths, mask, adv = batch_tensors()
-    before = w.score(TokenBatch(ids, lengths))["values"]
+    before = w.score(Batch(ids, lengths))["values"]
     returns = critic_returns()
     # values_old 0 with clip=None: the loss is 1/2 (V(s_t) - G_t)^2 on model tokens, V(s_t) = out[t-1]
-    batch = TokenBatch(ids, lengths, None, {"mask": mask, "returns": returns, "values_old": torch.zeros(B, S)})
+    batch = Batch(ids, lengths, mask_BS=mask, returns_BS=returns, values_old_BS=torch.zeros(B, S))
 
     emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() if w.ps.is_pipeline_first_stage() else None
     head = w.module.output_layer.weight if w.ps.is_pipeline_last_stage() else None
     head0 = None if head is None else head.detach().clone()
-    step = w.train_step(batch, value_loss_fn(None), Denominator(mask))
-    after = w.score(TokenBatch(ids, lengths))["values"]
+    step = w.train_step(batch, ValueLoss(None), Denominator(mask))
+    after = w.score(Batch(ids, lengths))["values"]
     backbone = {n: p.detach().clone() for n, p in w.module.named_parameters() if "output_layer" not in n}
     # a second step: its loss is computed from `after` (nonzero values), where the V(s_t) shift shows
-    step2 = w.train_step(batch, value_loss_fn(None), Denominator(mask))
+    step2 = w.train_step(batch, ValueLoss(None), Denominator(mask))
     return {"before": before, "after": after, "step": step, "step2": step2, "backbone_names": sorted(backbone),
             "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
             "embedding_at_start": emb0}
@@ -163,7 +164,7 @@ def own_routes_job(rank, world, hf_path, seeds):
     per seed, the largest |replay - free| log-prob over valid positions."""
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(micro_batch_tokens=24))
@@ -173,8 +174,8 @@ def own_routes_job(rank, world, hf_path, seeds):
         ids = torch.randint(0, 300, (B, S), generator=g)
         lengths = torch.randint(3, S + 1, (B,), generator=g)
         valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
-        free = w.score(TokenBatch(ids, lengths), record_routes=True)
-        again = w.score(TokenBatch(ids, lengths, free["routes"]))
+        free = w.score(Batch(ids, lengths), record_routes=True)
+        again = w.score(Batch(ids, lengths, free["routes"]))
         gaps.append(float(((again["logp"] - free["logp"]).abs() * valid).max()))
     return gaps
 
@@ -185,20 +186,20 @@ def recompute_job(rank, world, hf_path, routes, pack=False):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.replay import MissingRoutes
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(M.ModelSpec(hf_path=hf_path, recompute=True),
                     optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
-    tensors = policy_tensors(w.score(TokenBatch(ids, lengths, routes))["logp"], mask, adv)
-    shard = TokenBatch(ids, lengths, routes, tensors)
+    tensors = policy_tensors(w.score(Batch(ids, lengths, routes))["logp"], mask, adv)
+    shard = Batch(ids, lengths, routes, **tensors)
     step = w.train_step(shard, policy_loss(), Denominator(mask))
-    after = w.score(TokenBatch(ids, lengths, routes))
+    after = w.score(Batch(ids, lengths, routes))
     broken = routes.clone()
     broken[1, 2, 0, 0] = -1
     try:
-        w.score(TokenBatch(ids, lengths, broken))
+        w.score(Batch(ids, lengths, broken))
         refused = None
     except MissingRoutes as err:
         refused = str(err)

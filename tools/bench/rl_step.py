@@ -8,6 +8,10 @@ process and reports the median breakdown over the steps after the first:
   train     critic and actor updates
   sync      weight export + engine update
   other     the rest: orchestration, data movement, batch building, advantages (target <= 10%)
+
+and the bytes of routes each policy rank receives per step, as sent (each data-parallel replica its
+shard, uint8) against whole batches of int64 routes to every rank for scoring (the layout before
+2026-12): route_bytes_ratio = old / new (expect >= 8 x dp).
 """
 
 from __future__ import annotations
@@ -23,16 +27,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=32")
     args = ap.parse_args()
-    from moe_rl import config
-    from moe_rl.loop import Trainer
+    from moe_rl import config, loop
 
     out = tempfile.mkdtemp(prefix="moe_rl_bench_rl_step_")
     cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
                                                          "trainer.warm_start_steps=2", "trainer.eval_prompts=0",
                                                          "checkpoint.every=0", "logging.progress_bar=false",
                                                          *args.overrides])
-    trainer = Trainer(cfg)
-    trainer.run()
+    loop.main(cfg)
     import torch
 
     hist = torch.load(f"{out}/history.pt", weights_only=False)[1:] or torch.load(f"{out}/history.pt", weights_only=False)
@@ -50,8 +52,13 @@ def main() -> None:
     for k, v in med.items():
         print(f"  {k:9s} {v * 1e3:8.1f} ms  {100 * v / step:5.1f}%")
     print(f"other = {100 * med['other'] / step:.1f}% of the step (target <= 10%)")
-    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4),
-               **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}}
+    sent = statistics.median(h["routing/route_bytes_per_rank"] for h in hist)
+    whole = statistics.median(h["routing/route_bytes_per_rank_whole_int64"] for h in hist)
+    ratio = whole / sent if sent else float("nan")
+    print(f"routes per policy rank and step: {sent / 2**10:.1f} KiB sent, {whole / 2**10:.1f} KiB as whole int64 "
+          f"batches: route_bytes_ratio {ratio:.1f} (dp={cfg.parallel.dp})")
+    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp,
+               **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, "route_bytes_ratio": round(ratio, 2)}
     print(json.dumps(figures))
 
 

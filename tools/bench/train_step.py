@@ -79,9 +79,10 @@ def main() -> None:
     t_hf = transformers_step_time(path, ids, args.steps)
 
     # 2. Megatron CPU path (one rank, gloo)
+    from moe_rl.batch import Batch
     from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TokenBatch, TrainWorker
+    from moe_rl.train.worker import OptimSettings, TrainWorker
 
     os.environ.setdefault("MASTER_PORT", "29561")
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
@@ -92,11 +93,11 @@ def main() -> None:
     denom = mask.sum().double()
 
     def nll(outputs, mb):
-        return -(outputs["logp"] * mb.tensors["mask"]).sum(), {}
+        return -(outputs["logp"] * mb.mask_BS).sum(), {}
 
-    free = TokenBatch(ids, lengths, None, {"mask": mask})
+    free = Batch(ids, lengths, mask_BS=mask)
     routes = w.score(free, record_routes=True)["routes"]
-    replayed = TokenBatch(ids, lengths, routes, {"mask": mask})
+    replayed = Batch(ids, lengths, routes, mask_BS=mask)
     t_free, t_replay = [], []
     w.train_step(free, nll, denom)
     w.train_step(replayed, nll, denom)
@@ -111,7 +112,7 @@ def main() -> None:
     var_len = torch.randint(args.seq // 8, args.seq + 1, (rows,), generator=g)
     var_ids = torch.randint(0, 300, (rows, args.seq), generator=g)
     var_mask = (torch.arange(args.seq) < var_len.unsqueeze(1)) & (torch.arange(args.seq) > 0)
-    var = TokenBatch(var_ids, var_len, None, {"mask": var_mask})
+    var = Batch(var_ids, var_len, mask_BS=var_mask)
     var_denom = var_mask.sum().double()
     padded_settings = w.optim_settings
     packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)

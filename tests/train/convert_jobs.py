@@ -12,11 +12,12 @@ def tokens():
 
 def score_converted_job(rank, world, hf_config, ckpt, role):
     """Build a trainer on one rank without HF weights, load the converted dist checkpoint, score."""
+    from moe_rl.batch import Batch
     from moe_rl.train import checkpoint, parallel
     from moe_rl.train import model as M
-    from moe_rl.train.worker import TokenBatch, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(M.ModelSpec(hf_path=hf_config), role=role, load_weights=False)
     checkpoint.load(w, ckpt, optimizer=False)
-    return w.score(TokenBatch(*tokens()))
+    return w.score(Batch(*tokens()))

@@ -11,11 +11,11 @@ import pytest
 import torch
 from convert_jobs import B, S, score_converted_job, tokens
 
-from moe_rl.train.checkpoint import CheckpointError, read_metadata
+from moe_rl.train.checkpoint import read_metadata
+from moe_rl.train.convert import hf_to_mcore, mcore_to_hf
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.train.parallel import Layout
-from moe_rl.weights.convert import HF_CONFIG_DIR, hf_to_mcore, mcore_to_hf
-from moe_rl.weights.hf import CheckpointMismatch, HFReader
+from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, CheckpointMismatch, HFReader
 
 pytestmark = pytest.mark.slow
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.train.checkpoint import CheckpointError
 from moe_rl.train.parallel import Layout
 from moe_rl.weights.hf import (
     HF_CONFIG_DIR,
+    CheckpointError,
     CheckpointMismatch,
     HFReader,
     copy_hf_config,
@@ -86,11 +86,10 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from moe_rl.train import checkpoint
-    from moe_rl.weights import hf as H
+    from moe_rl.train import checkpoint, hf_io
 
     bridge, module = _build(hf, dtype, role, layout)
-    used = H.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic",
+    used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic",
                              progress=lambda it: _progress(it, "HF -> Megatron", rank == 0))
     everyone: list[set[str]] = [set()] * world
     dist.all_gather_object(everyone, used)
@@ -99,7 +98,7 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
         raise CheckpointMismatch(f"{hf} holds {len(unused)} tensor(s) its config does not describe "
                                  f"(e.g. {', '.join(unused[:3])}): the config and the weights disagree")
     if role == "critic" and ps.is_pipeline_last_stage():
-        H.load_value_head(module, value_head_from or hf)
+        hf_io.load_value_head(module, value_head_from or hf)
     checkpoint.save_model(module, out, extra={"role": role, "converted_from": str(hf)})
 
 
@@ -108,16 +107,15 @@ def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str
     """Load this rank's shard, export the tensors it owns; returns {HF name: (file, bytes)}."""
     from megatron.core import parallel_state as ps
 
-    from moe_rl.train import checkpoint
-    from moe_rl.weights import hf as H
+    from moe_rl.train import checkpoint, hf_io
 
     bridge, module = _build(hf_config, dtype, role, layout)
     checkpoint.load_model(module, ckpt)
     # one copy of each tensor: TP rank 0 of the first data-parallel replica (expert tensors: of the
     # first expert-data-parallel replica)
-    mine = H.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True,
+    mine = hf_io.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True,
                                progress=lambda it: _progress(it, "Megatron -> HF", rank == 0))
-    if role == "critic" and ps.is_pipeline_last_stage() and H.owns_replica():
+    if role == "critic" and ps.is_pipeline_last_stage() and hf_io.owns_replica():
         mine = itertools.chain(mine, [(VALUE_HEAD, module.output_layer.weight.detach())])
     return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb)
 

@@ -14,6 +14,9 @@ pass them to rank 0); ipc merges per-rank CUDA IPC handles of identical tensor l
 
 The NCCL group is rank 0 (trainer) + one rank per engine worker: engine i's workers start after
 those of engines 0..i-1 (`engine_rank_offsets`; vLLM would give every independent engine offset 1).
+
+This is the trainer ranks' side of vLLM's transfer, run in the trainer processes; the sources take
+the export as a callable (moe_rl.train.hf_io's, bound by the caller), so nothing here knows Megatron.
 """
 
 from __future__ import annotations

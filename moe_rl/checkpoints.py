@@ -1,0 +1,86 @@
+"""Checkpoints of a run: the trainer groups' Megatron checkpoints, the loop's position and RNG state.
+
+    ckpt = Checkpoints(cfg, out_dir, models, rollouts)
+    step = ckpt.resume()        # None: a fresh run (checkpoint.resume never, or nothing to resume)
+    ckpt.maybe_save(step)       # every checkpoint.every steps and at the last step
+
+A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
+previous one as it was, and `resume: auto` takes the newest complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_rl.config import RunConfig
+from moe_rl.weights.hf import HF_CONFIG_DIR, copy_hf_config
+
+LOOP_STATE = "loop_state.pt"
+
+
+class Checkpoints:
+    def __init__(self, cfg: RunConfig, out: Path, models, rollouts):
+        self.cfg, self.root, self.models, self.rollouts = cfg, out / "checkpoints", models, rollouts
+
+    def _groups(self) -> dict:
+        """The trainer groups a checkpoint holds, by directory name."""
+        return {"policy": self.models.policy, **({"critic": self.models.critic} if self.models.critic else {})}
+
+    def maybe_save(self, step: int) -> Path | None:
+        every = self.cfg.checkpoint.every
+        if every and step % every == 0 or step == self.cfg.run.steps:
+            return self.save(step)
+        return None
+
+    def save(self, step: int) -> Path:
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f".step_{step:06d}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {"step": step, "version": self.rollouts.version, "data_pos": self.rollouts.data_pos}
+        sources = {"policy": self.rollouts.model_path, "critic": getattr(self.models.critic, "path", None)}
+        for role, group in self._groups().items():
+            group.call("save", str(tmp / role), state)
+            copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
+        torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                    "np_rng": np.random.get_state()}, tmp / LOOP_STATE)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
+        for old in sorted(self.root.glob("step_*"))[: -self.cfg.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _resume_dir(self) -> Path | None:
+        r = self.cfg.checkpoint.resume
+        if r == "never":
+            return None
+        if r != "auto":
+            if not (Path(r) / LOOP_STATE).is_file():
+                raise FileNotFoundError(f"checkpoint.resume: {r} is not a complete checkpoint")
+            return Path(r)
+        done = sorted(p for p in self.root.glob("step_*") if (p / LOOP_STATE).is_file())
+        return done[-1] if done else None
+
+    def resume(self) -> int | None:
+        """Load the checkpoint to resume from (weights, optimizer, EWMA anchor, prompt position, RNG)
+        and sync the engines; its step, or None when there is none."""
+        path = self._resume_dir()
+        if path is None:
+            return None
+        print(f"[moe-rl] resuming from {path}", flush=True)
+        self.models.policy.init_anchor()  # its state comes back with the checkpoint
+        for role, group in self._groups().items():
+            group.call("load", str(path / role))
+        st = torch.load(path / LOOP_STATE, weights_only=False)  # written by this program (RNG state tuples)
+        self.rollouts.data_pos = st["data_pos"]
+        torch.set_rng_state(st["torch_rng"])
+        random.setstate(st["py_rng"])
+        np.random.set_state(st["np_rng"])
+        self.rollouts.sync(self.models.policy, st["version"])
+        return st["step"]

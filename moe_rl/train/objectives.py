@@ -1,0 +1,81 @@
+"""The training losses a trainer rank runs, one type each: the policy's (a registered policy loss with
+off-policy weights, plus KL and entropy terms), the critic's value regression, and the supervised warm
+start. A loss is a small frozen dataclass (it travels to the ranks) called per microbatch:
+
+    loss(outputs, mb) -> (numerator or {term: numerator}, metrics)
+
+outputs: the model's per-token outputs ({"logp", "entropy"} or {"values"}, [b, s]); mb: a microbatch
+of moe_rl.batch.Batch carrying the fields the loss reads. The worker divides each numerator by the
+minibatch's global denominator (see algos/aggregate.py and TrainWorker.train_step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rl.algos import aggregate, losses, registry
+from moe_rl.algos.targets import state_values
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """L = sum_t w_t g_t l_t / D_pg  +  sum_t m_t (beta_KL k_t - beta_H H_t) / D
+
+    mb fields: pg_mask_BS g (the loss tokens the correction keeps), loss_mask_BS m, adv_BS, logp_old_BS,
+    is_weight_BS w and, with kl_coef > 0, logp_ref_BS. The off-policy weight and the keep mask act on
+    the policy-gradient term only; the KL and entropy terms regularise pi_theta itself and are neither
+    weighted nor rejected. D_pg is the (possibly self-normalised) denominator of the weighted term, D
+    the plain one; the caller passes them as {"policy": D_pg, "regularizer": D}.
+    """
+
+    name: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    aggregation: str
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+
+    def __call__(self, outputs, mb):
+        fn = registry.get("policy_loss", self.name)
+        hp = losses.PolicyLossParams(self.clip_low, self.clip_high, self.dual_clip)
+        pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp"]
+        loss_BT, metrics = fn(logp, mb.logp_old_BS, mb.adv_BS, pg, hp)
+        numerators = {"policy": aggregate.loss_numerator(loss_BT, pg, self.aggregation, mb.is_weight_BS)}
+        reg_BT = None
+        if self.kl_coef:
+            kl = losses.sampled_kl_loss(logp, mb.logp_ref_BS, reg, self.kl_estimator)
+            reg_BT = self.kl_coef * kl
+            metrics["kl_ref"] = losses.masked_mean(kl.detach(), reg)
+        if self.entropy_coef:
+            ent = -self.entropy_coef * outputs["entropy"]
+            reg_BT = ent if reg_BT is None else reg_BT + ent
+        if reg_BT is not None:
+            numerators["regularizer"] = aggregate.loss_numerator(reg_BT, reg, self.aggregation)
+        metrics["entropy"] = losses.masked_mean(outputs["entropy"].detach(), pg)
+        return numerators, metrics
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """Regress V(s_t) (see algos.targets.state_values) to the returns on model tokens (token sum; the
+    caller's denominator), clipped around the pre-update values when `clip` is set. mb fields: mask_BS,
+    returns_BS, values_old_BS."""
+
+    clip: float | None
+
+    def __call__(self, outputs, mb):
+        pred = state_values(outputs["values"])
+        loss_BT, metrics = losses.clipped_value_loss(pred, mb.values_old_BS, mb.returns_BS, mb.mask_BS, self.clip)
+        metrics["value_mean"] = losses.masked_mean(pred.detach(), mb.mask_BS)
+        return aggregate.loss_numerator(loss_BT, mb.mask_BS, "token_mean"), metrics
+
+
+@dataclass(frozen=True)
+class SftLoss:
+    """Supervised warm start: negative log-likelihood of the demonstration's model tokens (loss_mask_BS)."""
+
+    def __call__(self, outputs, mb):
+        mask = mb.loss_mask_BS
+        return -(outputs["logp"] * mask).sum(), {"nll": losses.masked_mean(-outputs["logp"].detach(), mask)}

@@ -1,0 +1,163 @@
+"""The models a step trains and scores with: the policy, the critic and the reference, each a group of
+Megatron ranks (cluster.TrainerGroup), and the update loops they own.
+
+    models = Models.start(cfg, place, model_path)
+    scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
+    metrics = models.critic.fit(batch, targets)     # epochs x minibatches of value regression
+    metrics |= models.policy.fit(batch, targets)    # epochs x minibatches of policy updates
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from moe_rl import settings
+from moe_rl.algos import aggregate
+from moe_rl.algos.targets import Scores, Targets, correct, policy_denominators
+from moe_rl.batch import Batch
+from moe_rl.cluster import Placement, TrainerGroup
+from moe_rl.config import RunConfig
+from moe_rl.metrics import reduce_updates
+from moe_rl.train.objectives import SftLoss, ValueLoss
+
+
+def minibatch_rows(n: int, minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
+    """A random split of n rows into minibatches (at most n // dp, so every data-parallel replica
+    gets a row of each)."""
+    k = max(1, min(minibatches, n // dp))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return [perm[i::k] for i in range(k)]
+
+
+class PolicyGroup(TrainerGroup):
+    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, seed: int):
+        super().__init__(cfg, place, slot, spec, "policy", settings.optim_settings(cfg, cfg.trainer.lr), seed)
+        self.cfg, self.loss, self.params = cfg, settings.policy_loss(cfg), settings.target_params(cfg)
+
+    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
+        """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures.
+
+        Under PPO-EWMA update n uses pi_{theta_bar_{n-1}}, the anchor as it is after the previous
+        update: it is scored, and the correction recomputed, per minibatch (guide 000 section 7.2)."""
+        cfg, p, t0 = self.cfg, self.params, time.perf_counter()
+        full = batch.with_targets(t)
+        updates, corrections, skipped, gap = [], [], 0, None
+        for _ in range(cfg.trainer.epochs):
+            for rows in minibatch_rows(batch.size, cfg.trainer.minibatches, self.dp, cfg.run.seed * 7919 + step):
+                mb = full.rows(rows)
+                if p.ewma_anchor:
+                    old = self.score(mb.model_inputs(), anchor=True)["logp"]
+                    c = correct(old, mb.logp_mu_BS, mb.mask_BS, p)
+                    corrections.append(c.metrics)
+                    if gap is None:  # the anchor vs the policy at the start of the step
+                        gap = float(((old - t.logp_policy_BS[rows][:, :old.shape[1]]).abs() * mb.mask_BS).sum()
+                                    / mb.mask_BS.sum().clamp(min=1))
+                    mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
+                                             pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
+                denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
+                if not float(denominators["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
+                    skipped += 1
+                    continue
+                updates.append(self.train(mb, self.loss, denominators))
+        out = {f"policy/{k}": v for k, v in reduce_updates(updates).items()}
+        out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
+        out.update({"policy/skipped_minibatches": skipped, "policy/lr": cfg.trainer.lr,
+                    "timing/actor_train_s": time.perf_counter() - t0})
+        if gap is not None:
+            out["policy/anchor_logp_gap"] = gap
+        return out
+
+    def warm_start(self, batches: list[Batch], lr: float) -> list[float]:
+        """Supervised steps on demonstration batches at learning rate `lr`; the NLL of each."""
+        self.call("set_lr", lr)
+        nll = [self.train(b, SftLoss(), b.loss_mask_BS.sum().double()).get("nll", float("nan")) for b in batches]
+        self.call("set_lr", self.cfg.trainer.lr)
+        return nll
+
+    def init_anchor(self) -> None:
+        """theta_bar_0 := theta_0 (PPO-EWMA), when the algorithm anchors to an EWMA of the policy."""
+        if self.params.ewma_anchor:
+            self.call("init_anchor", self.cfg.algorithm.ewma_decay)
+
+
+class CriticGroup(TrainerGroup):
+    def __init__(self, cfg: RunConfig, place: Placement, spec, seed: int):
+        # critic.init_from: the policy's checkpoint, or another one (a reward model: its score head
+        # becomes the value head). The critic routes freely: replaying the policy's rollout routes
+        # would force another model's (possibly differently shaped) routers onto the policy's choices.
+        source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
+        spec = dataclasses.replace(spec, hf_path=source or spec.hf_path, routing_replay=False)
+        super().__init__(cfg, place, "critic", spec, "critic", settings.optim_settings(cfg, cfg.critic.lr), seed,
+                         value_head_from=source)
+        self.cfg, self.path, self.loss = cfg, spec.hf_path, ValueLoss(cfg.critic.value_clip)
+
+    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
+        """Epochs x minibatches of value regression to the returns; the step's critic/ figures."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        full = dataclasses.replace(batch.model_inputs(routes=False), mask_BS=batch.mask_BS, returns_BS=t.returns_BS,
+                                   values_old_BS=t.values_BS)
+        updates = []
+        for _ in range(cfg.trainer.epochs):
+            for rows in minibatch_rows(batch.size, cfg.trainer.minibatches, self.dp, cfg.run.seed * 7919 + step):
+                mb = full.rows(rows)
+                denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
+                if float(denominator) > 0:
+                    updates.append(self.train(mb, self.loss, denominator))
+        return {f"critic/{k}": v for k, v in reduce_updates(updates).items()} | {
+            "critic/lr": cfg.critic.lr, "timing/critic_train_s": time.perf_counter() - t0}
+
+
+class Models:
+    """The policy and, as the algorithm needs them, the critic and the reference policy."""
+
+    def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
+        spec = settings.model_spec(cfg, model_path)
+        self.cfg = cfg
+        self.policy = PolicyGroup(cfg, place, "policy", spec, cfg.run.seed)
+        self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
+        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference else None
+
+    @staticmethod
+    def counts(cfg: RunConfig) -> dict[str, int]:
+        """Trainer ranks per group, for the placement."""
+        n = cfg.parallel.world_size
+        return {"policy": n, "critic": n if cfg.critic_enabled else 0, "reference": n if cfg.uses_reference else 0}
+
+    def groups(self) -> dict[str, TrainerGroup]:
+        return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference}.items() if g}
+
+    def score(self, batch: Batch, diagnostics: bool) -> Scores:
+        """Forward passes over `batch`, each data-parallel replica on its shard: the policy and the
+        reference with the rollout's routes replayed, the critic routing freely. With `diagnostics`
+        (and routes to replay) the policy also routes freely once, to measure what replay removes."""
+        scores = Scores(self.policy.score(batch.model_inputs())["logp"])
+        if diagnostics and batch.routes_BSLK is not None:
+            free = self.policy.score(batch.model_inputs(routes=False), record_routes=True)
+            scores.free_logp_BS, scores.free_routes_BSLK = free["logp"], free["routes"]
+        if self.reference:
+            scores.logp_ref_BS = self.reference.score(batch.model_inputs())["logp"]
+        if self.critic:
+            scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False))["values"]
+        return scores
+
+    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
+        """The critic's update, then (past critic.warmup_steps) the policy's."""
+        t0 = time.perf_counter()
+        out = self.critic.fit(batch, t, step) if self.critic else {}
+        if step >= self.cfg.critic.warmup_steps:
+            out |= self.policy.fit(batch, t, step)
+        tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
+        out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
+        return out
+
+    def route_figures(self) -> dict[str, float]:
+        """Route bytes each policy rank received since the last call (and the whole-batch int64 baseline)."""
+        g = self.policy
+        out = {"routing/route_bytes_per_rank": g.route_bytes["sent"] / g.world,
+               "routing/route_bytes_per_rank_whole_int64": g.route_bytes["whole_int64"] / g.world}
+        g.route_bytes = {"sent": 0, "whole_int64": 0}
+        return out
+

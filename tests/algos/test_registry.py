@@ -1,0 +1,131 @@
+"""The registries' metadata: declared for every method, the values worked out by hand from each
+function, and each declaration checked against what the function does."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_rl.algos import registry
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams
+from moe_rl.algos.correction import CorrectionParams
+from moe_rl.algos.losses import PolicyLossParams
+from moe_rl.algos.registry import AdvantageMeta, CorrectionMeta, PolicyLossMeta
+
+GAE_PARAMS = frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"})
+EXPECTED = {
+    "advantage": {
+        "gae": AdvantageMeta(needs_critic=True, params=GAE_PARAMS),  # reads values_BT
+        "reward_to_go": AdvantageMeta(params=frozenset({"gamma"})),  # GAE with V = 0, lambda = 1
+        "reinforce": AdvantageMeta(),  # batch-mean baseline: no groups
+        "rloo": AdvantageMeta(min_group_size=2),  # leave-one-out: a group of one has no baseline
+        "grpo": AdvantageMeta(min_group_size=2, params=frozenset({"eps"})),  # std guard eps
+        "drgrpo": AdvantageMeta(min_group_size=2),
+        "reinforce_pp_baseline": AdvantageMeta(min_group_size=2),
+    },
+    "correction": {
+        "none": CorrectionMeta(reads_behaviour=False),
+        "bypass": CorrectionMeta(old_is_behaviour=True),  # pi_old := mu
+        "tis_token": CorrectionMeta(),
+        "tis_seq": CorrectionMeta(),
+        "icepop": CorrectionMeta(),
+    },
+    "policy_loss": {
+        "ppo": PolicyLossMeta(),
+        "gspo": PolicyLossMeta(sequence_level=True),  # one length-normalised ratio per sequence
+        "gmpo": PolicyLossMeta(sequence_level=True),  # geometric mean over a sequence's tokens
+        "cispo": PolicyLossMeta(),
+    },
+}
+
+
+def test_every_method_has_the_metadata_worked_out_by_hand():
+    for kind, expected in EXPECTED.items():
+        assert registry.names(kind) == sorted(expected)
+        for name, meta in expected.items():
+            assert registry.meta(kind, name) == meta, (kind, name)
+            assert isinstance(registry.meta(kind, name), registry.META[kind])
+    assert [n for n in registry.names("advantage") if registry.meta("advantage", n).needs_groups] == \
+        ["drgrpo", "grpo", "reinforce_pp_baseline", "rloo"]
+    assert [n for n in registry.names("correction") if registry.meta("correction", n).reweights] == \
+        ["icepop", "tis_seq", "tis_token"]
+
+
+def test_metadata_is_frozen_and_checked_at_registration():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        registry.meta("advantage", "gae").needs_critic = False
+    with pytest.raises(TypeError):
+        registry.register("advantage", "x", needs_values=True)  # not an AdvantageMeta field
+    with pytest.raises(KeyError, match="unknown registry kind"):
+        registry.register("value_loss", "x")
+    with pytest.raises(KeyError, match="unknown correction 'tis'; registered: bypass, icepop"):
+        registry.meta("correction", "tis")
+
+
+def test_importing_the_registry_alone_registers_every_method():
+    code = "from moe_rl.algos import registry; print(*(len(registry.names(k)) for k in registry.KINDS))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(len(EXPECTED[k])) for k in registry.KINDS]
+
+
+def _advantage_inputs(groups, values: bool) -> AdvantageInputs:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    return AdvantageInputs(
+        rewards_BT=torch.randn(4, 5, generator=g) * mask, mask_BT=mask, score_B=torch.tensor([1.0, 0.0, 3.0, 0.5]),
+        group_B=torch.tensor(groups), values_BT=torch.randn(4, 5, generator=g) if values else None,
+        terminated_B=torch.tensor([True, False, True, False]) if values else None,
+        boundary_value_B=torch.tensor([0.0, 0.7, 0.0, -0.4]) if values else None)
+
+
+def _same(a, b) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.allclose(x.double(), y.double()))
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["advantage"]))
+def test_advantage_metadata_matches_what_the_estimator_reads(name):
+    fn, meta = registry.get("advantage", name), registry.meta("advantage", name)
+    hp = AdvantageParams()
+    base = fn(_advantage_inputs([0, 0, 1, 1], values=True), hp)
+    # needs_critic: without values it refuses; otherwise values change nothing
+    if meta.needs_critic:
+        with pytest.raises(ValueError, match="needs values_BT"):
+            fn(_advantage_inputs([0, 0, 1, 1], values=False), hp)
+    else:
+        assert _same(fn(_advantage_inputs([0, 0, 1, 1], values=False), hp), base)
+    # needs_groups: regrouping changes the advantages; a group of one gets none
+    assert _same(fn(_advantage_inputs([0, 1, 0, 1], values=True), hp), base) != meta.needs_groups
+    if meta.needs_groups:
+        assert not fn(_advantage_inputs([0, 1, 2, 3], values=True), hp)[0].any()
+    # params: exactly the declared hyperparameters change the result (advantages or critic targets)
+    other = {"gamma": 0.5, "lam": 0.5, "lam_critic": 0.3, "length_adaptive_alpha": 0.5, "eps": 0.5}
+    for field in dataclasses.fields(AdvantageParams):
+        changed = fn(_advantage_inputs([0, 0, 1, 1], values=True), dataclasses.replace(hp, **{field.name: other[field.name]}))
+        assert _same(changed, base) != (field.name in meta.params), field.name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["correction"]))
+def test_correction_metadata_matches_what_the_correction_reads(name):
+    fn, meta = registry.get("correction", name), registry.meta("correction", name)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
+    mu = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.1], [0.3, 0.9, 0.2, 0.2]]))
+    hp = CorrectionParams()
+    a, b = fn(old, mu, mask, hp), fn(old, old, mask, hp)  # mu != pi_old, mu = pi_old
+    differs = not (torch.equal(a.weight_BT, b.weight_BT) and torch.equal(a.keep_BT, b.keep_BT))
+    assert differs == meta.reweights  # bypass reads mu as pi_old, not as a weight
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
+def test_sequence_level_losses_give_each_token_its_sequence_value(name):
+    fn, meta = registry.get("policy_loss", name), registry.meta("policy_loss", name)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
+    logp = torch.log(torch.tensor([[0.6, 0.3, 0.25, 0.1], [0.2, 0.35, 0.7, 0.1]]))
+    adv = torch.tensor([[1.0], [-0.5]]).expand(2, 4)  # one advantage per sequence
+    loss, _ = fn(logp, old, adv, mask, PolicyLossParams(clip_low=0.1, clip_high=0.1))
+    per_sequence = all(torch.allclose(row[m], row[m][0].expand(int(m.sum()))) for row, m in zip(loss, mask, strict=True))
+    assert per_sequence == meta.sequence_level
