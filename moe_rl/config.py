@@ -4,35 +4,34 @@
 
 Every user error is a `ConfigError` whose message is one line naming the field path and what is
 allowed: unknown keys (with a did-you-mean), wrong types, out-of-range values and incompatible
-combinations. All validation lives in this module; the rest of the code trusts a `RunConfig`.
+combinations. Validation happens at load, here (each section's fields), in config_rules.py (the rules
+between sections) and schema.py (keys and types); the rest of the code trusts a `RunConfig`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from moe_rl.strict_yaml import DuplicateKey, load_unique_keys
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix. `str(err)` is one actionable line."""
-
-    def __init__(self, path: str, message: str):
-        self.path = path
-        super().__init__(f"{path}: {message}" if path else message)
-
+from moe_rl.config_rules import check_compatible
+from moe_rl.schema import (
+    ConfigError,
+    build,
+    check_tree,
+    coerce_option,
+    did_you_mean,
+    in_range,
+    parse_overrides,
+    positive,
+    read_yaml,
+    set_dotted,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Schema
@@ -50,7 +49,7 @@ class RunSection:
     steps: int = 10
 
     def check(self) -> None:
-        _positive("run.steps", self.steps)
+        positive("run.steps", self.steps)
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
             raise ConfigError("run.name", f"{self.name!r} names the TensorBoard run directory: use letters, digits, "
                               "'_', '-' and '.' (no '/' or '..')")
@@ -74,7 +73,7 @@ class TinyModel:
     def check(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                      "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
-            _positive(f"model.tiny.{name}", getattr(self, name))
+            positive(f"model.tiny.{name}", getattr(self, name))
         if self.head_dim < 32:
             raise ConfigError("model.tiny.head_dim", f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
         if self.top_k > self.num_experts:
@@ -118,7 +117,7 @@ class ParallelSection:
 
     def check(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "world_size"):
-            _positive(f"parallel.{name}", getattr(self, name))
+            positive(f"parallel.{name}", getattr(self, name))
         model_par = self.tp * self.pp * self.cp
         if self.world_size % model_par:
             raise ConfigError("parallel.world_size",
@@ -155,12 +154,12 @@ class RolloutSection:
 
     def check(self) -> None:
         for name in ("num_engines", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
-            _positive(f"rollout.{name}", getattr(self, name))
-        _in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
-        _in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _in_range("rollout.max_staleness", self.max_staleness, 0, None)
-        _in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
-        _in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
+            positive(f"rollout.{name}", getattr(self, name))
+        in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
+        in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        in_range("rollout.max_staleness", self.max_staleness, 0, None)
+        in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
+        in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
         if self.async_mode and self.max_staleness < 1:
             raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: every sample of a "
                               "rollout that overlaps training is at least one version old; async needs max_staleness >= 1")
@@ -188,12 +187,12 @@ class EnvironmentSection:
         from moe_rl.rollout.envs import env_names
 
         if self.name not in env_names():
-            raise ConfigError("environment.name", f"unknown environment '{self.name}'{_did_you_mean(self.name, env_names())}; "
+            raise ConfigError("environment.name", f"unknown environment '{self.name}'{did_you_mean(self.name, env_names())}; "
                               f"choose one of {', '.join(env_names())}")
-        _positive("environment.max_turns", self.max_turns)
-        _positive("environment.token_budget", self.token_budget)
-        _in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
-        _in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
+        positive("environment.max_turns", self.max_turns)
+        positive("environment.token_budget", self.token_budget)
+        in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
+        in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
         self.check_options()
 
     def check_options(self) -> None:
@@ -212,9 +211,9 @@ class EnvironmentSection:
             path = f"environment.options.{key}"
             if key not in schema:
                 allowed = ", ".join(schema) or "none"
-                raise ConfigError(path, f"unknown option of environment '{self.name}'{_did_you_mean(str(key), schema)}; "
+                raise ConfigError(path, f"unknown option of environment '{self.name}'{did_you_mean(str(key), schema)}; "
                                   f"allowed: {allowed}")
-            values[key] = _coerce_option(schema[key], value, path)
+            values[key] = coerce_option(schema[key], value, path)
         try:
             env.check_options({**env.option_defaults, **values})
         except ValueError as err:
@@ -259,34 +258,36 @@ class AlgorithmSection:
     overlong_penalty: float = 1.0
 
     def check(self) -> None:
-        _in_range("algorithm.gamma", self.gamma, 0.0, 1.0)
-        _in_range("algorithm.lam", self.lam, 0.0, 1.0)
+        in_range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        in_range("algorithm.lam", self.lam, 0.0, 1.0)
         if self.lam_critic is not None:
-            _in_range("algorithm.lam_critic", self.lam_critic, 0.0, 1.0)
+            in_range("algorithm.lam_critic", self.lam_critic, 0.0, 1.0)
         if self.length_adaptive_alpha is not None:
-            _in_range("algorithm.length_adaptive_alpha", self.length_adaptive_alpha, 0.0, None, lo_open=True)
-        _in_range("algorithm.clip_low", self.clip_low, 0.0, 1.0, lo_open=True, hi_open=True)
-        _in_range("algorithm.clip_high", self.clip_high, 0.0, None, lo_open=True)
+            in_range("algorithm.length_adaptive_alpha", self.length_adaptive_alpha, 0.0, None, lo_open=True)
+        in_range("algorithm.clip_low", self.clip_low, 0.0, 1.0, lo_open=True, hi_open=True)
+        in_range("algorithm.clip_high", self.clip_high, 0.0, None, lo_open=True)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError("algorithm.dual_clip", f"{self.dual_clip} must be > 1 (or null to disable)")
         if self.loss_constant is not None:
-            _in_range("algorithm.loss_constant", self.loss_constant, 0.0, None, lo_open=True)
+            in_range("algorithm.loss_constant", self.loss_constant, 0.0, None, lo_open=True)
         for name in ("kl_reward_coef", "kl_loss_coef", "entropy_coef", "overlong_penalty"):
-            _in_range(f"algorithm.{name}", getattr(self, name), 0.0, None)
-        _in_range("algorithm.is_cap", self.is_cap, 0.0, None, lo_open=True)
-        _in_range("algorithm.seq_is_cap", self.seq_is_cap, 0.0, None, lo_open=True)
-        _in_range("algorithm.icepop_min", self.icepop_min, 0.0, None, lo_open=True)
+            in_range(f"algorithm.{name}", getattr(self, name), 0.0, None)
+        in_range("algorithm.is_cap", self.is_cap, 0.0, None, lo_open=True)
+        in_range("algorithm.seq_is_cap", self.seq_is_cap, 0.0, None, lo_open=True)
+        in_range("algorithm.icepop_min", self.icepop_min, 0.0, None, lo_open=True)
         if self.icepop_max < self.icepop_min:
             raise ConfigError("algorithm.icepop_max", f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
-        _in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
-        _in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
+        in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
+        in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
         _registered("algorithm.advantage", self.advantage, "advantage")
         _registered("algorithm.policy_loss", self.policy_loss, "policy_loss")
         _registered("algorithm.correction", self.correction, "correction")
 
     @property
     def uses_critic(self) -> bool:
-        return _meta("advantage", self.advantage).needs_critic
+        from moe_rl.algos import registry
+
+        return registry.meta("advantage", self.advantage).needs_critic
 
 
 @dataclass(frozen=True)
@@ -310,17 +311,17 @@ class TrainerSection:
     eval_prompts: int = 0  # held-out prompts scored before the first and after the last RL step
 
     def check(self) -> None:
-        _in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
-        _in_range("trainer.warm_start_steps", self.warm_start_steps, 0, None)
-        _in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
-        _positive("trainer.warm_start_batch", self.warm_start_batch)
-        _in_range("trainer.eval_prompts", self.eval_prompts, 0, None)
-        _in_range("trainer.weight_decay", self.weight_decay, 0.0, None)
-        _in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
-        _in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
-        _in_range("trainer.grad_clip", self.grad_clip, 0.0, None, lo_open=True)
+        in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
+        in_range("trainer.warm_start_steps", self.warm_start_steps, 0, None)
+        in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
+        positive("trainer.warm_start_batch", self.warm_start_batch)
+        in_range("trainer.eval_prompts", self.eval_prompts, 0, None)
+        in_range("trainer.weight_decay", self.weight_decay, 0.0, None)
+        in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
+        in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
+        in_range("trainer.grad_clip", self.grad_clip, 0.0, None, lo_open=True)
         for name in ("epochs", "minibatches", "micro_batch_tokens"):
-            _positive(f"trainer.{name}", getattr(self, name))
+            positive(f"trainer.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -332,10 +333,10 @@ class CriticSection:
     warmup_steps: int = 0  # critic-only updates before the actor starts
 
     def check(self) -> None:
-        _in_range("critic.lr", self.lr, 0.0, None, lo_open=True)
+        in_range("critic.lr", self.lr, 0.0, None, lo_open=True)
         if self.value_clip is not None:
-            _in_range("critic.value_clip", self.value_clip, 0.0, None, lo_open=True)
-        _in_range("critic.warmup_steps", self.warmup_steps, 0, None)
+            in_range("critic.value_clip", self.value_clip, 0.0, None, lo_open=True)
+        in_range("critic.warmup_steps", self.warmup_steps, 0, None)
 
 
 @dataclass(frozen=True)
@@ -349,8 +350,8 @@ class LoggingSection:
     routing_diagnostics_every: int = 10
 
     def check(self) -> None:
-        _positive("logging.log_every", self.log_every)
-        _in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
+        positive("logging.log_every", self.log_every)
+        in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
 
 
 @dataclass(frozen=True)
@@ -360,8 +361,8 @@ class CheckpointSection:
     keep: int = 2
 
     def check(self) -> None:
-        _in_range("checkpoint.every", self.every, 0, None)
-        _positive("checkpoint.keep", self.keep)
+        in_range("checkpoint.every", self.every, 0, None)
+        positive("checkpoint.keep", self.keep)
         r = self.resume
         if r in ("auto", "never"):
             return  # a directory is checked when the run starts
@@ -384,7 +385,7 @@ class ClusterSection:
 
     def check(self) -> None:
         if self.num_cpus is not None:
-            _positive("cluster.num_cpus", self.num_cpus)
+            positive("cluster.num_cpus", self.num_cpus)
 
 
 @dataclass(frozen=True)
@@ -416,111 +417,12 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def _positive(path: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(path, f"{value} must be a positive integer")
-
-
-def _in_range(path, value, lo, hi, lo_open=False, hi_open=False) -> None:
-    ok = (lo is None or (value > lo if lo_open else value >= lo)) and (
-        hi is None or (value < hi if hi_open else value <= hi))
-    if not ok:
-        lo_s = "-inf" if lo is None else str(lo)
-        hi_s = "inf" if hi is None else str(hi)
-        interval = f"{'(' if lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if hi_open or hi is None else ']'}"
-        raise ConfigError(path, f"{value} is outside the allowed range {interval}")
-
-
 def _registered(path: str, name: str, kind: str) -> None:
     from moe_rl.algos import registry
 
     names = registry.names(kind)
     if name not in names:
-        raise ConfigError(path, f"unknown {kind} '{name}'{_did_you_mean(name, names)}; choose one of {', '.join(names)}")
-
-
-def _meta(kind: str, name: str):
-    """What the registered method needs (moe_rl.algos.registry.meta)."""
-    from moe_rl.algos import registry
-
-    return registry.meta(kind, name)
-
-
-def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def check_compatible(cfg: RunConfig, cuda_available: bool) -> None:
-    """Cross-section rules: parallel layout vs model shape, GPU-only features vs this machine."""
-    tiny, par = cfg.model.tiny, cfg.parallel
-    if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
-        check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts, tiny.num_layers)
-    if not cuda_available:
-        if cfg.model.layer_spec == "transformer_engine":
-            raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
-        if cfg.model.fp8 != "none":
-            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
-        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' on CPU")
-        if cfg.rollout.route_source == "vllm":
-            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
-                              "CUDA; use 'capture' or 'auto' on CPU")
-    if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
-        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
-                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")
-    if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
-        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
-    alg = cfg.algorithm
-    if alg.lam_critic is not None and "lam_critic" not in _meta("advantage", alg.advantage).params:
-        raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
-    if alg.length_adaptive_alpha is not None and "length_adaptive_alpha" not in _meta("advantage", alg.advantage).params:
-        raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
-    if cfg.critic.enabled is False and alg.uses_critic:
-        raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
-    if cfg.critic.enabled and not alg.uses_critic:
-        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values (only gae "
-                          "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
-    if cfg.rollout.samples_per_prompt < _meta("advantage", alg.advantage).min_group_size:
-        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least "
-                          f"{_meta('advantage', alg.advantage).min_group_size} samples per prompt")
-    if _meta("policy_loss", alg.policy_loss).sequence_level and alg.aggregation != "seq_mean":
-        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level policy loss "
-                          f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
-    if alg.self_normalize and alg.aggregation == "seq_sum_const":
-        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean aggregation "
-                          "(seq_sum_const divides by a fixed constant)")
-    if cfg.critic.warmup_steps and not cfg.critic_enabled:
-        raise ConfigError("critic.warmup_steps", f"{cfg.critic.warmup_steps} holds the actor back for critic-only steps, "
-                          "and this run has no critic; use 0")
-    if cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
-        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
-                          "(no config.json); use 'policy' or such a directory")
-    if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
-        why = ("sets pi_old := mu, so the anchor would be ignored" if _meta("correction", alg.correction).old_is_behaviour
-               else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
-        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
-                          "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
-    if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
-        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
-                          f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
-    if cfg.trainer.warm_start_steps:
-        from moe_rl.rollout.envs import get_env
-
-        if not get_env(cfg.environment.name).has_expert():
-            raise ConfigError("trainer.warm_start_steps", f"{cfg.trainer.warm_start_steps} needs a scripted expert, and "
-                              f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
-
-
-def check_layout_fits_model(par: ParallelSection, heads: int, kv_heads: int, experts: int, layers: int) -> None:
-    if heads % par.tp:
-        raise ConfigError("parallel.tp", f"{par.tp} does not divide the {heads} attention heads")
-    if kv_heads % par.tp and par.tp % kv_heads:
-        raise ConfigError("parallel.tp", f"{par.tp} and the {kv_heads} key/value heads must divide one another")
-    if experts % par.ep:
-        raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
-    if layers % par.pp:
-        raise ConfigError("parallel.pp", f"{par.pp} does not divide the {layers} layers")
+        raise ConfigError(path, f"unknown {kind} '{name}'{did_you_mean(name, names)}; choose one of {', '.join(names)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -536,148 +438,24 @@ _REMOVED = {
 }
 
 
-def _build(cls, data: Any, path: str):
-    """Build dataclass `cls` from plain YAML data, checking keys and types; no defaults are guessed."""
-    if not isinstance(data, dict):
-        raise ConfigError(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        sub = f"{path}.{key}" if path else str(key)
-        if key not in fields:
-            hint = f" ({_REMOVED[sub]})" if sub in _REMOVED else _did_you_mean(str(key), fields)
-            raise ConfigError(sub, f"unknown key{hint}; allowed: {', '.join(fields)}")
-        kwargs[key] = _coerce(hints[key], value, sub)
-    return cls(**kwargs)
-
-
-def _coerce(tp, value: Any, path: str):
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, path)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, path)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0] if len(errors) == 1 else ConfigError(path, f"{value!r} is not a {_type_name(tp)}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(path, f"{value!r} is not allowed{_did_you_mean(str(value), map(str, allowed))}; choose one of {', '.join(map(str, allowed))}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _coerce_option(tp, value: Any, path: str):
-    """An environment option: the config's own types (int, float, str, bool, unions, ...) as for fields;
-    any other class by isinstance."""
-    if isinstance(tp, type) and tp not in (bool, int, float, str, dict) and not dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-        return value
-    return _coerce(tp, value, path)
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = data
-    for i, key in enumerate(keys[:-1]):
-        nxt = node.setdefault(key, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(".".join(keys[: i + 1]), f"is a value, not a section; cannot set '{dotted}'")
-        node = nxt
-    node[keys[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    out = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError("", f"override '{item}' must look like section.key=value")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key, value))
-    return out
-
-
-def _check_tree(cfg) -> None:
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_tree(value)
-    check = getattr(cfg, "check", None)
-    if check is not None:
-        check()
-
-
 def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"a config is a mapping of sections, got {type(data).__name__}")
     data = copy.deepcopy(data)
     for key, value in parse_overrides(list(overrides)):
-        _set_dotted(data, key, value)
-    cfg = _build(RunConfig, data, "")
-    _check_tree(cfg)
+        set_dotted(data, key, value)
+    cfg = build(RunConfig, data, "", _REMOVED)
+    check_tree(cfg)
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available()
-    check_compatible(cfg, cuda_available)
+    check_compatible(cfg, cuda_available)  # the rules between sections
     return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("", f"config file '{path}' does not exist")
-    try:
-        data = load_unique_keys(path.read_text()) or {}
-    except DuplicateKey as dup:
-        raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML would keep "
-                          "only the last, silently: keep one") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("", f"'{path}' is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    return from_dict(data, overrides, cuda_available)
+    return from_dict(read_yaml(path), overrides, cuda_available)
 
 
 def to_dict(cfg) -> dict:

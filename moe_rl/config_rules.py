@@ -1,0 +1,88 @@
+"""The rules between a config's sections (config.py holds each section's own): the parallel layout
+against the model's shape, GPU-only features against this machine, and the algorithm's methods
+against each other and the run, asked of the method registry (what each method needs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_rl.schema import ConfigError
+
+
+def _meta(kind: str, name: str):
+    """What the registered method needs (moe_rl.algos.registry.meta)."""
+    from moe_rl.algos import registry
+
+    return registry.meta(kind, name)
+
+
+def check_compatible(cfg, cuda_available: bool) -> None:
+    """Cross-section rules: parallel layout vs model shape, GPU-only features vs this machine."""
+    tiny, par = cfg.model.tiny, cfg.parallel
+    if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
+        check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts, tiny.num_layers)
+    if not cuda_available:
+        if cfg.model.layer_spec == "transformer_engine":
+            raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
+        if cfg.model.fp8 != "none":
+            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
+            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' on CPU")
+        if cfg.rollout.route_source == "vllm":
+            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
+                              "CUDA; use 'capture' or 'auto' on CPU")
+    if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
+        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
+                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")
+    if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
+        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
+    alg = cfg.algorithm
+    if alg.lam_critic is not None and "lam_critic" not in _meta("advantage", alg.advantage).params:
+        raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
+    if alg.length_adaptive_alpha is not None and "length_adaptive_alpha" not in _meta("advantage", alg.advantage).params:
+        raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
+    if cfg.critic.enabled is False and alg.uses_critic:
+        raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
+    if cfg.critic.enabled and not alg.uses_critic:
+        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values (only gae "
+                          "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
+    if cfg.rollout.samples_per_prompt < _meta("advantage", alg.advantage).min_group_size:
+        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least "
+                          f"{_meta('advantage', alg.advantage).min_group_size} samples per prompt")
+    if _meta("policy_loss", alg.policy_loss).sequence_level and alg.aggregation != "seq_mean":
+        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level policy loss "
+                          f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
+    if alg.self_normalize and alg.aggregation == "seq_sum_const":
+        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean aggregation "
+                          "(seq_sum_const divides by a fixed constant)")
+    if cfg.critic.warmup_steps and not cfg.critic_enabled:
+        raise ConfigError("critic.warmup_steps", f"{cfg.critic.warmup_steps} holds the actor back for critic-only steps, "
+                          "and this run has no critic; use 0")
+    if cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
+        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
+                          "(no config.json); use 'policy' or such a directory")
+    if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
+        why = ("sets pi_old := mu, so the anchor would be ignored" if _meta("correction", alg.correction).old_is_behaviour
+               else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
+        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
+                          "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
+    if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
+        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
+                          f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
+    if cfg.trainer.warm_start_steps:
+        from moe_rl.rollout.envs import get_env
+
+        if not get_env(cfg.environment.name).has_expert():
+            raise ConfigError("trainer.warm_start_steps", f"{cfg.trainer.warm_start_steps} needs a scripted expert, and "
+                              f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
+
+
+def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers: int) -> None:
+    if heads % par.tp:
+        raise ConfigError("parallel.tp", f"{par.tp} does not divide the {heads} attention heads")
+    if kv_heads % par.tp and par.tp % kv_heads:
+        raise ConfigError("parallel.tp", f"{par.tp} and the {kv_heads} key/value heads must divide one another")
+    if experts % par.ep:
+        raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
+    if layers % par.pp:
+        raise ConfigError("parallel.pp", f"{par.pp} does not divide the {layers} layers")
