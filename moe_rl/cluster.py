@@ -96,8 +96,9 @@ class Placement:
 
 
 @ray.remote
-class TrainActor:
-    """One rank of a Megatron trainer group."""
+class RankActor:
+    """One rank of a trainer group, as a Ray actor: its TrainWorker (the Megatron model, optimizer,
+    forward and update) plus the EWMA anchor, weight export and checkpoint I/O of that rank."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
                  load_weights: bool = True, value_head_from: str | None = None):
@@ -196,6 +197,9 @@ class TrainActor:
 
 
 class TrainerGroup:
+    """The ranks of one model (policy, critic or reference): batches go out sharded by data-parallel
+    replica, results come back merged. trainers.py adds each model's update loop."""
+
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
                  load_weights: bool = True, value_head_from: str | None = None):
         from moe_rl.train.parallel import Layout
@@ -204,7 +208,7 @@ class TrainerGroup:
         layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
         world = par.world_size
         addr, port = place.address(slot)
-        self.actors = [TrainActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
+        self.actors = [RankActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
                                                                          layout, load_weights, value_head_from)
                        for r in range(world)]
         self.dp = par.dp
