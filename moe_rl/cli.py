@@ -59,11 +59,13 @@ def _cmd_train(args) -> int:
     from moe_rl.cluster import PlacementError
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
+    from moe_rl.rollouts import RolloutError
     from moe_rl.weights.hf import CheckpointError
 
     try:
         return loop.main(cfg)
-    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError) as err:
+    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
+            RolloutError) as err:
         raise UserError(str(err)) from None
 
 
