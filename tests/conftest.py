@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -37,3 +38,36 @@ def tiny_qwen2_moe(tmp_path_factory):
     from moe_rl.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), TinyModel(arch="qwen2_moe"), seed=0)
+
+
+# Component settings as production builds them (moe_rl.settings, from the default RunConfig: defaults
+# live in config.py), with a test's own values replacing fields. Plain functions, importable from rank
+# functions in spawned processes (`from conftest import optim_settings`).
+
+
+def model_spec(hf_path, **changes):
+    from moe_rl import settings
+    from moe_rl.config import RunConfig
+
+    return dataclasses.replace(settings.model_spec(RunConfig(), str(hf_path)), **changes)
+
+
+def optim_settings(lr: float, **changes):
+    from moe_rl import settings
+    from moe_rl.config import RunConfig
+
+    return dataclasses.replace(settings.optim_settings(RunConfig(), lr), **changes)
+
+
+def engine_settings(model_path, **changes):
+    from moe_rl import settings
+    from moe_rl.config import RunConfig
+
+    return dataclasses.replace(settings.engine_settings(RunConfig(), str(model_path)), **changes)
+
+
+def agent_settings(**changes):
+    from moe_rl import settings
+    from moe_rl.config import RunConfig
+
+    return dataclasses.replace(settings.agent_settings(RunConfig()), **changes)

@@ -1,6 +1,6 @@
 """The agent loop: multi-turn episodes against an environment, token-in / token-out.
 
-    agent = Agent(engine, tokenizer, get_env("guess_number"), {"low": 1, "high": 9}, AgentSettings())
+    agent = Agent(engine, tokenizer, get_env("guess_number"), {"low": 1, "high": 9}, settings.agent_settings(cfg))
     trajectories = await agent.run_groups(prompts, samples_per_prompt=4)
 
 One episode: the chat template is applied once to the environment's opening messages; each model turn
@@ -28,16 +28,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AgentSettings:
-    max_turns: int = 4
-    token_budget: int = 128  # model + observation tokens after the prompt; no turn starts past it (the
-    # observation that ends the last turn is still appended as the boundary state)
-    max_model_len: int = 256  # the engine's context limit
-    max_tokens_per_turn: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    repetition_limit: int = 3  # identical consecutive turns that end the episode
-    env_timeout_s: float = 30.0  # a reset/step slower than this is an environment failure
-    overlong_filter: bool = False  # DAPO: truncated episodes stay in the batch without policy loss
+    """Built from the config by moe_rl.settings.agent_settings (defaults live in config.py)."""
+
+    max_turns: int  # environment.max_turns
+    token_budget: int  # environment.token_budget: model + observation tokens after the prompt; no turn
+    # starts past it (the observation that ends the last turn is still appended as the boundary state)
+    max_model_len: int  # rollout.max_model_len: the engine's context limit
+    max_tokens_per_turn: int  # rollout.max_new_tokens
+    temperature: float  # rollout.*
+    top_p: float  # rollout.*
+    overlong_filter: bool  # environment.*; DAPO: truncated episodes stay in the batch without policy loss
+    repetition_limit: int = 3  # no config field: identical consecutive turns that end the episode
+    env_timeout_s: float = 30.0  # no config field: a reset/step slower than this is an environment failure
 
 
 @dataclass

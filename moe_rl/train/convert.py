@@ -25,7 +25,7 @@ import itertools
 import json
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,13 +67,16 @@ def _progress(items, desc: str, on: bool):
 
 
 def _build(hf_config: str, dtype: str, role: str, layout: Layout):
+    from moe_rl import settings
+    from moe_rl.config import ModelSection, RunConfig
     from moe_rl.train import cpu_compat, parallel
     from moe_rl.train import model as M
 
     parallel.init_distributed(layout)
     if not torch.cuda.is_available():
         cpu_compat.seed_model_parallel(0)
-    spec = M.ModelSpec(hf_path=hf_config, dtype=dtype, routing_replay=False)
+    # the default config's model settings in the checkpoint's dtype; conversion replays no routes
+    spec = replace(settings.model_spec(RunConfig(model=ModelSection(dtype=dtype)), hf_config), routing_replay=False)
     try:
         bridge = M.make_bridge(spec)
     except (ValueError, KeyError) as err:

@@ -23,13 +23,15 @@ FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tenso
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """Built from the config by moe_rl.settings.model_spec (defaults live in config.py)."""
+
     hf_path: str
-    dtype: str = "float32"  # float32 | bfloat16
-    layer_spec: str = "local"  # local | transformer_engine
-    fp8: str = "none"  # none | delayed | tensorwise | blockwise | mxfp8
-    recompute: bool = False
-    moe_dispatcher: str = "alltoall"  # alltoall | allgather
-    routing_replay: bool = True
+    dtype: str  # model.dtype: float32 | bfloat16
+    layer_spec: str  # model.layer_spec: local | transformer_engine
+    fp8: str  # model.fp8: none | delayed | tensorwise | blockwise | mxfp8
+    recompute: bool  # model.recompute
+    moe_dispatcher: str  # model.moe_dispatcher: alltoall | allgather
+    routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
 
     @property
     def torch_dtype(self) -> torch.dtype:

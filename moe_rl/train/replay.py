@@ -13,7 +13,7 @@ targets set per microbatch and pops it when the action is REPLAY_BACKWARD; `_pha
 to that action automatically while autograd is running a backward pass (recompute), so callers set
 REPLAY_FORWARD once. Positions past a row's length (padding) without a route get experts 0..K-1 (they
 are never read); padding that carries a recorded route keeps it (see `fill_padding`).
-A valid token without a route (-1) is an error — never silently re-routed.
+A valid token without a route (-1, or an id no expert has) is an error — never silently re-routed.
 """
 
 from __future__ import annotations
@@ -60,14 +60,16 @@ def moe_layer_ids(module, config) -> list[int]:
     return ids
 
 
-def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> None:
-    """Raise MissingRoutes naming the first valid position (row, position) without a route (< 0)."""
+def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor, num_experts: int) -> None:
+    """Raise MissingRoutes naming the first valid position (row, position) without a route: an id < 0
+    (unrecorded) or one naming no expert of the model (>= num_experts)."""
     B, S = routes_BSLK.shape[:2]
     valid = torch.arange(S).expand(B, S) < lengths_B.unsqueeze(1)
-    missing = (routes_BSLK < 0).flatten(2).any(-1) & valid
+    missing = ((routes_BSLK < 0) | (routes_BSLK >= num_experts)).flatten(2).any(-1) & valid
     if bool(missing.any()):
         b, s = (int(x) for x in missing.nonzero()[0])
-        raise MissingRoutes(f"sample {b} position {s} has no recorded route")
+        raise MissingRoutes(f"sample {b} position {s} has no recorded route (ids {routes_BSLK[b, s].flatten().tolist()[:8]}, "
+                            f"the model has experts 0..{num_experts - 1})")
 
 
 def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
@@ -105,7 +107,7 @@ def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence
 
 
 def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
-                sequence_parallel: bool, layer_ids: list[int], topk: int) -> bool:
+                sequence_parallel: bool, layer_ids: list[int], topk: int, num_experts: int) -> bool:
     """Arm this stage's routers for one microbatch. Returns False (free routing) when routes is None."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -121,7 +123,7 @@ def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Te
     if routes_BSLK.shape[3] != topk:
         raise MissingRoutes(f"routes carry top-{routes_BSLK.shape[3]} experts, the model routes top-{topk}")
     mine = routes_BSLK[:, :, layer_ids]  # this stage's layers, checked and padding-filled once
-    check_complete(mine, lengths_B)
+    check_complete(mine, lengths_B, num_experts)
     mine = fill_padding(mine, lengths_B)
     for i, inst in enumerate(instances):
         inst.set_target_indices(router_tokens(mine[:, :, i], tp_rank, tp_size, sequence_parallel))

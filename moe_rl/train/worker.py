@@ -1,6 +1,6 @@
 """One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
 
-    w = TrainWorker(ModelSpec(hf_path), role="policy", optim=OptimSettings(lr=1e-5))
+    w = TrainWorker(settings.model_spec(cfg, hf_path), role="policy", optim=settings.optim_settings(cfg, cfg.trainer.lr))
     out = w.score(batch)                                  # forward only: logp/entropy or values
     metrics = w.train_step(batch, loss_fn, denominator)   # forward+backward over microbatches, step
 
@@ -39,19 +39,21 @@ from moe_rl.types import route_torch_dtype
 
 @dataclass(frozen=True)
 class OptimSettings:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    distributed_optimizer: bool = True
-    micro_batch_tokens: int = 4096
-    pack_sequences: bool = False  # THD: each microbatch's sequences end to end in one row (train/packing.py)
+    """Built from the config by moe_rl.settings.optim_settings (defaults live in config.py)."""
+
+    lr: float  # trainer.lr or critic.lr
+    weight_decay: float  # trainer.*
+    adam_beta1: float
+    adam_beta2: float
+    grad_clip: float
+    distributed_optimizer: bool  # parallel.distributed_optimizer
+    micro_batch_tokens: int  # trainer.*
+    pack_sequences: bool  # trainer.*; THD: each microbatch's sequences end to end in one row (train/packing.py)
+    adam_eps: float = 1e-8  # no config field
 
 
 class TrainWorker:
-    def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", optim: OptimSettings = OptimSettings(),
+    def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSettings,
                  seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -131,7 +133,7 @@ class TrainWorker:
         ids, lengths = mb.input_ids_BS, mb.lengths_B
         routes = None if mb.routes_BSLK is None else mb.routes_BSLK.long()  # widened one microbatch at a time
         if routes is not None and (pk is not None or self.cp > 1):
-            replay.check_complete(routes, lengths)  # errors name the sample and position, not the shard's
+            replay.check_complete(routes, lengths, self.config.num_moe_experts)  # names the sample, not the shard
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
             ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real]), pk.positions()
@@ -145,7 +147,8 @@ class TrainWorker:
         elif self.spec.routing_replay:
             replay.set_targets(self.replay_instances, routes, lengths,
                                ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                               self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk)
+                               self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk,
+                               self.config.num_moe_experts)
         out = model(ids, pos, None, **({} if pk is None else {"packed_seq_params": pk.seq_params()}))
         if self._recording is not None:
             rec = replay.recorded_routes(
@@ -213,7 +216,15 @@ class TrainWorker:
             rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
             per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
             return batch.uniform_microbatches(per_mb, -(-rows // per_mb), length)
-        return batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self.optim_settings.pack_sequences)
+        mbs = batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self.optim_settings.pack_sequences)
+        if self.ps.get_expert_model_parallel_world_size() > 1:
+            # every forward runs the experts' all-to-all over the expert group, whose ranks hold other
+            # data-parallel shards: each must run as many microbatches (an empty one computes nothing)
+            count = torch.tensor([len(mbs)], dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            empty = batch.rows(slice(0, 0), multiple).padded(1, multiple)
+            mbs += [empty] * (int(count) - len(mbs))
+        return mbs
 
     @torch.no_grad()
     def score(self, batch: Batch, record_routes: bool = False) -> dict[str, torch.Tensor]:
@@ -314,7 +325,8 @@ class TrainWorker:
 
         def loss_func(mb, output_tensor):
             numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
-            microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
+            if int(mb.lengths_B.sum()) > 0:  # an empty microbatch (padding for the expert group) has no figures
+                microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
             if isinstance(numerator, dict):
                 loss = sum(num / denominator[k].to(num.dtype) for k, num in numerator.items())
             else:

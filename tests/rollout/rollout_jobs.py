@@ -1,6 +1,7 @@
 """Process bodies for rollout tests: vLLM and Megatron each run in their own fresh process."""
 
 import torch
+from conftest import agent_settings, engine_settings, model_spec, optim_settings
 
 PROMPTS = [[257, 84, 82, 68, 81, 198, 38, 84], [257, 50, 51, 52], [257, 60, 61, 62, 63, 64, 65]]
 
@@ -8,11 +9,11 @@ PROMPTS = [[257, 84, 82, 68, 81, 198, 38, 84], [257, 50, 51, 52], [257, 60, 61, 
 def vllm_sync_job(rank, world, model_path, bucket_dir):
     import os
 
-    from moe_rl.rollout.engine import EngineSettings, RolloutEngine, Sampling
+    from moe_rl.rollout.engine import RolloutEngine, Sampling
     from moe_rl.weights.hf import HFReader
     from moe_rl.weights.sync import read_bucket
 
-    engine = RolloutEngine(EngineSettings(model_path))
+    engine = RolloutEngine(engine_settings(model_path, seed=0))
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
     paths = sorted(p for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
@@ -36,16 +37,15 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
     from moe_rl.batch import Batch
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.hf_io import export_hf_weights
     from moe_rl.train.objectives import SftLoss
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
     from moe_rl.weights.hf import save_hf_checkpoint
     from moe_rl.weights.sync import buckets, write_bucket
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(M.ModelSpec(hf_path=model_path), optim=OptimSettings(lr=3e-3))
+    w = TrainWorker(model_spec(model_path), optim=optim_settings(3e-3, micro_batch_tokens=4096, pack_sequences=False))
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
     # one production SFT step (NLL of every token): new weights for vLLM to receive
@@ -60,12 +60,11 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
 
 def megatron_score_job(rank, world, model_path, sequences, routes):
     from moe_rl.batch import Batch
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(M.ModelSpec(hf_path=model_path))
+    w = TrainWorker(model_spec(model_path), optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     S = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), S, dtype=torch.long)
     for i, s in enumerate(sequences):
@@ -81,11 +80,11 @@ def agent_vllm_job(rank, world, model_path):
 
     from transformers import AutoTokenizer
 
-    from moe_rl.rollout.agent import Agent, AgentSettings
-    from moe_rl.rollout.engine import EngineSettings, RolloutEngine
+    from moe_rl.rollout.agent import Agent
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.envs import get_env
 
-    engine = RolloutEngine(EngineSettings(model_path, max_model_len=256))
+    engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
     sampled = {}
     real = engine.agenerate
 
@@ -96,7 +95,7 @@ def agent_vllm_job(rank, world, model_path):
 
     engine.agenerate = logged
     tok = AutoTokenizer.from_pretrained(model_path)
-    agent = Agent(engine, tok, get_env("guess_number"), {}, AgentSettings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
+    agent = Agent(engine, tok, get_env("guess_number"), {}, agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
     prompts = get_env("guess_number").generate_prompts(4, seed=0)
     groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
@@ -108,13 +107,12 @@ def export_source_job(rank, world, model_path, layout, gathered):
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     from moe_rl.rollout.transfer import ExportSource, GatheredExport
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.hf_io import export_hf_weights
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(M.ModelSpec(hf_path=model_path))
+    w = TrainWorker(model_spec(model_path), optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     passes = []
 
     def export():

@@ -7,9 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import agent_settings
 from transformers import AutoTokenizer
 
-from moe_rl.rollout.agent import Agent, AgentSettings
+from moe_rl.rollout.agent import Agent
 from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
 from moe_rl.rollout.envs import Environment, env_names, get_env
@@ -43,7 +44,7 @@ def run(coro):
 
 def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
     policy = ScriptedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     assert t.outcome is Outcome.COMPLETED and t.terminated
     text = tok.decode(t.token_ids)
@@ -65,7 +66,7 @@ def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
 
 def test_truncation_keeps_the_boundary_observation(tok):
     policy = ScriptedPolicy(tok, ["1", "2"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=2, token_budget=200))
+    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=2, token_budget=200))
     t = run(agent.run_episode({"secret": 9}))
     assert t.outcome is Outcome.TRUNCATED_TURNS and not t.terminated
     # the boundary state includes the observation returned after the last model token
@@ -76,19 +77,19 @@ def test_truncation_keeps_the_boundary_observation(tok):
 
 def test_budget_and_context_limits(tok):
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
-                  AgentSettings(max_turns=5, token_budget=30, max_tokens_per_turn=16))
+                  agent_settings(max_turns=5, token_budget=30, max_tokens_per_turn=16))
     t = run(agent.run_episode({"secret": 3}))
     # no turn starts once the budget is spent; the boundary observation itself may overshoot it
     assert t.outcome is Outcome.TRUNCATED_BUDGET and len(t.spans) == 1 and t.spans[0][1] - t.prompt_len < 30
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
-                  AgentSettings(max_turns=5, token_budget=500, max_model_len=60))
+                  agent_settings(max_turns=5, token_budget=500, max_model_len=60))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.TRUNCATED_CONTEXT and len(t.token_ids) <= 60
 
 
 def test_repetition_outcome(tok):
     agent = Agent(ScriptedPolicy(tok, ["hmm"] * 5), tok, get_env("guess_number"), {},
-                  AgentSettings(max_turns=5, token_budget=500, repetition_limit=3))
+                  agent_settings(max_turns=5, token_budget=500, repetition_limit=3))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.REPETITION and len(t.spans) == 3 and t.turn_rewards == [-0.1] * 3
 
@@ -107,7 +108,7 @@ class Sleepy(Exploding):
 
 
 def test_environment_failures_are_counted_not_trained(tok):
-    for env, settings in ((Exploding, AgentSettings()), (Sleepy, AgentSettings(env_timeout_s=0.2))):
+    for env, settings in ((Exploding, agent_settings()), (Sleepy, agent_settings(env_timeout_s=0.2))):
         agent = Agent(ScriptedPolicy(tok, ["x"]), tok, env, {}, settings)
         t = run(agent.run_episode({}))
         assert t.outcome is Outcome.ENV_ERROR
@@ -116,7 +117,7 @@ def test_environment_failures_are_counted_not_trained(tok):
 
 def test_calculator_tool_call_result_and_verified_answer(tok):
     agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok, get_env("calculator"), {},
-                  AgentSettings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
+                  agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "What is 12*7+3?", "answer": 87}))
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0
     assert "<|im_start|>user\n<result>87</result><|im_end|>" in tok.decode(t.token_ids)
@@ -139,7 +140,7 @@ def test_calculator_failures_become_tool_error_observations(expr, expect):
 
 def test_repeated_tool_errors_end_the_episode(tok):
     agent = Agent(ScriptedPolicy(tok, ["<calc>1/0</calc>"] * 3), tok, get_env("calculator"), {},
-                  AgentSettings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
+                  agent_settings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "q", "answer": 1}))
     assert t.outcome is Outcome.TOOL_ERROR and t.info["tool_errors"] == 3 and t.terminated
 
@@ -164,7 +165,7 @@ def test_group_sampling_and_dynamic_sampling(tok):
             self.turns = ["5"]
             return await super().agenerate(ids, sampling)
 
-    agent = Agent(Always(tok, []), tok, get_env("arithmetic"), {}, AgentSettings(max_turns=1))
+    agent = Agent(Always(tok, []), tok, get_env("arithmetic"), {}, agent_settings(max_turns=1))
     prompts = [{"question": "2+3?", "answer": 5}, {"question": "1+1?", "answer": 2}]
     groups = run(agent.run_groups(prompts, samples_per_prompt=3))
     assert [len(g) for g in groups] == [3, 3] and [t.group_id for t in groups[1]] == [1, 1, 1]
@@ -175,9 +176,9 @@ def test_group_sampling_and_dynamic_sampling(tok):
 
 def test_overlong_filter_marks_length_cuts_only(tok):
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, get_env("guess_number"), {},
-                  AgentSettings(max_turns=5, token_budget=10))
+                  agent_settings(max_turns=5, token_budget=10))
     cut = run(agent.run_episode({"secret": 3}))
-    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {}, AgentSettings(max_turns=2))
+    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {}, agent_settings(max_turns=2))
     out_of_turns = run(agent.run_episode({"secret": 9}))
     assert (cut.outcome, out_of_turns.outcome) == (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_TURNS)
     agent.overlong_filter([cut, out_of_turns])
@@ -224,7 +225,7 @@ class RoutedPolicy(ScriptedPolicy):
 
 def test_routes_across_turns_come_from_the_turn_that_computed_them(tok):
     policy = RoutedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, AgentSettings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     ends = [len(c) + 1 for c in policy.calls]  # computed positions per call: prompt + first sampled token
     assert policy.starts == [0] + ends[:-1]  # each turn asks from where the record ended

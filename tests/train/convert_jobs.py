@@ -1,6 +1,7 @@
 """Rank functions for the conversion tests (spawned by moe_rl.train.launch_local)."""
 
 import torch
+from conftest import model_spec, optim_settings
 
 B, S = 3, 10
 
@@ -14,10 +15,10 @@ def score_converted_job(rank, world, hf_config, ckpt, role):
     """Build a trainer on one rank without HF weights, load the converted dist checkpoint, score."""
     from moe_rl.batch import Batch
     from moe_rl.train import checkpoint, parallel
-    from moe_rl.train import model as M
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(M.ModelSpec(hf_path=hf_config), role=role, load_weights=False)
+    w = TrainWorker(model_spec(hf_config), role=role, load_weights=False,
+                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     checkpoint.load(w, ckpt, optimizer=False)
     return w.score(Batch(*tokens()))

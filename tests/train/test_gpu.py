@@ -10,16 +10,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def te_job(rank, world, hf_path, fp8, tp):
+    from conftest import model_spec, optim_settings
+
     from moe_rl.batch import Batch
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(tp=tp))
     assert torch.distributed.get_backend() == "nccl"
-    spec = M.ModelSpec(hf_path=hf_path, layer_spec="transformer_engine", fp8=fp8,
-                       dtype="bfloat16" if fp8 != "none" else "float32")
-    w = TrainWorker(spec, optim=OptimSettings(lr=1e-5))
+    spec = model_spec(hf_path, layer_spec="transformer_engine", fp8=fp8, dtype="bfloat16" if fp8 != "none" else "float32")
+    w = TrainWorker(spec, optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 32), generator=g).cuda()
     lengths = torch.full((4,), 32)
@@ -56,9 +56,11 @@ def test_nccl_tp2(tiny_qwen):
 
 
 def vllm_routes_job(rank, world, model_path):
-    from moe_rl.rollout.engine import EngineSettings, RolloutEngine, Sampling
+    from conftest import engine_settings
 
-    engine = RolloutEngine(EngineSettings(model_path, route_source="vllm"))
+    from moe_rl.rollout.engine import RolloutEngine, Sampling
+
+    engine = RolloutEngine(engine_settings(model_path, route_source="vllm", seed=0))
     first = engine.generate([[257, 84, 82, 68]], Sampling(max_tokens=6, seed=1))[0]
     start = first.routes.num_positions
     nxt = engine.generate([first.prompt_ids + first.token_ids + [198]], Sampling(max_tokens=4, seed=2, routes_from=start))[0]

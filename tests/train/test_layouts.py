@@ -57,10 +57,10 @@ def test_step_loss_is_productions_ppo_of_the_scored_logprobs(reference):
     _, _, mask, adv = batch_tensors()
     logp = ref["replay"]["logp"]
     t = policy_tensors(logp, mask, adv)
-    ratio = torch.exp(torch.where(mask, logp - t["logp_old"], 0.0))
+    ratio = torch.exp(torch.where(mask, logp - t["logp_old_BS"], 0.0))
     clipped = ratio.clamp(1 - POLICY.clip_low, 1 + POLICY.clip_high)
     loss_BT = torch.maximum(-adv * ratio, -adv * clipped)
-    expected = float((loss_BT * t["is_weight"] * mask).sum() / mask.sum())
+    expected = float((loss_BT * t["is_weight_BS"] * mask).sum() / mask.sum())
     assert ref["step"]["loss"] == pytest.approx(expected, abs=1e-6)
     # the batch exercises both branches: some tokens clipped (no gradient), most not
     outside = ((ratio < 1 - POLICY.clip_low) | (ratio > 1 + POLICY.clip_high)) & mask
@@ -123,4 +123,4 @@ def test_replay_under_activation_recompute(reference, tiny_qwen, pack):
     assert res["step"]["loss"] == pytest.approx(ref["step"]["loss"], abs=1e-6)
     assert res["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-5)
     torch.testing.assert_close(res["after_replay"]["logp"] * valid, ref["after_replay"]["logp"] * valid, **TOL)
-    assert res["refused"] == "sample 1 position 2 has no recorded route"
+    assert res["refused"].startswith("sample 1 position 2 has no recorded route (ids [255, ")

@@ -15,15 +15,16 @@ LENGTHS = [43, 17, 30]  # the longest is odd: padded to 44 under TP2 / CP2
 
 
 def odd_job(rank, world, hf_path, layout):
+    from conftest import model_spec, optim_settings
+
     from moe_rl import settings
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-3, micro_batch_tokens=64))
+    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-3, micro_batch_tokens=64, pack_sequences=False))
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (B, S), generator=g)
     lengths = torch.tensor(LENGTHS)

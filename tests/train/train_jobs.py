@@ -1,6 +1,7 @@
 """Rank functions for the Megatron tests (run in spawned gloo ranks by moe_rl.train.launch_local)."""
 
 import torch
+from conftest import model_spec, optim_settings
 
 from moe_rl import settings
 from moe_rl.batch import Batch
@@ -59,14 +60,13 @@ class Denominator(dict):
 
 
 def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path, moe_dispatcher=dispatcher),
+    w = TrainWorker(model_spec(hf_path, moe_dispatcher=dispatcher),
                     # eps 1e-4: Adam does not blow rounding noise in near-zero grads up to full lr steps
-                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     lay = parallel.Layout(**layout)
     dp_size = w.ps.get_data_parallel_world_size()
@@ -89,11 +89,11 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
 def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures."""
     from moe_rl.train import checkpoint, parallel
-    from moe_rl.train import model as M
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24),
+    w = TrainWorker(model_spec(hf_path),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=False),
                     load_weights=mode == "save")
     ids, lengths, mask, adv = batch_tensors()
 
@@ -119,7 +119,7 @@ def hf_roundtrip_job(rank, world, hf_path, layout):
     from moe_rl.train import cpu_compat
 
     cpu_compat.seed_model_parallel(0)
-    spec = M.ModelSpec(hf_path=hf_path)
+    spec = model_spec(hf_path)
     bridge = M.make_bridge(spec)
     module = M.build_gpt(bridge, spec)
     hf_io.load_hf_weights(bridge, module, hf_path)
@@ -127,13 +127,13 @@ def hf_roundtrip_job(rank, world, hf_path, layout):
 
 
 def critic_job(rank, world, hf_path, layout):
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.objectives import ValueLoss
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path), role="critic", optim=OptimSettings(lr=1e-2, adam_eps=1e-4))
+    w = TrainWorker(model_spec(hf_path), role="critic",
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=4096, pack_sequences=False))
     ids, lengths, mask, adv = batch_tensors()
     before = w.score(Batch(ids, lengths))["values"]
     returns = critic_returns()
@@ -162,12 +162,11 @@ def own_routes_job(rank, world, hf_path, seeds):
     """Free routing vs replaying the routes it recorded, over random batches of random lengths
     (microbatched: padding positions inside each microbatch pass through the experts too). Returns,
     per seed, the largest |replay - free| log-prob over valid positions."""
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path), optim=OptimSettings(micro_batch_tokens=24))
+    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-5, micro_batch_tokens=24, pack_sequences=False))
     gaps = []
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
@@ -183,21 +182,20 @@ def own_routes_job(rank, world, hf_path, seeds):
 def recompute_job(rank, world, hf_path, routes, pack=False):
     """Full activation recompute with router replay: the replayed routes must be used again when the
     layers are recomputed in backward. Also: a valid token without a route is refused."""
-    from moe_rl.train import model as M
     from moe_rl.train import parallel
     from moe_rl.train.replay import MissingRoutes
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(M.ModelSpec(hf_path=hf_path, recompute=True),
-                    optim=OptimSettings(lr=1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
+    w = TrainWorker(model_spec(hf_path, recompute=True),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     tensors = policy_tensors(w.score(Batch(ids, lengths, routes))["logp"], mask, adv)
     shard = Batch(ids, lengths, routes, **tensors)
     step = w.train_step(shard, policy_loss(), Denominator(mask))
     after = w.score(Batch(ids, lengths, routes))
     broken = routes.clone()
-    broken[1, 2, 0, 0] = -1
+    broken[1, 2, 0, 0] = 255  # no expert of the model (a uint8 route cannot say -1)
     try:
         w.score(Batch(ids, lengths, broken))
         refused = None

@@ -80,13 +80,15 @@ def main() -> None:
 
     # 2. Megatron CPU path (one rank, gloo)
     from moe_rl.batch import Batch
-    from moe_rl.train import model as M
+    from moe_rl.config import RunConfig, TrainerSection
+    from moe_rl.settings import model_spec, optim_settings
     from moe_rl.train import parallel
-    from moe_rl.train.worker import OptimSettings, TrainWorker
+    from moe_rl.train.worker import TrainWorker
 
     os.environ.setdefault("MASTER_PORT", "29561")
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
-    w = TrainWorker(M.ModelSpec(hf_path=str(path)), optim=OptimSettings(lr=1e-6, micro_batch_tokens=tokens))
+    cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))  # padded; packed below
+    w = TrainWorker(model_spec(cfg, str(path)), optim=optim_settings(cfg, lr=1e-6))
     lengths = torch.full((args.batch,), args.seq)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, 0] = False

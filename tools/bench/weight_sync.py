@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moe_rl.config import TinyModel
-    from moe_rl.rollout.engine import EngineSettings, RolloutEngine
+    from moe_rl import settings
+    from moe_rl.config import RolloutSection, RunConfig, RunSection, TinyModel
+    from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.weights.hf import HFReader
     from moe_rl.weights.sync import buckets, read_bucket, shm_dir, write_bucket
@@ -48,7 +49,8 @@ def main() -> None:
     names = sorted(reader.names(), key=lambda n: (int(n.split("layers.")[1].split(".")[0]) if "layers." in n else -1, n))
     named = [(n, reader.get(n)) for n in names]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    engine = RolloutEngine(EngineSettings(str(path), record_routes=False))
+    cfg = RunConfig(run=RunSection(seed=0), rollout=RolloutSection(record_routes=False))
+    engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
     dst = [torch.empty_like(t) for _, t in named]
 
     def memcpy():

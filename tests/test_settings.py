@@ -1,0 +1,127 @@
+"""moe_rl.settings is the one place config fields become component settings, and config.py the one
+place their defaults live: every field of a settings object that mirrors a config field carries the
+config's value (each set away from its default here), and its dataclass declares no default for it."""
+
+import dataclasses
+from operator import attrgetter
+
+import pytest
+
+from moe_rl import settings
+from moe_rl.algos.correction import CorrectionParams
+from moe_rl.algos.targets import TargetParams
+from moe_rl.config import (
+    AlgorithmSection,
+    CriticSection,
+    EnvironmentSection,
+    ModelSection,
+    ParallelSection,
+    RolloutSection,
+    RunConfig,
+    RunSection,
+    TrainerSection,
+)
+from moe_rl.rollout.agent import AgentSettings
+from moe_rl.rollout.engine import EngineSettings
+from moe_rl.train.model import ModelSpec
+from moe_rl.train.objectives import PolicyLoss
+from moe_rl.train.worker import OptimSettings
+
+# every config field a settings object reads, away from its default
+CFG = RunConfig(
+    run=RunSection(seed=4321),
+    model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
+                       moe_dispatcher="allgather"),
+    parallel=ParallelSection(distributed_optimizer=False),
+    rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9, record_routes=False,
+                           route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True),
+    environment=EnvironmentSection(max_turns=7, token_budget=333, overlong_filter=True),
+    algorithm=AlgorithmSection(
+        advantage="grpo", gamma=0.99, lam=0.9, lam_critic=0.8, length_adaptive_alpha=2.0, whiten_advantages=False,
+        policy_loss="gspo", clip_low=0.1, clip_high=0.3, dual_clip=3.0, aggregation="seq_mean", loss_constant=50.0,
+        kl_reward_coef=0.01, kl_reward_estimator="k2", kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001,
+        correction="tis_token", is_cap=3.0, seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, self_normalize=True,
+        anchor="ewma", overlong_buffer=20, overlong_penalty=0.5),
+    trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
+                           micro_batch_tokens=999, pack_sequences=False),
+    critic=CriticSection(lr=7e-4),
+)
+
+
+def at(path: str):
+    return attrgetter(path)
+
+
+# settings function -> (its dataclass, {field: where in the config its value comes from},
+# fields that are no config field: arguments of the function or the component's own defaults)
+CASES = {
+    "model_spec": (lambda cfg: settings.model_spec(cfg, "ckpt/dir"), ModelSpec, {
+        "dtype": at("model.dtype"), "layer_spec": at("model.layer_spec"), "fp8": at("model.fp8"),
+        "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
+        "routing_replay": at("rollout.record_routes"),
+    }, {"hf_path"}),
+    "optim_settings": (lambda cfg: settings.optim_settings(cfg, cfg.critic.lr), OptimSettings, {
+        "lr": at("critic.lr"),  # the argument: trainer.lr for the policy, critic.lr for the critic
+        "weight_decay": at("trainer.weight_decay"), "adam_beta1": at("trainer.adam_beta1"),
+        "adam_beta2": at("trainer.adam_beta2"), "grad_clip": at("trainer.grad_clip"),
+        "distributed_optimizer": at("parallel.distributed_optimizer"),
+        "micro_batch_tokens": at("trainer.micro_batch_tokens"), "pack_sequences": at("trainer.pack_sequences"),
+    }, {"adam_eps"}),
+    "engine_settings": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir"), EngineSettings, {
+        "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),
+        "record_routes": at("rollout.record_routes"), "kv_cache_gb": at("rollout.kv_cache_gb"),
+        "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
+    }, {"model_path", "gpu_memory_utilization", "max_num_seqs"}),
+    "agent_settings": (settings.agent_settings, AgentSettings, {
+        "max_turns": at("environment.max_turns"), "token_budget": at("environment.token_budget"),
+        "max_model_len": at("rollout.max_model_len"), "max_tokens_per_turn": at("rollout.max_new_tokens"),
+        "temperature": at("rollout.temperature"), "top_p": at("rollout.top_p"),
+        "overlong_filter": at("environment.overlong_filter"),
+    }, {"repetition_limit", "env_timeout_s"}),
+    "policy_loss": (settings.policy_loss, PolicyLoss, {
+        "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"), "clip_high": at("algorithm.clip_high"),
+        "dual_clip": at("algorithm.dual_clip"), "aggregation": at("algorithm.aggregation"),
+        "kl_coef": at("algorithm.kl_loss_coef"), "kl_estimator": at("algorithm.kl_loss_estimator"),
+        "entropy_coef": at("algorithm.entropy_coef"),
+    }, set()),
+    "target_params": (settings.target_params, TargetParams, {
+        "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),
+        "lam_critic": at("algorithm.lam_critic"), "length_adaptive_alpha": at("algorithm.length_adaptive_alpha"),
+        "whiten": at("algorithm.whiten_advantages"), "kl_reward_coef": at("algorithm.kl_reward_coef"),
+        "kl_reward_estimator": at("algorithm.kl_reward_estimator"), "needs_reference": at("uses_reference"),
+        "overlong_buffer": at("algorithm.overlong_buffer"), "overlong_penalty": at("algorithm.overlong_penalty"),
+        "token_budget": at("environment.token_budget"), "correction": at("algorithm.correction"),
+        "correction_params": lambda cfg: CorrectionParams(cfg.algorithm.is_cap, cfg.algorithm.seq_is_cap,
+                                                          cfg.algorithm.icepop_min, cfg.algorithm.icepop_max),
+        "ewma_anchor": lambda cfg: cfg.algorithm.anchor == "ewma", "aggregation": at("algorithm.aggregation"),
+        # algorithm.loss_constant, by default (null) the token budget
+        "loss_constant": lambda cfg: cfg.algorithm.loss_constant or float(cfg.environment.token_budget),
+        "self_normalize": at("algorithm.self_normalize"),
+        "synchronous": lambda cfg: not cfg.rollout.async_mode,
+    }, set()),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_mirrored_field_carries_the_configs_value(name):
+    build, cls, mirrors, _ = CASES[name]
+    got, default = build(CFG), RunConfig()
+    assert type(got) is cls
+    for field, source in mirrors.items():
+        assert source(CFG) != source(default), f"{name}: the test config leaves the source of {field} at its default"
+        assert getattr(got, field) == source(CFG), f"{name}.{field}: {getattr(got, field)!r} != {source(CFG)!r}"
+    # and from the default config, the config's defaults (whatever the dataclass would have said)
+    got = build(default)
+    for field, source in mirrors.items():
+        assert getattr(got, field) == source(default), f"{name}.{field} from the default config"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_settings_dataclasses_declare_no_default_for_config_fields(name):
+    _, cls, mirrors, own = CASES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(fields) == set(mirrors) | own, f"{cls.__name__}: a field is neither mirrored from the config nor listed as its own"
+    for field in mirrors:
+        f = fields[field]
+        assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
+            f"{cls.__name__}.{field} declares a default; it comes from the config (defaults live in config.py)")
