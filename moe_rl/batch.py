@@ -1,8 +1,8 @@
 """The one batch of the program: trajectories as right-padded tensors, plus the targets of an update.
 
-A `Batch` is built once from a step's trajectories (`build_batch`), filled with targets by the
-update loops (`dataclasses.replace(mb, adv_BS=..., ...)`), and cut into data-parallel shards and
-microbatches on its way to the trainer ranks. Every field is named with its shape:
+A `Batch` is built once from a step's trajectories (`build_batch`), given a step's targets by the
+update loops (`with_targets`), and cut into data-parallel shards and microbatches on its way to the
+trainer ranks, carrying only the fields the loss reads (`only`). Every field is named with its shape:
 
   B rows (samples), S positions (right-padded), L MoE layers, K experts per token.
 
@@ -126,6 +126,10 @@ class Batch:
     def model_inputs(self, routes: bool = True) -> Batch:
         """What scoring needs (tokens, lengths and, with `routes`, the routes to replay)."""
         return Batch(self.input_ids_BS, self.lengths_B, self.routes_BSLK if routes else None)
+
+    def only(self, fields: tuple[str, ...]) -> Batch:
+        """The model inputs (routes included) and the named fields, nothing else."""
+        return dataclasses.replace(self.model_inputs(), **{f: getattr(self, f) for f in fields})
 
 
 def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:

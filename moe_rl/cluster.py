@@ -215,9 +215,7 @@ class TrainerGroup:
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.nodes = ray.get([a.node.remote() for a in self.actors])
-        # bytes of routes sent to the ranks: as sent (each rank its shard, compact dtype), and as whole
-        # batches of int64 to every rank for scoring (the layout before 2026-12; the benchmark's baseline)
-        self.route_bytes = {"sent": 0, "whole_int64": 0}
+        self.route_bytes = self.new_route_counters()
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
         """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""
@@ -256,20 +254,26 @@ class TrainerGroup:
             return batch
         return batch.rows(dp_rows(batch.size, self._dp_rank(rank), self.dp))
 
-    def _send(self, batch, whole_int64: bool) -> list:
-        """This batch's shard for each rank, counting the route bytes it carries (and, for the
-        baseline, what whole batches (`whole_int64`; else the same shards) of int64 routes would be)."""
+    @staticmethod
+    def new_route_counters() -> dict[str, dict[str, int]]:
+        """Bytes of routes sent to the ranks per call kind: as sent (each rank its shard, in the routes'
+        compact dtype) and on the path before 2026-12 (int64; scoring sent the whole batch to every rank)."""
+        return {kind: {"sent": 0, "old_path": 0} for kind in ("score", "train")}
+
+    def _send(self, batch, kind: str) -> list:
+        """This batch's shard for each rank, counting the route bytes it carries."""
         shards = [self._shard(batch, r) for r in range(self.world)]
         if batch.routes_BSLK is not None:
-            self.route_bytes["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
-            self.route_bytes["whole_int64"] += 8 * sum((batch if whole_int64 else s).routes_BSLK.numel() for s in shards)
+            count = self.route_bytes[kind]
+            count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
+            count["old_path"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
         return shards
 
     def score(self, batch, **kw) -> dict:
         """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
         from moe_rl.train.parallel import dp_rows
 
-        outs = ray.get([a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, True), strict=True)])
+        outs = ray.get([a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"), strict=True)])
         if self.dp == 1:
             return outs[0]
         (B, S), full = batch.input_ids_BS.shape, {}
@@ -280,9 +284,12 @@ class TrainerGroup:
         return full
 
     def train(self, batch, loss, denominator):
+        """One update with `loss` (a train.objectives type): each rank gets its shard of the fields the
+        loss reads."""
         from moe_rl.metrics import reduce_updates
 
-        outs = ray.get([a.train.remote(s, loss, denominator) for a, s in zip(self.actors, self._send(batch, False), strict=True)])
+        shards = self._send(batch.only(loss.fields), "train")
+        outs = ray.get([a.train.remote(s, loss, denominator) for a, s in zip(self.actors, shards, strict=True)])
         losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
         merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
         if losses:

@@ -50,25 +50,27 @@ def main(cfg: RunConfig) -> int:
                 batch, rollout_figures = rollouts.wait(pending)
                 if cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                     pending = rollouts.generate(step + 1)  # the next rollout runs while this batch trains
-                with log.timer("score"):
-                    scores = models.score(batch, diagnostics=bool(diag) and step % diag == 0)
+                with log.timer("score"):  # the free-routing diagnostics on logged steps N, 2N, ...
+                    scores = models.score(batch, diagnostics=bool(diag) and (step + 1) % diag == 0)
                 with log.timer("advantages"):
                     tgt = targets(batch, scores, params)
                 fit_figures = models.fit(batch, tgt, step)
                 with log.timer("sync"):
                     rollouts.sync(models.policy, step + 1)
-            log.step(step + 1, rollout_figures, step_figures(batch, scores, tgt), fit_figures, models.route_figures())
+                figures = [rollout_figures, step_figures(batch, scores, tgt), fit_figures, models.route_figures()]
+            log.step(step + 1, *figures)
             checkpoints.maybe_save(step + 1)
             if not cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                 pending = rollouts.generate(step + 1)
+        last = max(first, cfg.run.steps)
         if cfg.trainer.eval_prompts:
             after = rollouts.evaluate()
             summary.update({f"{k}_after": v for k, v in after.items()})
-            log.metrics.log(cfg.run.steps, after, advance=False)
+            log.metrics.log(last, after, advance=False)
     finally:
         log.close()
     torch.save(log.history, out / "history.pt")
-    report(out, summary, log.history, cfg.run.steps)
+    report(out, summary, log.history, last)
     return 0
 
 

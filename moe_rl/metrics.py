@@ -1,9 +1,10 @@
 """Metrics: TensorBoard scalars (namespaced rollout/, reward/, policy/, critic/, correction/, routing/,
 timing/, perf/, memory/) and a console progress bar with ETA.
 
-A step's figures come from three places and meet in `StepLog.step`: the rollout manager's (rollout/,
-staleness), the update loops' (policy/, critic/, correction/ of the updates), and `step_figures`,
-what the batch, the scores and the targets say (reward/, routing/, the log-prob mismatch).
+A step's figures come from the rollout manager (rollout/, staleness), the update loops (policy/,
+critic/, correction/ of the updates), the route traffic (trainers.Models.route_figures) and
+`step_figures`, what the batch, the scores and the targets say (reward/, routing/, the log-prob
+mismatch); they meet in `StepLog.step`.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class Rollouts:
 
     # -- a step's rollout ---------------------------------------------------------------------------
 
-    def generate(self, step: int) -> tuple[float, list]:
+    def generate(self, step: int) -> list:
         """Start the step's rollout: its prompts (with dynamic sampling, the resample rounds' reserve
         too) split over the engines. Returns the pending work for `wait`."""
         cfg, env = self.cfg, self.cfg.environment
@@ -71,18 +71,18 @@ class Rollouts:
         k = len(self.engines)
         bounds = [n * i // k for i in range(k + 1)]
         seed = cfg.run.seed * 1000 + step
-        return time.perf_counter(), [
+        return [
             e.collect.remote(prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed, rounds, bounds[i])
             for i, e in enumerate(self.engines) if bounds[i + 1] > bounds[i]]
 
-    def wait(self, pending: tuple[float, list]) -> tuple[Batch, dict]:
+    def wait(self, pending: list) -> tuple[Batch, dict]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
         current weights dropped, in async mode) and the rollout's figures, merged over the engines."""
         from moe_rl.rollout.agent import RolloutStats
 
         t0 = time.perf_counter()
         trajs, st = [], RolloutStats()
-        for t, s in ray.get(pending[1]):
+        for t, s in ray.get(pending):
             trajs.extend(t)
             st.outcomes.update(s.outcomes)
             st.rejected.update(s.rejected)
@@ -105,7 +105,7 @@ class Rollouts:
         total = max(1, sum(st.outcomes.values()))
         return batch, {
             "timing/generate_wait_s": wait_s,
-            "perf/generate_tokens_per_s": sum(sum(t.response_mask) for t in trajs) / max(time.perf_counter() - pending[0], 1e-9),
+            "perf/generate_tokens_per_s": sum(sum(t.response_mask) for t in trajs) / max(wait_s, 1e-9),
             "rollout/samples": batch.size, "rollout/rejected": sum(st.rejected.values()),
             "rollout/dropped_groups": st.dropped_groups, "rollout/tool_errors": st.tool_errors,
             "rollout/overlong_filtered": st.overlong_filtered,

@@ -54,6 +54,12 @@ def policy_loss(cfg: RunConfig):
                       a.kl_loss_estimator, a.entropy_coef)
 
 
+def value_loss(cfg: RunConfig):
+    from moe_rl.train.objectives import ValueLoss
+
+    return ValueLoss(cfg.critic.value_clip)
+
+
 def target_params(cfg: RunConfig):
     from moe_rl.algos.correction import CorrectionParams
     from moe_rl.algos.targets import TargetParams

@@ -1,10 +1,9 @@
 """The models a step trains and scores with: the policy, the critic and the reference, each a group of
 Megatron ranks (cluster.TrainerGroup), and the update loops they own.
 
-    models = Models.start(cfg, place, model_path)
+    models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
-    metrics = models.critic.fit(batch, targets)     # epochs x minibatches of value regression
-    metrics |= models.policy.fit(batch, targets)    # epochs x minibatches of policy updates
+    figures = models.fit(batch, targets, step)      # critic.fit, then policy.fit: epochs x minibatches
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from moe_rl.batch import Batch
 from moe_rl.cluster import Placement, TrainerGroup
 from moe_rl.config import RunConfig
 from moe_rl.metrics import reduce_updates
-from moe_rl.train.objectives import SftLoss, ValueLoss
+from moe_rl.train.objectives import SftLoss
 
 
 def minibatch_rows(n: int, minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
@@ -73,7 +72,7 @@ class PolicyGroup(TrainerGroup):
     def warm_start(self, batches: list[Batch], lr: float) -> list[float]:
         """Supervised steps on demonstration batches at learning rate `lr`; the NLL of each."""
         self.call("set_lr", lr)
-        nll = [self.train(b, SftLoss(), b.loss_mask_BS.sum().double()).get("nll", float("nan")) for b in batches]
+        nll = [self.train(b, SftLoss(), b.mask_BS.sum().double()).get("nll", float("nan")) for b in batches]
         self.call("set_lr", self.cfg.trainer.lr)
         return nll
 
@@ -92,13 +91,12 @@ class CriticGroup(TrainerGroup):
         spec = dataclasses.replace(spec, hf_path=source or spec.hf_path, routing_replay=False)
         super().__init__(cfg, place, "critic", spec, "critic", settings.optim_settings(cfg, cfg.critic.lr), seed,
                          value_head_from=source)
-        self.cfg, self.path, self.loss = cfg, spec.hf_path, ValueLoss(cfg.critic.value_clip)
+        self.cfg, self.path, self.loss = cfg, spec.hf_path, settings.value_loss(cfg)
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
         """Epochs x minibatches of value regression to the returns; the step's critic/ figures."""
         cfg, t0 = self.cfg, time.perf_counter()
-        full = dataclasses.replace(batch.model_inputs(routes=False), mask_BS=batch.mask_BS, returns_BS=t.returns_BS,
-                                   values_old_BS=t.values_BS)
+        full = dataclasses.replace(batch.with_targets(t), routes_BSLK=None)  # the critic routes freely
         updates = []
         for _ in range(cfg.trainer.epochs):
             for rows in minibatch_rows(batch.size, cfg.trainer.minibatches, self.dp, cfg.run.seed * 7919 + step):
@@ -144,9 +142,12 @@ class Models:
         return scores
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
-        """The critic's update, then (past critic.warmup_steps) the policy's."""
+        """The critic's update, then (past critic.warmup_steps) the policy's. Their timings and the
+        policy's lr and skip count are figures of every step (0 for a model that did not train)."""
         t0 = time.perf_counter()
-        out = self.critic.fit(batch, t, step) if self.critic else {}
+        out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
+               "policy/lr": self.cfg.trainer.lr}
+        out |= self.critic.fit(batch, t, step) if self.critic else {}
         if step >= self.cfg.critic.warmup_steps:
             out |= self.policy.fit(batch, t, step)
         tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
@@ -154,10 +155,15 @@ class Models:
         return out
 
     def route_figures(self) -> dict[str, float]:
-        """Route bytes each policy rank received since the last call (and the whole-batch int64 baseline)."""
-        g = self.policy
-        out = {"routing/route_bytes_per_rank": g.route_bytes["sent"] / g.world,
-               "routing/route_bytes_per_rank_whole_int64": g.route_bytes["whole_int64"] / g.world}
-        g.route_bytes = {"sent": 0, "whole_int64": 0}
+        """Bytes of routes each policy rank received since the last call, for scoring and in all, and
+        what the path before 2026-12 sent for the same calls (int64 routes; scoring sent every rank the
+        whole batch, training already its shard): the benchmark's baseline."""
+        g, out = self.policy, {}
+        for kind, prefix in (("score", "routing/score_"), (None, "routing/")):
+            sent = sum(v["sent"] for k, v in g.route_bytes.items() if kind in (None, k))
+            old = sum(v["old_path"] for k, v in g.route_bytes.items() if kind in (None, k))
+            out |= {f"{prefix}route_bytes_per_rank": sent / g.world, f"{prefix}route_bytes_per_rank_old_path": old / g.world}
+        for group in self.groups().values():
+            group.route_bytes = group.new_route_counters()
         return out
 

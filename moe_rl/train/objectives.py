@@ -5,7 +5,7 @@ start. A loss is a small frozen dataclass (it travels to the ranks) called per m
     loss(outputs, mb) -> (numerator or {term: numerator}, metrics)
 
 outputs: the model's per-token outputs ({"logp", "entropy"} or {"values"}, [b, s]); mb: a microbatch
-of moe_rl.batch.Batch carrying the fields the loss reads. The worker divides each numerator by the
+of moe_rl.batch.Batch carrying the fields the loss reads (`fields`: all a rank is sent). The worker divides each numerator by the
 minibatch's global denominator (see algos/aggregate.py and TrainWorker.train_step).
 """
 
@@ -27,6 +27,8 @@ class PolicyLoss:
     weighted nor rejected. D_pg is the (possibly self-normalised) denominator of the weighted term, D
     the plain one; the caller passes them as {"policy": D_pg, "regularizer": D}.
     """
+
+    fields = ("pg_mask_BS", "loss_mask_BS", "adv_BS", "logp_old_BS", "is_weight_BS", "logp_ref_BS")
 
     name: str
     clip_low: float
@@ -63,6 +65,8 @@ class ValueLoss:
     caller's denominator), clipped around the pre-update values when `clip` is set. mb fields: mask_BS,
     returns_BS, values_old_BS."""
 
+    fields = ("mask_BS", "returns_BS", "values_old_BS")
+
     clip: float | None
 
     def __call__(self, outputs, mb):
@@ -74,8 +78,10 @@ class ValueLoss:
 
 @dataclass(frozen=True)
 class SftLoss:
-    """Supervised warm start: negative log-likelihood of the demonstration's model tokens (loss_mask_BS)."""
+    """Supervised warm start: negative log-likelihood of the demonstration's model tokens (mask_BS)."""
+
+    fields = ("mask_BS",)
 
     def __call__(self, outputs, mb):
-        mask = mb.loss_mask_BS
+        mask = mb.mask_BS
         return -(outputs["logp"] * mask).sum(), {"nll": losses.masked_mean(-outputs["logp"].detach(), mask)}

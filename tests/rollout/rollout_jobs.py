@@ -49,7 +49,7 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
     # one production SFT step (NLL of every token): new weights for vLLM to receive
-    w.train_step(Batch(ids, torch.full((4,), 16), loss_mask_BS=mask), SftLoss(), mask.sum().double())
+    w.train_step(Batch(ids, torch.full((4,), 16), mask_BS=mask), SftLoss(), mask.sum().double())
     n = 0
     for i, b in enumerate(buckets(export_hf_weights(w.bridge, w.module), bucket_mb)):
         write_bucket(b, bucket_dir, i)

@@ -10,8 +10,9 @@ process and reports the median breakdown over the steps after the first:
   other     the rest: orchestration, data movement, batch building, advantages (target <= 10%)
 
 and the bytes of routes each policy rank receives per step, as sent (each data-parallel replica its
-shard, uint8) against whole batches of int64 routes to every rank for scoring (the layout before
-2026-12): route_bytes_ratio = old / new (expect >= 8 x dp).
+shard, uint8) against the path before 2026-12 (int64 routes; scoring sent the whole batch to every
+rank, training already its shard): route_bytes_ratio = old / new over the step, score_route_bytes_ratio
+over scoring alone (expect 8 x dp there: 8 for the dtype, dp for the shard).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ def main() -> None:
     for k, v in med.items():
         print(f"  {k:9s} {v * 1e3:8.1f} ms  {100 * v / step:5.1f}%")
     print(f"other = {100 * med['other'] / step:.1f}% of the step (target <= 10%)")
-    sent = statistics.median(h["routing/route_bytes_per_rank"] for h in hist)
-    whole = statistics.median(h["routing/route_bytes_per_rank_whole_int64"] for h in hist)
-    ratio = whole / sent if sent else float("nan")
-    print(f"routes per policy rank and step: {sent / 2**10:.1f} KiB sent, {whole / 2**10:.1f} KiB as whole int64 "
-          f"batches: route_bytes_ratio {ratio:.1f} (dp={cfg.parallel.dp})")
+    ratios = {}
+    for prefix in ("", "score_"):
+        sent = statistics.median(h[f"routing/{prefix}route_bytes_per_rank"] for h in hist)
+        old = statistics.median(h[f"routing/{prefix}route_bytes_per_rank_old_path"] for h in hist)
+        ratios[f"{prefix}route_bytes_ratio"] = round(old / sent, 2) if sent else float("nan")
+        print(f"routes per policy rank and step{' (scoring)' if prefix else ''}: {sent / 2**10:.1f} KiB sent, "
+              f"{old / 2**10:.1f} KiB on the old path: ratio {ratios[f'{prefix}route_bytes_ratio']} (dp={cfg.parallel.dp})")
     figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp,
-               **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, "route_bytes_ratio": round(ratio, 2)}
+               **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, **ratios}
     print(json.dumps(figures))
 
 
