@@ -107,13 +107,16 @@ def test_advantage_metadata_matches_what_the_estimator_reads(name):
         assert _same(changed, base) != (field.name in meta.params), field.name
 
 
+# two sequences (the first one token shorter) and the log-probs of one policy on them
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+OLD = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED["correction"]))
 def test_correction_metadata_matches_what_the_correction_reads(name):
     fn, meta = registry.get("correction", name), registry.meta("correction", name)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    old = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
+    mask, old, hp = MASK, OLD, CorrectionParams()
     mu = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.1], [0.3, 0.9, 0.2, 0.2]]))
-    hp = CorrectionParams()
     a, b = fn(old, mu, mask, hp), fn(old, old, mask, hp)  # mu != pi_old, mu = pi_old
     differs = not (torch.equal(a.weight_BT, b.weight_BT) and torch.equal(a.keep_BT, b.keep_BT))
     assert differs == meta.reweights  # bypass reads mu as pi_old, not as a weight
@@ -122,8 +125,7 @@ def test_correction_metadata_matches_what_the_correction_reads(name):
 @pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
 def test_sequence_level_losses_give_each_token_its_sequence_value(name):
     fn, meta = registry.get("policy_loss", name), registry.meta("policy_loss", name)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    old = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
+    mask, old = MASK, OLD
     logp = torch.log(torch.tensor([[0.6, 0.3, 0.25, 0.1], [0.2, 0.35, 0.7, 0.1]]))
     adv = torch.tensor([[1.0], [-0.5]]).expand(2, 4)  # one advantage per sequence
     loss, _ = fn(logp, old, adv, mask, PolicyLossParams(clip_low=0.1, clip_high=0.1))
