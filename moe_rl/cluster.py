@@ -102,9 +102,13 @@ class RankActor:
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
                  load_weights: bool = True, value_head_from: str | None = None):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=addr, MASTER_PORT=str(port))
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         from moe_rl.train import parallel
+
+        # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
+        device = parallel.local_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids())
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if device is None else device),
+                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         from moe_rl.train.worker import TrainWorker
 
         parallel.init_distributed(layout)

@@ -34,6 +34,10 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
                           f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")
+    if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
+        raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one NCCL group, "
+                          "and NCCL refuses two ranks on one GPU, which cluster.colocate=true gives them; use 'ipc' "
+                          "(same GPU) or 'files', or cluster.colocate=false")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm

@@ -85,6 +85,15 @@ def test_gpu_features_pass_where_cuda_exists():
     assert cfg.model.fp8 == "blockwise" and cfg.rollout.route_source == "vllm"
 
 
+def test_nccl_weight_transfer_needs_separate_gpus():
+    """NCCL refuses two ranks on one GPU: colocated trainer and engines cannot share an NCCL group."""
+    with pytest.raises(ConfigError, match="^rollout.weight_transfer: 'nccl' joins"):
+        from_dict({}, ["rollout.weight_transfer=nccl", "cluster.colocate=true"], cuda_available=True)
+    cfg = from_dict({}, ["rollout.weight_transfer=nccl", "cluster.colocate=false"], cuda_available=True)
+    assert cfg.rollout.weight_transfer == "nccl"
+    assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).cluster.colocate
+
+
 def test_bad_override_syntax_and_files(tmp_path):
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         parse_overrides(["algorithm.gamma"])

@@ -41,6 +41,24 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def local_device_index(visible_devices: str | None, assigned: list) -> int | None:
+    """The CUDA index, in this process, of the GPU it was given.
+
+    A process that Ray gave GPU ids `assigned` sees only the devices CUDA_VISIBLE_DEVICES lists (Ray
+    narrows it to the actor's GPUs): its GPU is the position of its first id in that list, so 0 for a
+    one-GPU actor, whatever its global rank. Without ids (no Ray, or Ray gave none) the caller's
+    local rank applies instead (None)."""
+    if not assigned:
+        return None
+    gpu = str(assigned[0])
+    if not visible_devices:
+        return int(gpu)
+    visible = [v.strip() for v in visible_devices.split(",")]
+    if gpu not in visible:
+        raise RuntimeError(f"GPU {gpu} was assigned to this process but CUDA_VISIBLE_DEVICES={visible_devices} hides it")
+    return visible.index(gpu)
+
+
 def init_distributed(layout: Layout, rank: int | None = None, world_size: int | None = None,
                      timeout_minutes: int = 10) -> None:
     """Initialise torch.distributed (if needed) and megatron-core's model-parallel groups."""

@@ -42,8 +42,14 @@ def test_te_spec_matches_transformers(tiny_qwen):
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
 def test_fp8_recipe_runs(tiny_qwen, recipe):
-    if recipe in ("blockwise", "mxfp8") and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip(f"{recipe} FP8 needs Hopper or newer")
+    # Transformer Engine's own requirements: MXFP8 runs on Blackwell (compute capability 10.0) and
+    # newer; blockwise scaling needs Hopper and a CUDA 12.9+ build
+    major = torch.cuda.get_device_capability()[0]
+    cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    if recipe == "mxfp8" and major < 10:
+        pytest.skip("MXFP8 needs compute capability 10.0 (Blackwell) or newer")
+    if recipe == "blockwise" and (major < 9 or cuda < (12, 9)):
+        pytest.skip("blockwise FP8 needs Hopper or newer and CUDA 12.9+")
     res = run_ranks(te_job, 1, (str(tiny_qwen), recipe, 1))[0]
     assert torch.isfinite(res["logp"]).all()
 

@@ -35,6 +35,18 @@ def test_dp_rows_partition_the_batch(B, dp):
         dp_rows(B, dp, dp)
 
 
+def test_a_ray_actor_uses_the_gpu_it_was_given_not_its_rank():
+    """Ray narrows CUDA_VISIBLE_DEVICES to an actor's GPUs: rank 5 on GPU 3 sees it as cuda:0."""
+    from moe_rl.train.parallel import local_device_index
+
+    assert local_device_index("3", [3]) == 0
+    assert local_device_index("2,3", ["3"]) == 1  # two visible, the second is ours
+    assert local_device_index(None, [5]) == 5  # nothing narrowed: the id is the index
+    assert local_device_index("0,1", []) is None  # no GPU from Ray: the caller's local rank applies
+    with pytest.raises(RuntimeError, match="hides it"):
+        local_device_index("0,1", [3])
+
+
 def test_trainer_group_shard_gives_each_replica_its_rows():
     from moe_rl.batch import Batch
     from moe_rl.cluster import TrainerGroup
