@@ -12,9 +12,6 @@ in its way. Each shim below is named, says what it fixes, and is covered by test
   cuda_device        torch.cuda.current_device() -> "cpu" (used as a device in many places, some inside
                      autograd backward); a TorchFunctionMode maps device="cuda" literals to cpu
   te_names           names megatron imports from Transformer Engine / apex bound to None
-  torch_norm_sp      the torch RMSNorm/LayerNorm wrapper refuses sequence parallelism, which MoE with
-                     TP > 1 requires: build plain torch norms whose params are tagged sequence_parallel
-                     (their grads are then all-reduced across TP by finalize_model_grads)
   optimizer_type     the optimizer asserts param.type() == 'torch.cuda.FloatTensor'
   gloo_all_to_all    gloo's all_to_all_single wants split sizes as lists, the dispatcher passes tensors
   optimizer_step     without apex/TE the distributed optimizer keeps torch Adam's per-param "step":
@@ -198,7 +195,7 @@ def _cuda_device() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# te_names, torch_norm_sp, optimizer_type, gloo_all_to_all
+# te_names, optimizer_type, gloo_all_to_all
 # --------------------------------------------------------------------------------------------------
 
 
@@ -218,40 +215,6 @@ def _te_names() -> None:
         for name in names:
             if not hasattr(mod, name):
                 setattr(mod, name, None)
-
-
-class _SPNorm(torch.nn.Module):
-    """RMSNorm / LayerNorm whose parameters are tagged sequence_parallel (megatron's torch wrapper
-    refuses SP). Same parameter names as the wrapper's norms (`weight`, `bias`)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.rms = config.normalization == "RMSNorm"
-        self.eps = eps
-        self.shape = (hidden_size,)
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        for p in self.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
-
-    def forward(self, x):
-        if self.rms:
-            return torch.nn.functional.rms_norm(x, self.shape, self.weight, self.eps)
-        return torch.nn.functional.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
-
-
-def _torch_norm_sp() -> None:
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-            normalization="LayerNorm"):
-        if config.sequence_parallel:
-            return _SPNorm(config, hidden_size, eps)
-        return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
 
 
 def _optimizer_type() -> None:
@@ -331,7 +294,6 @@ SHIMS = {
     "cuda_streams": _cuda_streams,
     "cuda_device": _cuda_device,
     "te_names": _te_names,
-    "torch_norm_sp": _torch_norm_sp,
     "optimizer_type": _optimizer_type,
     "gloo_all_to_all": _gloo_all_to_all,
     "optimizer_step": _optimizer_step,

@@ -73,9 +73,10 @@ def make_bridge(spec: ModelSpec):
         variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # the local spec has no grouped GEMM, fused kernels or persistent norms
+        # the local spec has no grouped GEMM, fused kernels or persistent norms (its torch norms
+        # refuse persist_layer_norm, on GPU too)
         moe_grouped_gemm=not on_cpu and spec.layer_spec == "transformer_engine",
-        persist_layer_norm=not on_cpu,
+        persist_layer_norm=not on_cpu and spec.layer_spec == "transformer_engine",
         bias_activation_fusion=not on_cpu,
         bias_dropout_fusion=not on_cpu,
         masked_softmax_fusion=not on_cpu,
@@ -108,8 +109,10 @@ def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
     block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec.layer_spec == "transformer_engine",
                                        normalization="RMSNorm", vp_stage=vp_stage)
     if spec.layer_spec == "local":
+        from moe_rl.train import local_norm
         from moe_rl.train.attention import SdpaAttention
 
+        local_norm.install()  # its norms under sequence parallelism, on any device
         for layer in block.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     return block
@@ -122,9 +125,9 @@ class ValueHead(torch.nn.Module):
     ColumnParallelLinear it replaces.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, device=None):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
@@ -157,7 +160,9 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
         parallel_output=True,
     )
     if critic and post:
-        model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel)
+        # on the device megatron built the model on (DDP moves parameters only under the distributed optimizer)
+        model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel,
+                                       device=next(model.parameters()).device)
     if not torch.cuda.is_available():
         model = model.to(spec.torch_dtype)
     return model

@@ -60,10 +60,15 @@ def shim_checks(rank, world):
 
     out["te_general_gemm"] = moe_utils.te_general_gemm
 
-    # torch_norm_sp
+    # the local spec's sequence-parallel norms (train/local_norm.py; not a CPU shim: the local spec
+    # needs them on GPU too)
     from types import SimpleNamespace
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from moe_rl.train import local_norm
+
+    local_norm.install()
 
     # the fields the norm reads from a TransformerConfig with tp > 1 and sequence parallelism
     cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, params_dtype=torch.float32)
