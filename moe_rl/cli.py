@@ -45,8 +45,11 @@ def _cmd_check_config(args) -> int:
     cfg = config.load_config(args.config, args.overrides, cuda_available=True if args.assume_cuda else None)
     print(config.dump_yaml(cfg), end="")
     par = cfg.parallel
+    actors = ", ".join(f"{n} {k}" for k, n in cfg.actors.items() if n)
     print(f"# ok: {args.config} — trainer ranks {par.world_size} = tp {par.tp} x pp {par.pp} x cp {par.cp} x dp {par.dp}"
-          f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}", file=sys.stderr)
+          f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on GPUs it needs "
+          f"{cfg.gpus} GPU(s) ({'colocated: two actors per GPU' if cfg.cluster.colocate else 'one per actor'})",
+          file=sys.stderr)
     return 0
 
 

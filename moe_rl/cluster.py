@@ -64,7 +64,7 @@ class Placement:
 
         self.resources = {"num_cpus": 0 if cfg.cluster.colocate else 1}  # per actor (trainer rank or engine)
         if torch.cuda.is_available():
-            self.resources["num_gpus"] = 0.5 if cfg.cluster.colocate else 1
+            self.resources["num_gpus"] = cfg.cluster.gpu_share
         # a bundle may not be empty: colocated actors reserve a hundredth of a CPU
         bundle = {"CPU": max(self.resources["num_cpus"], 0.01), **({"GPU": self.resources["num_gpus"]} if "num_gpus" in self.resources else {})}
         self.slots: dict[str, list[int]] = {}

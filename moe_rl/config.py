@@ -387,6 +387,11 @@ class ClusterSection:
         if self.num_cpus is not None:
             positive("cluster.num_cpus", self.num_cpus)
 
+    @property
+    def gpu_share(self) -> float:
+        """GPUs per actor (trainer rank or engine) where there are GPUs: colocated actors share one in two."""
+        return 0.5 if self.colocate else 1.0
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -405,6 +410,20 @@ class RunConfig:
     @property
     def critic_enabled(self) -> bool:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
+
+    @property
+    def actors(self) -> dict[str, int]:
+        """The run's actors: trainer ranks per model (0 where the algorithm needs none) and engines."""
+        n = self.parallel.world_size
+        return {"policy": n, "critic": n if self.critic_enabled else 0, "reference": n if self.uses_reference else 0,
+                "engine": self.rollout.num_engines}
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the run needs on a GPU cluster (each actor takes cluster.gpu_share of one)."""
+        import math
+
+        return math.ceil(sum(self.actors.values()) * self.cluster.gpu_share)
 
     @property
     def uses_reference(self) -> bool:

@@ -95,7 +95,7 @@ def start(cfg: RunConfig, out: Path):
     say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     cluster.start_ray(cfg)
-    place = cluster.Placement(cfg, {**Models.counts(cfg), "engine": cfg.rollout.num_engines})
+    place = cluster.Placement(cfg, cfg.actors)
     models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path)
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)}"]))

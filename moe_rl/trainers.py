@@ -118,12 +118,6 @@ class Models:
         self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
         self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference else None
 
-    @staticmethod
-    def counts(cfg: RunConfig) -> dict[str, int]:
-        """Trainer ranks per group, for the placement."""
-        n = cfg.parallel.world_size
-        return {"policy": n, "critic": n if cfg.critic_enabled else 0, "reference": n if cfg.uses_reference else 0}
-
     def groups(self) -> dict[str, TrainerGroup]:
         return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference}.items() if g}
 

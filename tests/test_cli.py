@@ -1,5 +1,6 @@
 import subprocess
 
+import pytest
 from conftest import ROOT, moe_rl_cli
 
 
@@ -11,6 +12,17 @@ def test_check_config_quickstart_exits_0():
     out = run("check-config", "configs/quickstart.yaml")
     assert out.returncode == 0, out.stderr
     assert "advantage: gae" in out.stdout and "# ok:" in out.stderr
+
+
+@pytest.mark.parametrize("recipe, gpus, actors", [
+    ("qwen3_30b_a3b_gspo", 36, "32 policy, 4 engine"),  # 32 trainer ranks + 4 engines
+    ("mixtral_8x7b_ppo", 50, "16 policy, 16 critic, 16 reference, 2 engine"),  # critic and KL reference
+])
+def test_check_config_says_how_many_gpus_a_recipe_needs(recipe, gpus, actors):
+    out = run("check-config", f"configs/{recipe}.yaml", "--assume-cuda")
+    assert out.returncode == 0, out.stderr
+    assert f"actors: {actors}; on GPUs it needs {gpus} GPU(s) (one per actor)" in out.stderr
+    assert f"{gpus} GPUs" in (ROOT / "configs" / f"{recipe}.yaml").read_text().splitlines()[1]  # the header says so
 
 
 def test_misspelled_override_is_one_line_exit_2():
