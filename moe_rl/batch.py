@@ -123,6 +123,10 @@ class Batch:
                                    logp_old_BS=t.logp_old_BS, logp_ref_BS=t.logp_ref_BS, is_weight_BS=t.weight_BS,
                                    pg_mask_BS=keep)
 
+    def to(self, device) -> Batch:
+        """Every tensor on `device` (a trainer rank's; no copy where they are already there)."""
+        return self._map(lambda x: x.to(device), lambda x: x.to(device))
+
     def model_inputs(self, routes: bool = True) -> Batch:
         """What scoring needs (tokens, lengths and, with `routes`, the routes to replay)."""
         return Batch(self.input_ids_BS, self.lengths_B, self.routes_BSLK if routes else None)

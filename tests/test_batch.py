@@ -74,6 +74,10 @@ def test_batch_rows_pad_and_microbatches_keep_every_field_aligned():
     uniform = b.uniform_microbatches(2, 2, 6)
     assert [m.input_ids_BS.shape for m in uniform] == [(2, 6), (2, 6)] and uniform[1].lengths_B.tolist() == [6, 0]
     assert b.model_inputs(routes=False).routes_BSLK is None and b.model_inputs().adv_BS is None
+    moved = b.to("meta")  # what a trainer rank does with the batch it receives (there: its GPU)
+    assert all(getattr(moved, f).device.type == "meta" for f in ("input_ids_BS", "lengths_B", "routes_BSLK", "adv_BS",
+                                                                  "score_B", "mask_BS"))
+    assert moved.routes_BSLK.dtype == torch.uint8 and moved.routes_filled == b.routes_filled
 
 
 def test_state_values_shift_and_boundary():

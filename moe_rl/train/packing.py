@@ -30,12 +30,13 @@ class Packing:
     @staticmethod
     def of(lengths_B: torch.Tensor, S: int, multiple: int = 1) -> Packing:
         lengths = lengths_B.long()
-        valid = torch.arange(S).expand(len(lengths), S) < lengths.unsqueeze(1)
+        device = lengths.device  # attention kernels read cu_seqlens where the tokens are
+        valid = torch.arange(S, device=device).expand(len(lengths), S) < lengths.unsqueeze(1)
         real = int(lengths.sum())
         total = max(multiple, -(-real // multiple) * multiple)
         seqs = [int(n) for n in lengths if n > 0] + ([total - real] if total > real else [])
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(seqs, dtype=torch.int32).cumsum(0)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.tensor(seqs, dtype=torch.int32, device=device).cumsum(0)
         return Packing(valid, cu, total, real)
 
     def pack(self, x_BS: torch.Tensor, fill: torch.Tensor | float = 0) -> torch.Tensor:
@@ -43,7 +44,7 @@ class Packing:
         flat = x_BS[self.valid_BS]
         tail = self.total - self.real
         if tail:
-            pad = torch.as_tensor(fill, dtype=x_BS.dtype).expand(tail, *x_BS.shape[2:])
+            pad = torch.as_tensor(fill, dtype=x_BS.dtype, device=x_BS.device).expand(tail, *x_BS.shape[2:])
             flat = torch.cat([flat, pad])
         return flat.unsqueeze(0)
 
@@ -57,7 +58,7 @@ class Packing:
     def positions(self) -> torch.Tensor:
         """[1, T] position of each packed token inside its own sequence."""
         starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
-        return (torch.arange(self.total) - starts).unsqueeze(0)
+        return (torch.arange(self.total, device=starts.device) - starts).unsqueeze(0)
 
     def seq_params(self):
         from megatron.core.packed_seq_params import PackedSeqParams

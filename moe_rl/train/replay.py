@@ -64,7 +64,7 @@ def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor, num_exper
     """Raise MissingRoutes naming the first valid position (row, position) without a route: an id < 0
     (unrecorded) or one naming no expert of the model (>= num_experts)."""
     B, S = routes_BSLK.shape[:2]
-    valid = torch.arange(S).expand(B, S) < lengths_B.unsqueeze(1)
+    valid = torch.arange(S, device=lengths_B.device).expand(B, S) < lengths_B.unsqueeze(1)
     missing = ((routes_BSLK < 0) | (routes_BSLK >= num_experts)).flatten(2).any(-1) & valid
     if bool(missing.any()):
         b, s = (int(x) for x in missing.nonzero()[0])
@@ -87,10 +87,10 @@ def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Te
     duplicated expert) are filled."""
     B, S, _, K = routes_BSLK.shape
     routes = routes_BSLK.long()
-    pad = (torch.arange(S).expand(B, S) >= lengths_B.unsqueeze(1))[:, :, None, None]
+    pad = (torch.arange(S, device=routes.device).expand(B, S) >= lengths_B.unsqueeze(1))[:, :, None, None]
     ids = routes.sort(-1).values
     has_route = (ids[..., :1] >= 0) & (ids[..., 1:] != ids[..., :-1]).all(-1, keepdim=True)
-    return torch.where(pad & ~has_route, torch.arange(K).expand_as(routes), routes)
+    return torch.where(pad & ~has_route, torch.arange(K, device=routes.device).expand_as(routes), routes)
 
 
 def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:

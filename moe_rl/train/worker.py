@@ -104,6 +104,8 @@ class TrainWorker:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
         self.ps = ps
+        # where this rank computes: batches arrive on the CPU (from Ray) and are moved here in one place
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.cp = ps.get_context_parallel_world_size()
         self._packings: dict[int, Packing] = {}
         self.steps = 0
@@ -134,12 +136,12 @@ class TrainWorker:
         routes = None if mb.routes_BSLK is None else mb.routes_BSLK.long()  # widened one microbatch at a time
         if routes is not None and (pk is not None or self.cp > 1):
             replay.check_complete(routes, lengths, self.config.num_moe_experts)  # names the sample, not the shard
-        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
-            ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real]), pk.positions()
+            ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real], device=ids.device), pk.positions()
             routes = None if routes is None else pk.pack(routes, fill=-1)
         elif self.cp > 1:  # this CP rank's two chunks of every row; outputs are gathered in _outputs
-            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank())
+            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank()).to(ids.device)
             routes = None if routes is None else replay.fill_padding(routes, lengths)[:, idx]
             ids, pos, lengths = ids[:, idx], pos[:, idx], torch.full_like(lengths, len(idx))
         if self._recording is not None:
@@ -211,7 +213,8 @@ class TrainWorker:
             multiple *= 2 * self.cp  # two chunks per CP rank, each a multiple of tp
         if self._uniform_microbatches():
             # give every data-parallel rank the same microbatch count and shape (unpacked)
-            shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long)
+            shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long,
+                                 device=self.device)  # NCCL reduces device tensors only
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
             per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
@@ -220,7 +223,7 @@ class TrainWorker:
         if self.ps.get_expert_model_parallel_world_size() > 1:
             # every forward runs the experts' all-to-all over the expert group, whose ranks hold other
             # data-parallel shards: each must run as many microbatches (an empty one computes nothing)
-            count = torch.tensor([len(mbs)], dtype=torch.long)
+            count = torch.tensor([len(mbs)], dtype=torch.long, device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             empty = batch.rows(slice(0, 0), multiple).padded(1, multiple)
             mbs += [empty] * (int(count) - len(mbs))
@@ -235,6 +238,7 @@ class TrainWorker:
         top-k for every position.
         """
         self.module.eval()
+        batch = batch.to(self.device)
         mbs = self._microbatches(batch)
         self._recording = [] if record_routes else None
         try:
@@ -254,7 +258,7 @@ class TrainWorker:
                     # a microbatch may be padded past S (a multiple of tp) and past B (uniform microbatches)
                     b = min(mb.input_ids_BS.shape[0], B - row)
                     s = min(mb.input_ids_BS.shape[1], S)
-                    full[row:row + b, :s] = res[name][:b, :s].detach().float()
+                    full[row:row + b, :s] = res[name][:b, :s].detach().float().cpu()
                     row += b
                 out[name] = full
         out = self._broadcast_from_last_stage(out)
@@ -269,7 +273,7 @@ class TrainWorker:
         for mb, r in zip(mbs, recorded, strict=True):
             b = min(mb.input_ids_BS.shape[0], B - row)
             s = min(r.shape[1], S)
-            mine[row:row + b, :s] = r[:b, :s]
+            mine[row:row + b, :s] = r[:b, :s].cpu()
             row += b
         if self.ps.get_pipeline_model_parallel_world_size() == 1:
             return mine
@@ -317,6 +321,7 @@ class TrainWorker:
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
         """
         self.module.train()
+        batch = batch.to(self.device)
         mbs = self._microbatches(batch)
         # megatron divides by the microbatch count and averages over DP; under CP it also multiplies by
         # cp (it expects CP-local losses) while our CP ranks each compute the whole loss: cancel that too

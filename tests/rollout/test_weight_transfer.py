@@ -44,7 +44,8 @@ def test_engine_ranks_follow_the_sender():
 def test_weight_transfer_choice():
     assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "files"
     ep2 = ["parallel.ep=2", "parallel.world_size=2"]
-    assert from_dict({}, ["rollout.weight_transfer=nccl", *ep2], cuda_available=True).rollout.weight_transfer == "nccl"
+    nccl = ["rollout.weight_transfer=nccl", "cluster.colocate=false"]  # NCCL: trainer and engines on their own GPUs
+    assert from_dict({}, [*nccl, *ep2], cuda_available=True).rollout.weight_transfer == "nccl"
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs every trainer rank"):
         from_dict({}, ["rollout.weight_transfer=ipc", *ep2], cuda_available=True)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'nccl' needs CUDA"):

@@ -21,7 +21,7 @@ def te_job(rank, world, hf_path, fp8, tp):
     spec = model_spec(hf_path, layer_spec="transformer_engine", fp8=fp8, dtype="bfloat16" if fp8 != "none" else "float32")
     w = TrainWorker(spec, optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 300, (4, 32), generator=g).cuda()
+    ids = torch.randint(0, 300, (4, 32), generator=g)  # on the CPU, as from Ray: the worker moves it
     lengths = torch.full((4,), 32)
     out = w.score(Batch(ids, lengths))
     return {k: v.cpu() for k, v in out.items() if k != "routes"}
