@@ -102,22 +102,22 @@ def step_figures(batch, scores, targets) -> dict[str, object]:
     valid = batch.mask_BS
     n_tok = valid.sum().clamp(min=1)
 
-    def mismatch(logp):  # |log pi - log mu| over model tokens
-        return ((logp - batch.logp_mu_BS).abs() * valid).sum() / n_tok
+    def gap(logp):  # |log pi - log mu| on model tokens, 0 elsewhere
+        return (logp - batch.logp_mu_BS).abs() * valid
 
+    replayed = gap(scores.logp_BS)
     out = {
         "reward/mean": batch.score_B.mean(), "reward/max": batch.score_B.max(), "reward/min": batch.score_B.min(),
         "reward/success_rate": (batch.terminal_B > 0).float().mean(),
         "rollout/length_mean": batch.lengths_B.float().mean(), "rollout/model_tokens_mean": valid.sum(1).float().mean(),
         "rollout/turns_mean": batch.turns_B.float().mean(),
         "policy/advantage_mean": (targets.adv_BS * valid).sum() / n_tok,
-        "correction/logp_mismatch_mean": mismatch(scores.logp_BS),
-        "correction/logp_mismatch_max": ((scores.logp_BS - batch.logp_mu_BS).abs() * valid).max(),
+        "correction/logp_mismatch_mean": replayed.sum() / n_tok, "correction/logp_mismatch_max": replayed.max(),
         "routing/filled_tail_positions_per_sample": batch.routes_filled / max(1, batch.size),
         **targets.metrics,
     }
     if scores.free_logp_BS is not None:
-        out["correction/logp_mismatch_no_replay"] = mismatch(scores.free_logp_BS)
+        out["correction/logp_mismatch_no_replay"] = gap(scores.free_logp_BS).sum() / n_tok
     if scores.free_routes_BSLK is not None:
         # positions that influence a sampled token: everything before each sample's last model token
         S = batch.input_ids_BS.shape[1]

@@ -23,12 +23,13 @@ from moe_rl.metrics import reduce_updates
 from moe_rl.train.objectives import SftLoss
 
 
-def minibatch_rows(n: int, minibatches: int, dp: int, seed: int) -> list[torch.Tensor]:
-    """A random split of n rows into minibatches (at most n // dp, so every data-parallel replica
-    gets a row of each)."""
-    k = max(1, min(minibatches, n // dp))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return [perm[i::k] for i in range(k)]
+def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
+    """The rows of each update of a step, epoch after epoch: a random split of n rows (seeded by the
+    step, the same in every epoch) into trainer.minibatches minibatches, at most n // dp of them so
+    every data-parallel replica gets a row of each."""
+    k = max(1, min(cfg.trainer.minibatches, n // dp))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
+    return [perm[i::k] for i in range(k)] * cfg.trainer.epochs
 
 
 class PolicyGroup(TrainerGroup):
@@ -44,23 +45,22 @@ class PolicyGroup(TrainerGroup):
         cfg, p, t0 = self.cfg, self.params, time.perf_counter()
         full = batch.with_targets(t)
         updates, corrections, skipped, gap = [], [], 0, None
-        for _ in range(cfg.trainer.epochs):
-            for rows in minibatch_rows(batch.size, cfg.trainer.minibatches, self.dp, cfg.run.seed * 7919 + step):
-                mb = full.rows(rows)
-                if p.ewma_anchor:
-                    old = self.score(mb.model_inputs(), anchor=True)["logp"]
-                    c = correct(old, mb.logp_mu_BS, mb.mask_BS, p)
-                    corrections.append(c.metrics)
-                    if gap is None:  # the anchor vs the policy at the start of the step
-                        gap = float(((old - t.logp_policy_BS[rows][:, :old.shape[1]]).abs() * mb.mask_BS).sum()
-                                    / mb.mask_BS.sum().clamp(min=1))
-                    mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
-                                             pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
-                denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
-                if not float(denominators["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
-                    skipped += 1
-                    continue
-                updates.append(self.train(mb, self.loss, denominators))
+        for rows in update_rows(cfg, batch.size, self.dp, step):
+            mb = full.rows(rows)
+            if p.ewma_anchor:
+                old = self.score(mb.model_inputs(), anchor=True)["logp"]
+                c = correct(old, mb.logp_mu_BS, mb.mask_BS, p)
+                corrections.append(c.metrics)
+                if gap is None:  # the anchor vs the policy at the start of the step
+                    gap = float(((old - t.logp_policy_BS[rows][:, :old.shape[1]]).abs() * mb.mask_BS).sum()
+                                / mb.mask_BS.sum().clamp(min=1))
+                mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
+                                         pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
+            denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
+            if not float(denominators["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
+                skipped += 1
+                continue
+            updates.append(self.train(mb, self.loss, denominators))
         out = {f"policy/{k}": v for k, v in reduce_updates(updates).items()}
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "policy/lr": cfg.trainer.lr,
@@ -98,12 +98,11 @@ class CriticGroup(TrainerGroup):
         cfg, t0 = self.cfg, time.perf_counter()
         full = dataclasses.replace(batch.with_targets(t), routes_BSLK=None)  # the critic routes freely
         updates = []
-        for _ in range(cfg.trainer.epochs):
-            for rows in minibatch_rows(batch.size, cfg.trainer.minibatches, self.dp, cfg.run.seed * 7919 + step):
-                mb = full.rows(rows)
-                denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
-                if float(denominator) > 0:
-                    updates.append(self.train(mb, self.loss, denominator))
+        for rows in update_rows(cfg, batch.size, self.dp, step):
+            mb = full.rows(rows)
+            denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
+            if float(denominator) > 0:
+                updates.append(self.train(mb, self.loss, denominator))
         return {f"critic/{k}": v for k, v in reduce_updates(updates).items()} | {
             "critic/lr": cfg.critic.lr, "timing/critic_train_s": time.perf_counter() - t0}
 
