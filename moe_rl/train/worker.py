@@ -238,8 +238,7 @@ class TrainWorker:
         top-k for every position.
         """
         self.module.eval()
-        batch = batch.to(self.device)
-        mbs = self._microbatches(batch)
+        mbs = [mb.to(self.device) for mb in self._microbatches(batch)]  # split on the host, then moved
         self._recording = [] if record_routes else None
         try:
             results = self._run(mbs, forward_only=True)
@@ -321,8 +320,9 @@ class TrainWorker:
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
         """
         self.module.train()
-        batch = batch.to(self.device)
-        mbs = self._microbatches(batch)
+        cpu_mbs = self._microbatches(batch)
+        mbs = [mb.to(self.device) for mb in cpu_mbs]  # split on the host (no device sync per row), then moved
+        has_tokens = {id(mb): int(c.lengths_B.sum()) > 0 for mb, c in zip(mbs, cpu_mbs, strict=True)}
         # megatron divides by the microbatch count and averages over DP; under CP it also multiplies by
         # cp (it expects CP-local losses) while our CP ranks each compute the whole loss: cancel that too
         scale = len(mbs) * self.ps.get_data_parallel_world_size() / self.cp
@@ -330,7 +330,7 @@ class TrainWorker:
 
         def loss_func(mb, output_tensor):
             numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
-            if int(mb.lengths_B.sum()) > 0:  # an empty microbatch (padding for the expert group) has no figures
+            if has_tokens[id(mb)]:  # an empty microbatch (padding for the expert group) has no figures
                 microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
             if isinstance(numerator, dict):
                 loss = sum(num / denominator[k].to(num.dtype) for k, num in numerator.items())
