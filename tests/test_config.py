@@ -85,6 +85,17 @@ def test_gpu_features_pass_where_cuda_exists():
     assert cfg.model.fp8 == "blockwise" and cfg.rollout.route_source == "vllm"
 
 
+def test_engine_memory_settings_on_gpu():
+    gpu = ["rollout.gpu_memory_utilization=0.7", "rollout.max_num_batched_tokens=4096"]
+    cfg = from_dict({}, gpu, cuda_available=True)
+    assert cfg.rollout.gpu_memory_utilization == 0.7 and cfg.rollout.max_num_batched_tokens == 4096
+    # a fixed KV cache makes vLLM ignore the utilisation: one of the two
+    assert _err(gpu + ["rollout.kv_cache_gb=20"], cuda=True).startswith("rollout.gpu_memory_utilization: set together")
+    assert _err(["rollout.gpu_memory_utilization=1.5"], cuda=True).startswith("rollout.gpu_memory_utilization: 1.5 is outside")
+    # on CPU the budget holds max_num_seqs whole prompts, or it is refused
+    assert from_dict({}, ["rollout.max_num_batched_tokens=32768"], cuda_available=False).rollout.max_num_batched_tokens
+
+
 def test_nccl_weight_transfer_needs_separate_gpus():
     """NCCL refuses two ranks on one GPU: colocated trainer and engines cannot share an NCCL group."""
     with pytest.raises(ConfigError, match="^rollout.weight_transfer: 'nccl' joins"):
@@ -164,6 +175,10 @@ def test_resume_accepts_keywords_and_paths():
     (["algorithm.anchor=ewma", "algorithm.correction=bypass"], "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
     (["algorithm.overlong_buffer=128"], "algorithm.overlong_buffer: 128 must be below environment.token_budget=128"),
     (["environment.name=calculator", "trainer.warm_start_steps=2"], "trainer.warm_start_steps: 2 needs a scripted expert"),
+    (["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization: is a GPU setting"),
+    (["rollout.max_num_batched_tokens=1000"], "rollout.max_num_batched_tokens: 1000 would make vLLM split prompts"),
+    (["rollout.max_num_batched_tokens=64"], "rollout.max_num_batched_tokens: 64 is below rollout.max_num_seqs=128"),
+    (["rollout.max_num_seqs=0"], "rollout.max_num_seqs: 0 must be a positive integer"),
 ])
 def test_refused_settings(overrides, start):
     assert _err(overrides).startswith(start)

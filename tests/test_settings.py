@@ -12,6 +12,7 @@ from moe_rl.algos.correction import CorrectionParams
 from moe_rl.algos.targets import TargetParams
 from moe_rl.config import (
     AlgorithmSection,
+    ClusterSection,
     CriticSection,
     EnvironmentSection,
     ModelSection,
@@ -34,7 +35,9 @@ CFG = RunConfig(
                        moe_dispatcher="allgather"),
     parallel=ParallelSection(distributed_optimizer=False),
     rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9, record_routes=False,
-                           route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True),
+                           route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True,
+                           max_num_seqs=33, max_num_batched_tokens=4444, gpu_memory_utilization=0.6),
+    cluster=ClusterSection(colocate=False),
     environment=EnvironmentSection(max_turns=7, token_budget=333, overlong_filter=True),
     algorithm=AlgorithmSection(
         advantage="grpo", gamma=0.99, lam=0.9, lam_critic=0.8, length_adaptive_alpha=2.0, whiten_advantages=False,
@@ -71,7 +74,9 @@ CASES = {
         "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),
         "record_routes": at("rollout.record_routes"), "kv_cache_gb": at("rollout.kv_cache_gb"),
         "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
-    }, {"model_path", "gpu_memory_utilization", "max_num_seqs"}),
+        "max_num_seqs": at("rollout.max_num_seqs"), "max_num_batched_tokens": at("rollout.max_num_batched_tokens"),
+        "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
+    }, {"model_path"}),
     "agent_settings": (settings.agent_settings, AgentSettings, {
         "max_turns": at("environment.max_turns"), "token_budget": at("environment.token_budget"),
         "max_model_len": at("rollout.max_model_len"), "max_tokens_per_turn": at("rollout.max_new_tokens"),

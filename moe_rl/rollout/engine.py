@@ -44,11 +44,18 @@ class EngineSettings:
     max_model_len: int  # rollout.max_model_len
     seed: int  # run.seed
     record_routes: bool  # rollout.*
-    kv_cache_gb: float  # rollout.*
+    kv_cache_gb: float | None  # rollout.*; None: see engine_kwargs
     route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
     weight_transfer: str  # rollout.*; files: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
-    gpu_memory_utilization: float = 0.5  # no config field
-    max_num_seqs: int = 128  # no config field
+    max_num_seqs: int  # rollout.*
+    max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
+    gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
+    colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
+
+
+CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
+GPU_MEMORY_UTILIZATION = {False: 0.85, True: 0.4}  # an engine's share of its GPU: alone, colocated
+GPU_BATCHED_TOKENS = 8192  # one engine step's token budget on GPU (chunked prefill beyond it)
 
 
 ROUTE_SOURCES = ("auto", "vllm", "capture")
@@ -65,6 +72,38 @@ def resolve_route_source(source: str, cuda_available: bool) -> str:
         raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and CUDA; "
                          "use 'capture' or 'auto' on CPU")
     return source
+
+
+def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool) -> dict:
+    """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes).
+
+    - prefix caching: on, except with our capture hook (it records only the positions the engine
+      computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
+      cache is reset after every weight update (`RolloutEngine._after_weight_update`).
+    - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
+    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU the share
+      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated).
+    - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
+      seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
+    """
+    kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                  seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
+                  enable_prefix_caching=route_source != "capture")
+    kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
+    if kv_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+    else:
+        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization if settings.gpu_memory_utilization is not None
+                                            else GPU_MEMORY_UTILIZATION[settings.colocated])
+    budget = settings.max_num_batched_tokens
+    if budget is None:
+        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda else settings.max_model_len * settings.max_num_seqs
+    kwargs["max_num_batched_tokens"] = budget
+    if route_source == "vllm":
+        kwargs["enable_return_routed_experts"] = True
+    if settings.weight_transfer != "files":
+        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -137,7 +176,6 @@ def _worker_count_moe(worker) -> int:
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(settings.kv_cache_gb))))
         from transformers import AutoConfig
         from vllm import LLM
 
@@ -145,23 +183,12 @@ class RolloutEngine:
         hf = AutoConfig.from_pretrained(settings.model_path)
         self.num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
         self.top_k = hf.num_experts_per_tok
-        # Per-request seeds make rollouts reproducible; vLLM cannot rewind a seeded CPU generator when a
-        # chunked prefill discards a sample ("CPU Generator does not use offset"), so a step's token
-        # budget is large enough that prefills are not chunked on CPU.
-        kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
-                      enforce_eager=True, seed=settings.seed, enable_prefix_caching=False,
-                      max_num_seqs=settings.max_num_seqs,
-                      max_num_batched_tokens=max(8192, settings.max_model_len * settings.max_num_seqs))
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-        self.route_source = resolve_route_source(settings.route_source, torch.cuda.is_available()) \
-            if settings.record_routes else None
-        if self.route_source == "vllm":
-            kwargs["enable_return_routed_experts"] = True
-        if settings.weight_transfer != "files":
-            if not torch.cuda.is_available():
-                raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'files' on CPU")
-            kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+        cuda = torch.cuda.is_available()
+        self.route_source = resolve_route_source(settings.route_source, cuda) if settings.record_routes else None
+        if settings.weight_transfer != "files" and not cuda:
+            raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'files' on CPU")
+        kwargs = engine_kwargs(settings, self.route_source, cuda)
+        self.prefix_caching = kwargs["enable_prefix_caching"]
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.version = 0
@@ -174,6 +201,7 @@ class RolloutEngine:
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
         self._stepper: asyncio.Task | None = None
+        self._held: list[tuple[str, list[int], object]] | None = None  # requests waiting for a cache reset
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -189,8 +217,11 @@ class RolloutEngine:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + {sampling.max_tokens} new exceeds max_model_len "
                              f"{self.settings.max_model_len}")
         rid = f"r{next(self._ids)}"
-        self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
         self._meta[rid] = (list(prompt_ids), self.version, sampling.routes_from)
+        if self._held is not None:
+            self._held.append((rid, list(prompt_ids), self._params(sampling)))
+        else:
+            self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
         return rid
 
     def _result(self, out) -> GenerationResult:
@@ -207,7 +238,31 @@ class RolloutEngine:
                                 version, routes)
 
     def _step(self) -> list[GenerationResult]:
+        if self._held is not None and not self.engine.has_unfinished_requests():
+            self._reset_prefix_cache()
+            held, self._held = self._held, None
+            for rid, prompt_ids, params in held:
+                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
         return [self._result(o) for o in self.engine.step() if o.finished]
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache with no request running; cached keys and values "
+                               "of old weights would serve new requests")
+
+    def _new_weights(self, version: int) -> None:
+        """The weights changed: from now on no cached prefix of the old weights may serve a request.
+
+        vLLM resets its prefix cache only when no request holds cache blocks. In asynchronous mode
+        requests may still be running (they finish with the new weights, tagged with the version they
+        started with); requests submitted meanwhile wait until those finish and the cache is reset."""
+        self.version = version
+        if not self.prefix_caching:
+            return
+        if self.engine.has_unfinished_requests():
+            self._held = self._held or []
+        else:
+            self._reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
         """Generate for a batch of token prompts; results in the prompts' order."""
@@ -262,7 +317,7 @@ class RolloutEngine:
 
         # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is passed as is
         self.llm.collective_rpc(_worker_reload, args=(cast(),))
-        self.version = version
+        self._new_weights(version)
         return count
 
     TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
@@ -274,8 +329,8 @@ class RolloutEngine:
         if call not in self.TRANSFER_CALLS:
             raise ValueError(f"unknown weight-transfer call {call!r}; one of {self.TRANSFER_CALLS}")
         self.llm.collective_rpc(call, args=() if payload is None else (payload,))
-        if call == "finish_weight_update" and version is not None:
-            self.version = version
+        if call == "finish_weight_update":
+            self._new_weights(self.version if version is None else version)
 
     def shutdown(self) -> None:
         try:

@@ -124,3 +124,45 @@ def export_source_job(rank, world, model_path, layout, gathered):
     sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata())) if rank == 0 else list(source)
     return {"meta": [(m.name, m.dtype, m.shape) for m in meta], "passes": len(passes),
             "sent": {n: t.clone() for n, t in sent}}
+
+
+def vllm_prefix_cache_job(rank, world, model_path):
+    """Prefix caching on (no routes recorded): after a weight update no cached block of the old weights
+    serves a request, synchronous or submitted while another request still runs (asynchronous mode)."""
+    import asyncio
+
+    from moe_rl.rollout.engine import RolloutEngine, Sampling
+    from moe_rl.weights.hf import HFReader
+
+    engine = RolloutEngine(engine_settings(model_path, seed=0, record_routes=False))
+    prompt = [257] + [65 + i % 26 for i in range(199)]  # 200 tokens: one full 128-token cache block
+    s = Sampling(max_tokens=4, seed=3)
+    reader = HFReader(model_path)
+
+    def weights(scale):
+        return [(k, reader.get(k) * (scale if ".mlp." in k or "self_attn" in k else 1.0)) for k in sorted(reader.names())]
+
+    def fresh():  # the same request computed from scratch: the cache emptied by hand first
+        assert engine.llm.reset_prefix_cache()
+        return engine.generate([prompt], s)[0]
+
+    first = engine.generate([prompt], s)[0]
+    cached = engine.generate([prompt], s)[0]  # served from the cache
+    engine.update_weights(weights(1.3), version=1)
+    after_sync = engine.generate([prompt], s)[0]
+    after_sync_fresh = fresh()
+
+    async def overlapping():
+        running = asyncio.ensure_future(engine.agenerate(prompt, Sampling(max_tokens=40, seed=1)))
+        for _ in range(4):
+            await asyncio.sleep(0)  # the engine runs a few steps of the long request
+        engine.update_weights(weights(0.8), version=2)
+        held = engine._held is not None
+        late = await engine.agenerate(prompt, s)
+        return await running, late, held
+
+    running, late, held = asyncio.run(overlapping())
+    late_fresh = fresh()
+    return {"first": first, "cached": cached, "after_sync": after_sync, "after_sync_fresh": after_sync_fresh,
+            "running": running, "late": late, "held": held, "late_fresh": late_fresh,
+            "prefix_caching": engine.prefix_caching}

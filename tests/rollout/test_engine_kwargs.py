@@ -1,0 +1,42 @@
+"""What the rollout engine asks of vLLM on each machine (engine_kwargs, the function RolloutEngine
+calls): the GPU path is read here, since no GPU runs the tests."""
+
+import dataclasses
+
+from conftest import engine_settings
+
+from moe_rl.config import from_dict
+from moe_rl.rollout.engine import engine_kwargs
+from moe_rl.settings import engine_settings as settings_from_config
+
+
+def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
+    s = engine_settings("m")  # defaults: 256-token context, 128 sequences
+    kw = engine_kwargs(s, "capture", cuda=False)
+    assert kw["enforce_eager"] and not kw["enable_prefix_caching"]  # the capture hook sees every position
+    assert kw["kv_cache_memory_bytes"] == 2**30 and "gpu_memory_utilization" not in kw
+    assert kw["max_num_batched_tokens"] == 256 * 128 and kw["max_num_seqs"] == 128
+    assert "enable_return_routed_experts" not in kw and "weight_transfer_config" not in kw
+    kw = engine_kwargs(dataclasses.replace(s, kv_cache_gb=2.5), None, cuda=False)
+    assert kw["kv_cache_memory_bytes"] == int(2.5 * 2**30) and kw["enable_prefix_caching"]  # no routes recorded
+
+
+def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_config():
+    cfg = from_dict({}, ["cluster.colocate=false", "rollout.weight_transfer=nccl", "rollout.max_model_len=16384"],
+                    cuda_available=True)
+    kw = engine_kwargs(settings_from_config(cfg, "m"), "vllm", cuda=True)
+    assert not kw["enforce_eager"]  # CUDA graphs: weights are reloaded in place
+    # vLLM's routed-experts output requires prefix caching (the cache is reset after each weight update)
+    assert kw["enable_return_routed_experts"] and kw["enable_prefix_caching"]
+    assert kw["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in kw
+    assert kw["max_num_batched_tokens"] == 8192  # chunked prefill, not max_model_len * max_num_seqs (2.1M)
+    assert kw["weight_transfer_config"] == {"backend": "nccl"}
+    colocated = from_dict({}, ["cluster.colocate=true"], cuda_available=True)
+    assert engine_kwargs(settings_from_config(colocated, "m"), "vllm", cuda=True)["gpu_memory_utilization"] == 0.4
+    own = from_dict({}, ["rollout.gpu_memory_utilization=0.6", "rollout.max_num_seqs=16000",
+                         "rollout.max_num_batched_tokens=16384"], cuda_available=True)
+    kw = engine_kwargs(settings_from_config(own, "m"), "vllm", cuda=True)
+    assert (kw["gpu_memory_utilization"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (0.6, 16000, 16384)
+    fixed = from_dict({}, ["rollout.kv_cache_gb=20"], cuda_available=True)
+    kw = engine_kwargs(settings_from_config(fixed, "m"), "vllm", cuda=True)
+    assert kw["kv_cache_memory_bytes"] == 20 * 2**30 and "gpu_memory_utilization" not in kw

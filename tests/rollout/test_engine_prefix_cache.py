@@ -1,0 +1,26 @@
+"""vLLM's prefix cache and weight updates: cached keys and values of old weights never serve a request
+after an update (vLLM does not drop them itself), in synchronous and asynchronous use."""
+
+import pytest
+from rollout_jobs import vllm_prefix_cache_job
+
+from moe_rl.train.launch_local import run_in_process
+
+pytestmark = pytest.mark.slow
+
+
+def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
+    out = run_in_process(vllm_prefix_cache_job, (str(tiny_qwen),))
+    assert out["prefix_caching"]
+    assert out["cached"].token_ids == out["first"].token_ids
+    assert out["cached"].logprobs == pytest.approx(out["first"].logprobs, abs=1e-5)
+    # the update changed the model; the request after it equals one computed from scratch
+    assert max(abs(a - b) for a, b in zip(out["after_sync"].logprobs, out["first"].logprobs)) > 1e-2
+    assert out["after_sync"].token_ids == out["after_sync_fresh"].token_ids
+    assert out["after_sync"].logprobs == pytest.approx(out["after_sync_fresh"].logprobs, abs=1e-5)
+    # asynchronous: a request submitted while an older one still runs waits for the cache reset
+    assert out["held"]
+    assert out["running"].weight_version == 1 and len(out["running"].token_ids) == 40
+    assert out["late"].weight_version == 2
+    assert out["late"].token_ids == out["late_fresh"].token_ids
+    assert out["late"].logprobs == pytest.approx(out["late_fresh"].logprobs, abs=1e-5)
