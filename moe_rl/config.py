@@ -69,6 +69,7 @@ class TinyModel:
     top_k: int = 2
     moe_intermediate_size: int = 64
     max_position_embeddings: int = 512
+    first_dense_layers: int = 0  # the first layers have a dense MLP (Qwen's mlp_only_layers); qwen archs only
 
     def check(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
@@ -78,6 +79,9 @@ class TinyModel:
             raise ConfigError("model.tiny.head_dim", f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
         if self.top_k > self.num_experts:
             raise ConfigError("model.tiny.top_k", f"{self.top_k} exceeds model.tiny.num_experts={self.num_experts}")
+        in_range("model.tiny.first_dense_layers", self.first_dense_layers, 0, self.num_layers, hi_open=True)
+        if self.first_dense_layers and self.arch == "mixtral":
+            raise ConfigError("model.tiny.first_dense_layers", "Mixtral has experts in every layer; use qwen3_moe or qwen2_moe")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.tiny.num_key_value_heads",
                               f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")

@@ -64,7 +64,7 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
         return Qwen3MoeConfig(
             **common, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
             intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
-            mlp_only_layers=[], output_router_logits=False,
+            mlp_only_layers=list(range(spec.first_dense_layers)), output_router_logits=False,
         )
     if spec.arch == "mixtral":
         from transformers import MixtralConfig
@@ -77,7 +77,8 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
         return Qwen2MoeConfig(
             **common, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
             shared_expert_intermediate_size=spec.moe_intermediate_size, intermediate_size=spec.moe_intermediate_size,
-            decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=[], output_router_logits=False,
+            decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=list(range(spec.first_dense_layers)),
+            output_router_logits=False,
             use_sliding_window=False,
         )
     raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral or qwen2_moe")

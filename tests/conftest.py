@@ -40,6 +40,16 @@ def tiny_qwen2_moe(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), TinyModel(arch="qwen2_moe"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_dense(tmp_path_factory):
+    """Qwen3-MoE whose first layer has a dense MLP (mlp_only_layers=[0]), then two MoE layers."""
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    spec = TinyModel(arch="qwen3_moe", num_layers=3, first_dense_layers=1)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen_dense"), spec, seed=0)
+
+
 # Component settings as production builds them (moe_rl.settings, from the default RunConfig: defaults
 # live in config.py), with a test's own values replacing fields. Plain functions, importable from rank
 # functions in spawned processes (`from conftest import optim_settings`).

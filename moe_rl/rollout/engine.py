@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.rollout.routing import RouteCapture, RoutingRecord, moe_layers, route_dtype
+from moe_rl.rollout.routing import RouteCapture, RoutingRecord, moe_layers, moe_rows, route_dtype
 from moe_rl.weights.sync import layer_of
 
 
@@ -169,8 +169,8 @@ def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     return _refresh_cpu_moe(worker, layers - {""})
 
 
-def _worker_count_moe(worker) -> int:
-    return len(moe_layers(worker.model_runner))
+def _worker_moe_hidden_layers(worker) -> list[int]:
+    return [m.layer_id for m in moe_layers(worker.model_runner)]
 
 
 class RolloutEngine:
@@ -196,7 +196,8 @@ class RolloutEngine:
         if self.route_source == "capture":
             self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
         elif self.route_source == "vllm":
-            self.num_moe_layers = self.llm.collective_rpc(_worker_count_moe)[0]
+            self.moe_hidden_layers = self.llm.collective_rpc(_worker_moe_hidden_layers)[0]
+            self.num_moe_layers = len(self.moe_hidden_layers)
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
@@ -233,7 +234,8 @@ class RolloutEngine:
         if self.route_source == "capture":
             routes = self.llm.collective_rpc(_worker_pop_routes, args=([(out.request_id, routes_from)],))[0][out.request_id]
         elif self.route_source == "vllm" and comp.routed_experts is not None:
-            routes = RoutingRecord.from_rows(comp.routed_experts, routes_from, route_dtype(self.num_experts))
+            routes = RoutingRecord.from_rows(moe_rows(comp.routed_experts, self.moe_hidden_layers), routes_from,
+                                             route_dtype(self.num_experts))
         return GenerationResult(out.request_id, prompt, token_ids, logprobs, comp.finish_reason or "abort",
                                 version, routes)
 

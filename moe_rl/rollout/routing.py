@@ -30,6 +30,17 @@ def moe_layers(runner) -> list:
     return sorted(moe, key=lambda m: getattr(m, "layer_id", 0))
 
 
+def moe_rows(rows_NHK: np.ndarray, moe_hidden_layers: list[int]) -> np.ndarray:
+    """vLLM's routed-experts rows [N, hidden layers, K] -> [N, MoE layers, K].
+
+    vLLM writes the routes of the MoE layer in hidden layer h at index h (the layer's `layer_id`) and
+    leaves dense layers' rows unused; records, our capture hook and Megatron's replay index MoE layers
+    in layer order (`moe_hidden_layers`: their hidden-layer indices)."""
+    if rows_NHK.ndim != 3 or rows_NHK.shape[1] <= max(moe_hidden_layers):
+        raise ValueError(f"routed-experts rows of shape {rows_NHK.shape} do not cover MoE layers {moe_hidden_layers}")
+    return rows_NHK[:, moe_hidden_layers]
+
+
 class RouteCapture:
     """Installed inside a vLLM worker process: records routes per request id and position."""
 

@@ -10,6 +10,7 @@ The critic is the same backbone with the vocabulary projection replaced by a sca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,37 @@ class ModelSpec:
 def check_spec_for_machine(spec: ModelSpec) -> None:
     if not torch.cuda.is_available() and (spec.layer_spec == "transformer_engine" or spec.fp8 != "none"):
         raise ValueError("Transformer Engine layers and FP8 need CUDA; this machine has none (use layer_spec=local, fp8=none)")
+
+
+def dense_layers(hf_config) -> list[int]:
+    """Layers (0-based) of a Qwen2/Qwen3-MoE config whose MLP is dense: listed in `mlp_only_layers`, or
+    off the `decoder_sparse_step` pattern (a layer i is MoE when (i + 1) % step == 0), as transformers
+    and vLLM build them. Other architectures: [] (DeepSeek-style first_k_dense_replace is mbridge's)."""
+    if not hasattr(hf_config, "mlp_only_layers") and not hasattr(hf_config, "decoder_sparse_step"):
+        return []
+    only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(hf_config.num_hidden_layers) if i in only or (i + 1) % step]
+
+
+_DENSE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(linear_fc1\.weight|linear_fc2\.weight|linear_fc1\.layer_norm_weight)$")
+_DENSE_MLP_HF = {"linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                 "linear_fc2.weight": ("mlp.down_proj.weight",),
+                 "linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",)}  # TE fuses the pre-MLP norm
+
+
+def _map_dense_mlps(bridge) -> None:
+    """Teach a Qwen2/Qwen3-MoE bridge the dense MLP layers' names (its own mapping knows MoE layers only);
+    mbridge's gate/up fusing and TP splitting already work by parameter name."""
+    moe_mapping = bridge._weight_name_mapping_mlp
+
+    def mapping(name: str) -> list[str]:
+        m = _DENSE_MLP.match(name)
+        if m is None:
+            return moe_mapping(name)
+        return [f"model.layers.{m.group(1)}.{hf}" for hf in _DENSE_MLP_HF[m.group(2)]]
+
+    bridge._weight_name_mapping_mlp = mapping
 
 
 def make_bridge(spec: ModelSpec):
@@ -94,6 +126,10 @@ def make_bridge(spec: ModelSpec):
         extra["moe_router_pre_softmax"] = False  # softmax after top-k, as Mixtral's HF implementation
     if getattr(bridge.hf_config, "shared_expert_intermediate_size", 0):
         extra["moe_shared_expert_gate"] = True  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
+    dense = dense_layers(bridge.hf_config)
+    if dense:  # mbridge's Qwen-MoE bridges put experts in every layer
+        extra["moe_layer_freq"] = [0 if i in dense else 1 for i in range(bridge.hf_config.num_hidden_layers)]
+        _map_dense_mlps(bridge)
     if getattr(bridge.hf_config, "rope_theta", None) is None:
         params = getattr(bridge.hf_config, "rope_parameters", None) or {}
         bridge.hf_config.rope_theta = params.get("rope_theta", 10000.0)  # transformers 5 moved it

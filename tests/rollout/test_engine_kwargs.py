@@ -40,3 +40,17 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
     fixed = from_dict({}, ["rollout.kv_cache_gb=20"], cuda_available=True)
     kw = engine_kwargs(settings_from_config(fixed, "m"), "vllm", cuda=True)
     assert kw["kv_cache_memory_bytes"] == 20 * 2**30 and "gpu_memory_utilization" not in kw
+
+
+def test_vllm_routed_expert_rows_keep_the_moe_layers_in_order():
+    import numpy as np
+    import pytest
+
+    from moe_rl.rollout.routing import moe_rows
+
+    # 2 positions, 3 hidden layers (layer 0 dense: vLLM leaves its row unused), top-2
+    rows = np.array([[[9, 9], [1, 2], [3, 0]],
+                     [[9, 9], [2, 3], [0, 1]]], dtype=np.uint8)
+    assert moe_rows(rows, [1, 2]).tolist() == [[[1, 2], [3, 0]], [[2, 3], [0, 1]]]
+    with pytest.raises(ValueError, match="do not cover MoE layers"):
+        moe_rows(rows, [1, 3])

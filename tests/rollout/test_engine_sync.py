@@ -12,7 +12,8 @@ from moe_rl.train.launch_local import run_in_process, run_ranks
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["qwen", "qwen2_moe"])  # qwen2_moe: with a gated shared expert
+# qwen2_moe: with a gated shared expert; qwen_dense: a dense first layer (routes of MoE layers only)
+@pytest.fixture(scope="module", params=["qwen", "qwen2_moe", "qwen_dense"])
 def synced(request, tmp_path_factory):
     tiny_qwen = request.getfixturevalue(f"tiny_{request.param}")
     root = tmp_path_factory.mktemp("sync")
@@ -34,6 +35,7 @@ def test_sync_changes_outputs_and_old_weights_restore_them(synced):
 
 def test_routing_record_covers_every_computed_position(synced):
     _, _, gen = synced
+    assert gen["layers"] == 2  # each model here has two MoE layers (qwen_dense: after its dense layer)
     for r in gen["after"]:
         n = len(r.prompt_ids) + len(r.token_ids)
         rec = r.routes

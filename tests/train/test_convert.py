@@ -59,6 +59,16 @@ def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
     assert_same_tensors(tiny_mixtral, back.out)
 
 
+def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, tiny_qwen_dense):
+    mc = tmp_path / "mcore"
+    hf_to_mcore(tiny_qwen_dense, mc, Layout(ep=2))
+    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))
+    assert_same_tensors(tiny_qwen_dense, back.out)
+    ids, _ = tokens()
+    out = run_ranks(score_converted_job, 1, (str(tiny_qwen_dense), str(mc), "policy"))[0]
+    torch.testing.assert_close(out["logp"][:, 1:], hf_logp(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
+
+
 def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, tiny_qwen):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForTokenClassification

@@ -11,9 +11,10 @@ from moe_rl.weights.hf import HFReader
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen_dense"])
 def test_logprobs_match_transformers(arch, request):
-    """Mixtral (softmax after top-k) and Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias)."""
+    """Mixtral (softmax after top-k), Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias) and
+    Qwen3-MoE with a dense first layer (then two MoE layers: the routes below)."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}")
@@ -30,7 +31,7 @@ def test_logprobs_match_transformers(arch, request):
 
 
 @pytest.mark.parametrize("arch,layout", [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
-                                         ("qwen2_moe", {"tp": 2})])
+                                         ("qwen2_moe", {"tp": 2}), ("qwen_dense", {"tp": 2}), ("qwen_dense", {"ep": 2})])
 def test_hf_round_trip_is_bitwise(arch, layout, request):
     tiny_qwen = request.getfixturevalue(f"tiny_{arch}")
     world = 1 if not layout else 2
@@ -45,6 +46,17 @@ def test_hf_round_trip_is_bitwise(arch, layout, request):
     assert set(exported) == reader.names()
     for name in reader.names():
         assert torch.equal(exported[name], reader.get(name)), name
+
+
+def test_dense_layers_of_qwen_moe_configs():
+    from types import SimpleNamespace as C
+
+    from moe_rl.train.model import dense_layers
+
+    assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=1)) == [0]
+    assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)) == [0, 2]  # MoE at 1, 3
+    assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[3], decoder_sparse_step=2)) == [0, 2, 3]
+    assert dense_layers(C(num_hidden_layers=4, num_local_experts=8)) == []  # Mixtral: experts everywhere
 
 
 def _value_loss(values_BS, returns, mask):
