@@ -1,12 +1,12 @@
 """Sequence packing (THD): the valid tokens of a microbatch's rows laid end to end in one row.
 
 Right-padded rows [B, S] spend compute on padding: B * S_max tokens for sum(lengths) real ones.
-Packed, the model sees one row of T = sum(lengths) tokens (plus a few padding tokens so T divides
-the sequence-parallel size) and megatron-core's `PackedSeqParams` (qkv_format "thd") tell rotary
+Packed, the model sees one row of T = sum(lengths) tokens (plus a few padding tokens so T is a multiple of
+`token_multiple`: the sequence-parallel size, times 16 or 32 under FP8) and megatron-core's `PackedSeqParams` (qkv_format "thd") tell rotary
 embeddings and attention where each sequence starts, so positions restart at 0 and no token attends
 across a sequence boundary.
 
-    p = Packing.of(lengths_B, S, multiple=tp)
+    p = Packing.of(lengths_B, S, multiple=token_multiple(tp, 1, fp8_align))
     ids_1T = p.pack(ids_BS)                   # [1, T]
     x_BS = p.unpack(x_1T)                     # back to [B, S] (zeros beyond each row's length)
 
@@ -15,9 +15,25 @@ Everything the loss sees stays [B, S]: packing lives between the microbatch and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+FP8_ALIGN = {"none": 1, "delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}  # model.fp8 -> tokens
+
+
+def token_multiple(sp_size: int, cp: int, fp8_align: int) -> int:
+    """The multiple a microbatch's row length (or packed length T; packing has cp = 1) rounds up to.
+
+    Sequence parallelism splits a row's tokens over sp_size (= tp, or 1 without it) ranks; context
+    parallelism cuts each row into 2 * cp chunks, each split again by sp_size; FP8 GEMMs need every
+    rank's token count to be a multiple of fp8_align (Transformer Engine asserts % 8; Megatron aligns
+    to 16, 32 for MXFP8). A rank holds S / (sp_size * cp) tokens of each row, so S is a multiple of
+    sp_size * cp * fp8_align as well as of the chunking's sp_size * 2cp.
+    """
+    chunks = sp_size * (2 * cp if cp > 1 else 1)
+    return math.lcm(chunks, sp_size * cp * fp8_align)
 
 
 @dataclass(frozen=True)

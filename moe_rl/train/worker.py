@@ -33,7 +33,7 @@ from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
-from moe_rl.train.packing import Packing
+from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.types import route_torch_dtype
 
 
@@ -121,13 +121,16 @@ class TrainWorker:
         # the allgather dispatcher gathers equal-sized token blocks across the expert group
         return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
 
+    def _token_multiple(self) -> int:
+        sp = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        return token_multiple(sp, self.cp, FP8_ALIGN[self.spec.fp8])
+
     def _packing(self, mb: Batch) -> Packing | None:
         """The microbatch's packing, computed once (forward and loss both need it; it reads lengths)."""
         if not self.optim_settings.pack_sequences or self._uniform_microbatches() or self.cp > 1:
             return None
         if id(mb) not in self._packings:
-            multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-            self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], multiple)
+            self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], self._token_multiple())
         return self._packings[id(mb)]
 
     def _forward(self, mb: Batch, model) -> torch.Tensor:
@@ -208,9 +211,7 @@ class TrainWorker:
         )
 
     def _microbatches(self, batch: Batch) -> list[Batch]:
-        multiple = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-        if self.cp > 1:
-            multiple *= 2 * self.cp  # two chunks per CP rank, each a multiple of tp
+        multiple = self._token_multiple()
         if self._uniform_microbatches():
             # give every data-parallel rank the same microbatch count and shape (unpacked)
             shape = torch.tensor([batch.input_ids_BS.shape[0], int(batch.lengths_B.max())], dtype=torch.long,
