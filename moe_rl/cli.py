@@ -1,6 +1,7 @@
 """`moe-rl`: the command line.
 
     moe-rl check-config configs/quickstart.yaml algorithm.gamma=0.99
+    moe-rl plan configs/qwen3_30b_a3b_gspo.yaml --model-config Qwen3-30B-A3B/config.json
     moe-rl train configs/quickstart.yaml run.steps=2
     moe-rl tiny runs/tiny --arch mixtral
     moe-rl bench gae
@@ -43,6 +44,7 @@ def _cmd_check_config(args) -> int:
     if not args.config:
         raise UserError("check-config needs a config file (or --list)")
     cfg = config.load_config(args.config, args.overrides, cuda_available=True if args.assume_cuda else None)
+    sized = _size_for_check(cfg, args.config) if args.assume_cuda else ""
     print(config.dump_yaml(cfg), end="")
     par = cfg.parallel
     actors = ", ".join(f"{n} {k}" for k, n in cfg.actors.items() if n)
@@ -50,7 +52,43 @@ def _cmd_check_config(args) -> int:
           f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on GPUs it needs "
           f"{cfg.gpus} GPU(s) ({'colocated: two actors per GPU' if cfg.cluster.colocate else 'one per actor'})",
           file=sys.stderr)
+    if sized:
+        print(sized, file=sys.stderr)
     return 0
+
+
+def _size_for_check(cfg, path: str) -> str:
+    """check-config --assume-cuda: will the run fit the GPUs it names (cluster.gpus_per_node, gpu_memory_gb)?
+    Raises UserError (one line) if not; returns what to print."""
+    try:
+        problems = _plan(cfg, None).problems
+    except UserError as err:  # e.g. the model is not on this machine
+        return f"# {err} (not sized: moe-rl plan {path} --model-config PATH)"
+    if problems:
+        raise UserError("; ".join(problems))
+    return f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GB GPUs per node (moe-rl plan {path} for the sizes)"
+
+
+def _plan(cfg, model_config: str | None):
+    from moe_rl import plan
+
+    try:
+        return plan.make_plan(cfg, plan.hf_config_of(cfg, model_config))
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        raise UserError(f"plan: {err}" if not isinstance(err, KeyError) else f"plan: the model config has no {err}") from None
+
+
+def _cmd_plan(args) -> int:
+    from moe_rl import config, plan
+
+    sizes = [f"cluster.{k}={v}" for k, v in (("gpus_per_node", args.gpus_per_node), ("gpu_memory_gb", args.gpu_memory_gb))
+             if v is not None]
+    cfg = config.load_config(args.config, [*args.overrides, *sizes], cuda_available=True)
+    p = _plan(cfg, args.model_config)
+    print(plan.render(p))
+    for problem in p.problems:
+        print(f"moe-rl: error: {problem}", file=sys.stderr)
+    return EXIT_USAGE if p.problems else 0
 
 
 def _cmd_train(args) -> int:
@@ -132,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--assume-cuda", action="store_true",
                    help="validate as on a GPU machine (for GPU recipes checked on a CPU box)")
     c.set_defaults(fn=_cmd_check_config)
+
+    n = sub.add_parser("plan", help="will a config fit its GPU cluster? memory per role and GPU",
+                       description="Size a run from its config and the model's Hugging Face config alone (no "
+                       "weights): GPUs per role (policy, critic, reference, engines), per-GPU memory (weights, "
+                       "gradients, optimizer state, activations, engine KV cache), the host memory of one step's "
+                       "routes and the bytes of one weight sync. Exit 2, one line per problem, if it cannot fit.")
+    n.add_argument("config", help="YAML config file")
+    n.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    n.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.gpus_per_node, 8)")
+    n.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: cluster.gpu_memory_gb, 80)")
+    n.add_argument("--model-config", help="the model's config.json (default: model.path/config.json; the tiny model "
+                   "when model.path is empty)")
+    n.set_defaults(fn=_cmd_plan)
 
     t = sub.add_parser("train", help="run RL training from a config",
                        description="Run the RL loop described by a config: rollouts, advantages, critic and "

@@ -404,10 +404,15 @@ class ClusterSection:
     # first), spread (across nodes, best effort) or strict_spread (one bundle per node)
     placement: Literal["pack", "spread", "strict_spread"] = "pack"
     node_ip: str = ""  # this (driver) node's address when the machine has several (e.g. SLURM on one host)
+    # the GPU nodes the run is meant for: `moe-rl plan` and `check-config --assume-cuda` size it against them
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
 
     def check(self) -> None:
         if self.num_cpus is not None:
             positive("cluster.num_cpus", self.num_cpus)
+        positive("cluster.gpus_per_node", self.gpus_per_node)
+        in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
 
     @property
     def gpu_share(self) -> float:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.train import cpu_compat
+from moe_rl.weights.hf import dense_layers
 
 # moe_rl name -> (megatron fp8 format, megatron Fp8Recipe)
 FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tensorwise"),
@@ -42,17 +43,6 @@ class ModelSpec:
 def check_spec_for_machine(spec: ModelSpec) -> None:
     if not torch.cuda.is_available() and (spec.layer_spec == "transformer_engine" or spec.fp8 != "none"):
         raise ValueError("Transformer Engine layers and FP8 need CUDA; this machine has none (use layer_spec=local, fp8=none)")
-
-
-def dense_layers(hf_config) -> list[int]:
-    """Layers (0-based) of a Qwen2/Qwen3-MoE config whose MLP is dense: listed in `mlp_only_layers`, or
-    off the `decoder_sparse_step` pattern (a layer i is MoE when (i + 1) % step == 0), as transformers
-    and vLLM build them. Other architectures: [] (DeepSeek-style first_k_dense_replace is mbridge's)."""
-    if not hasattr(hf_config, "mlp_only_layers") and not hasattr(hf_config, "decoder_sparse_step"):
-        return []
-    only = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    return [i for i in range(hf_config.num_hidden_layers) if i in only or (i + 1) % step]
 
 
 _DENSE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(linear_fc1\.weight|linear_fc2\.weight|linear_fc1\.layer_norm_weight)$")

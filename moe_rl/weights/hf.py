@@ -50,6 +50,17 @@ def to_te_name(name: str, expert_offset: int = 0) -> str:
     return name
 
 
+def dense_layers(hf_config) -> list[int]:
+    """Layers (0-based) of a Qwen2/Qwen3-MoE config whose MLP is dense: listed in `mlp_only_layers`, or
+    off the `decoder_sparse_step` pattern (a layer i is MoE when (i + 1) % step == 0), as transformers
+    and vLLM build them. Other architectures: [] (DeepSeek-style first_k_dense_replace is mbridge's)."""
+    if not hasattr(hf_config, "mlp_only_layers") and not hasattr(hf_config, "decoder_sparse_step"):
+        return []
+    only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(hf_config.num_hidden_layers) if i in only or (i + 1) % step]
+
+
 def is_expert(te_name: str) -> bool:
     """Whether a TE-style name is a routed expert's weight (split over the expert-TP group)."""
     return ".mlp.experts.linear_fc" in te_name

@@ -15,7 +15,7 @@ def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
     assert out["cached"].token_ids == out["first"].token_ids
     assert out["cached"].logprobs == pytest.approx(out["first"].logprobs, abs=1e-5)
     # the update changed the model; the request after it equals one computed from scratch
-    assert max(abs(a - b) for a, b in zip(out["after_sync"].logprobs, out["first"].logprobs)) > 1e-2
+    assert max(abs(a - b) for a, b in zip(out["after_sync"].logprobs, out["first"].logprobs, strict=True)) > 1e-2
     assert out["after_sync"].token_ids == out["after_sync_fresh"].token_ids
     assert out["after_sync"].logprobs == pytest.approx(out["after_sync_fresh"].logprobs, abs=1e-5)
     # asynchronous: a request submitted while an older one still runs waits for the cache reset

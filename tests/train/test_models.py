@@ -51,7 +51,7 @@ def test_hf_round_trip_is_bitwise(arch, layout, request):
 def test_dense_layers_of_qwen_moe_configs():
     from types import SimpleNamespace as C
 
-    from moe_rl.train.model import dense_layers
+    from moe_rl.weights.hf import dense_layers
 
     assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=1)) == [0]
     assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)) == [0, 2]  # MoE at 1, 3

@@ -1,0 +1,286 @@
+"""Will a recipe fit a cluster? Sizes from the Hugging Face config alone (no weights), per role and per GPU.
+
+    plan = make_plan(cfg, hf_config_of(cfg, None))   # against cfg.cluster.gpus_per_node / gpu_memory_gb
+    print(render(plan)); plan.problems               # one line per reason it cannot fit
+
+Parameter counts follow the architectures as transformers builds them (Qwen3-MoE / Qwen2-MoE /
+Mixtral / Qwen3-style dense layers). Trainer memory per rank, with P_d the non-expert parameters on
+the rank's pipeline stage split over tp, and P_e its routed-expert parameters split over ep * etp:
+
+    weights      (P_d + P_e) * b                      b = 2 (bf16) or 4 (fp32)
+    gradients    (P_d + P_e) * 4                      Megatron's fp32 gradient buffer
+    optimizer    P_d * o / (dp * cp) + P_e * o / edp  Adam m, v (+ fp32 master weights under bf16):
+                                                      o = 12 (bf16) or 8; sharded by the distributed
+                                                      optimizer over the data-parallel (edp: expert-
+                                                      data-parallel) ranks, whole without it
+    activations  T * L * a / (tp * cp) + logits       T = trainer.micro_batch_tokens; 1F1B keeps pp
+                                                      microbatches of L / pp layers on the first stage;
+                                                      a = bytes per token and layer below (recompute:
+                                                      the layer input only, plus one layer recomputed)
+
+An estimate of the tensors a layer keeps for backward, per token (bf16):
+attention 2 * (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP 2 * (h + k (2h + 3f)) + 4E (fp32 router
+logits), dense MLP 2 * (2h + 3 f_dense). Logits on the last stage: T / (tp * cp) * V * 4 * 2 (fp32 logits
+and their gradient). Engines: weights / engine_tp, then the KV cache of what is left,
+2 * layers * n_kv * d * b bytes per token. A GPU's usable memory is USABLE of its size (CUDA context,
+NCCL buffers and allocator fragmentation take the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+USABLE = 0.9  # of a GPU's memory, for tensors
+ENGINE_RESERVE_GB = 2.0  # an engine's CUDA graphs, sampler and runtime buffers beyond weights and KV cache
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizes depend on, read from a Hugging Face config."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int
+    top_k: int
+    moe_ffn: int  # one routed expert's intermediate size
+    dense_ffn: int  # a dense layer's intermediate size
+    shared_ffn: int  # the shared expert's intermediate size (0: none)
+    dense_layers: int  # layers with a dense MLP instead of experts
+    tied: bool  # embedding and output projection share one matrix
+    qk_norm: bool
+    qkv_bias: bool
+
+    @staticmethod
+    def from_hf(c: dict) -> ModelShape:
+        from types import SimpleNamespace
+
+        from moe_rl.weights.hf import dense_layers
+
+        experts = c.get("num_experts") or c.get("num_local_experts")
+        if not experts:
+            raise ValueError("the model config names no experts (num_experts / num_local_experts): not an MoE model")
+        heads = c["num_attention_heads"]
+        return ModelShape(
+            hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab=c["vocab_size"], experts=experts, top_k=c["num_experts_per_tok"],
+            moe_ffn=c.get("moe_intermediate_size") or c["intermediate_size"], dense_ffn=c.get("intermediate_size", 0),
+            shared_ffn=c.get("shared_expert_intermediate_size") or 0,
+            dense_layers=len(dense_layers(SimpleNamespace(**c))), tied=bool(c.get("tie_word_embeddings", False)),
+            qk_norm=c.get("model_type") == "qwen3_moe", qkv_bias=c.get("model_type") == "qwen2_moe")
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def attention(self) -> int:
+        """Parameters of one attention block with its input norm."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        p = self.hidden * (q + 2 * kv) + q * self.hidden + self.hidden
+        return p + (2 * self.head_dim if self.qk_norm else 0) + (q + 2 * kv if self.qkv_bias else 0)
+
+    @property
+    def expert(self) -> int:
+        """One routed expert (gate, up and down projections)."""
+        return 3 * self.hidden * self.moe_ffn
+
+    @property
+    def moe_shared(self) -> int:
+        """An MoE layer's parameters that every token uses: norm, router, shared expert and its gate."""
+        shared = 3 * self.hidden * self.shared_ffn + self.hidden if self.shared_ffn else 0
+        return self.hidden + self.hidden * self.experts + shared
+
+    @property
+    def dense_mlp(self) -> int:
+        return self.hidden + 3 * self.hidden * self.dense_ffn
+
+    @property
+    def embeddings(self) -> int:
+        """Input embedding, final norm and output projection."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def non_expert(self) -> int:
+        return (self.layers * self.attention + self.moe_layers * self.moe_shared + self.dense_layers * self.dense_mlp
+                + self.embeddings)
+
+    @property
+    def total(self) -> int:
+        return self.non_expert + self.moe_layers * self.experts * self.expert
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (top_k experts per MoE layer)."""
+        return self.non_expert + self.moe_layers * self.top_k * self.expert
+
+    def activation_bytes(self, recompute: bool) -> float:
+        """Bytes a layer keeps per token for backward (bf16; averaged over MoE and dense layers)."""
+        h, d = self.hidden, self.head_dim
+        if recompute:
+            return 2 * h
+        attention = 2 * (2 * h + (self.heads + 2 * self.kv_heads) * d + self.heads * d)
+        moe = 2 * (h + self.top_k * (2 * h + 3 * self.moe_ffn)) + 4 * self.experts
+        dense = 2 * (2 * h + 3 * self.dense_ffn)
+        return attention + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class RolePlan:
+    role: str
+    gpus: int
+    per_gpu: dict[str, float]  # component -> bytes on the busiest GPU of the role
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.per_gpu.values())
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    gpus_per_node: int
+    gpu_memory_gb: float
+    roles: list[RolePlan]
+    nodes: int
+    route_bytes: int  # host memory for one step's routes
+    sync_bytes: int  # what one weight sync moves
+    problems: list[str]
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of pipeline stage `stage`: ceil(layers / pp) layers each,
+    the dense layers first; the embedding on the first stage, final norm and output on the last."""
+    per = math.ceil(shape.layers / pp)
+    layers = range(stage * per, min((stage + 1) * per, shape.layers))
+    dense = sum(1 for i in layers if i < shape.dense_layers)
+    moe = len(layers) - dense
+    ends = 0
+    if stage == 0:
+        ends += shape.vocab * shape.hidden
+    if stage == pp - 1:
+        ends += shape.hidden + (0 if shape.tied and pp == 1 else shape.vocab * shape.hidden)
+    return (len(layers) * shape.attention + moe * shape.moe_shared + dense * shape.dense_mlp + ends,
+            moe * shape.experts * shape.expert)
+
+
+def trainer_memory(shape: ModelShape, cfg, trains: bool) -> dict[str, float]:
+    """Bytes on the busiest rank of a trainer (policy / critic: trains; reference: forward only)."""
+    par, b = cfg.parallel, (2 if cfg.model.dtype == "bfloat16" else 4)
+    tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
+    etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
+    p_dense, p_expert = max((d / tp, e / (ep * etp)) for d, e in (stage_params(shape, pp, s) for s in range(pp)))
+    out = {"weights": (p_dense + p_expert) * b}
+    tokens = cfg.trainer.micro_batch_tokens / (tp * cp)
+    if trains:
+        opt = 12 if b == 2 else 8
+        edp = max(par.world_size // (pp * ep * etp), 1)
+        dp_shards, edp_shards = (par.dp * cp, edp) if par.distributed_optimizer else (1, 1)
+        out["gradients"] = (p_dense + p_expert) * 4
+        out["optimizer"] = p_dense * opt / dp_shards + p_expert * opt / edp_shards
+        kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)  # 1F1B: pp microbatches of L/pp
+        if cfg.model.recompute:  # and one layer's full activations while it is recomputed
+            kept += tokens * shape.activation_bytes(False)
+        out["activations"] = kept
+    out["logits"] = tokens * shape.vocab * 4 * (2 if trains else 1)
+    return out
+
+
+def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, float], float]:
+    """(bytes per engine GPU, KV-cache tokens it holds). Engines have no parallelism yet: one GPU each."""
+    b = 2 if cfg.model.dtype == "bfloat16" else 4
+    weights = shape.total * b
+    r = cfg.rollout
+    reserve = ENGINE_RESERVE_GB * GiB
+    if r.kv_cache_gb is not None:
+        kv = r.kv_cache_gb * GiB
+    else:
+        from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
+
+        util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
+        kv = max(0.0, util * gpu_bytes - weights - reserve)
+    return {"weights": weights, "runtime": reserve, "kv_cache": kv}, kv / shape.kv_bytes_per_token(b)
+
+
+def make_plan(cfg, hf_config: dict) -> Plan:
+    shape = ModelShape.from_hf(hf_config)
+    cluster = cfg.cluster
+    gpu = cluster.gpu_memory_gb * GiB
+    usable = USABLE * gpu
+    actors = cfg.actors
+    problems: list[str] = []
+    roles = []
+    for role in ("policy", "critic", "reference"):
+        if actors[role]:
+            roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),
+                                  trainer_memory(shape, cfg, trains=role != "reference")))
+    engine, kv_tokens = engine_memory(shape, cfg, gpu)
+    engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.cluster.gpu_share), engine,
+                       [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "
+                        f"max_model_len={cfg.rollout.max_model_len})"])
+    roles.append(engines)
+    beside = engines.total if cfg.cluster.colocate else 0.0  # a colocated trainer rank shares its GPU with an engine
+    for rp in roles[:-1]:
+        if rp.total > usable - beside:
+            problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {(usable - beside) / GiB:.1f} GiB "
+                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GB" + (f" less a colocated engine's "
+                            f"{beside / GiB:.1f})" if beside else ")"))
+    if engines.total > gpu:  # vLLM's utilisation is a share of the whole GPU; a fixed KV cache may overshoot
+        problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GB GPU")
+    if kv_tokens < cfg.rollout.max_model_len:
+        problems.append(f"engine: {kv_tokens:,.0f} KV-cache tokens cannot hold one sequence of max_model_len="
+                        f"{cfg.rollout.max_model_len} ({shape.total * (2 if cfg.model.dtype == 'bfloat16' else 4) / GiB:.1f} "
+                        f"GiB of weights on a {cluster.gpu_memory_gb:g} GB GPU)")
+    if cfg.parallel.tp > cluster.gpus_per_node:
+        problems.append(f"parallel.tp={cfg.parallel.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
+                        "tensor parallelism needs one node's links")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    route_bytes = samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k * (1 if shape.experts <= 256 else 2)
+    sync_bytes = shape.total * (2 if cfg.model.dtype == "bfloat16" else 4)
+    return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, math.ceil(cfg.gpus / cluster.gpus_per_node),
+                route_bytes, sync_bytes, problems)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def render(plan: Plan) -> str:
+    s, gb = plan.shape, GiB
+    lines = [f"model: {_count(s.total)} parameters, {_count(s.active)} active per token "
+             f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
+             f"cluster: {sum(r.gpus for r in plan.roles)} GPUs on {plan.nodes} node(s) of "
+             f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GB"]
+    for r in plan.roles:
+        parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())
+        lines.append(f"{r.role:<9} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")
+        lines += [f"{'':<9} {n}" for n in r.notes]
+    lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
+                 f"{plan.sync_bytes / gb:.1f} GiB")
+    return "\n".join(lines)
+
+
+def hf_config_of(cfg, model_config: str | None) -> dict:
+    """The HF config dict: `model_config` (a config.json or a directory holding one), else model.path's,
+    else the tiny model's."""
+    if model_config or cfg.model.path:
+        path = Path(model_config or cfg.model.path)
+        path = path if path.suffix == ".json" else path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no model config at {path}; pass --model-config PATH (a config.json)")
+        return json.loads(path.read_text())
+    from moe_rl.tiny import VOCAB_SIZE, hf_config
+
+    return hf_config(cfg.model.tiny, eos_token_id=VOCAB_SIZE - 1, pad_token_id=VOCAB_SIZE - 2).to_dict()

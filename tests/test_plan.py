@@ -1,0 +1,91 @@
+"""`moe-rl plan`: parameter counts from published configs and exactly from transformers' own models,
+the shipped recipes fit their stated clusters, and a run that cannot fit is refused, one line per problem."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import ROOT, moe_rl_cli
+
+from moe_rl.config import TinyModel, from_dict, load_config
+from moe_rl.plan import ModelShape, hf_config_of, make_plan
+from moe_rl.tiny import hf_config as tiny_hf_config
+
+# the published config.json of each model (the fields sizes depend on)
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "intermediate_size": 6144, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "tie_word_embeddings": False, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336,
+                "tie_word_embeddings": False, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+
+
+def test_published_models_parameter_counts():
+    q = ModelShape.from_hf(QWEN3_30B_A3B)
+    assert 30.4e9 < q.total < 30.6e9 and 3.2e9 < q.active < 3.4e9  # "30.5 B total, 3.3 B activated"
+    m = ModelShape.from_hf(MIXTRAL_8X7B)
+    assert 46.6e9 < m.total < 46.8e9 and 12.8e9 < m.active < 13.0e9  # "46.7 B total, 12.9 B active"
+
+
+@pytest.mark.parametrize("spec", [TinyModel(), TinyModel(arch="mixtral"), TinyModel(arch="qwen2_moe"),
+                                  TinyModel(num_layers=3, first_dense_layers=1)], ids=["qwen3", "mixtral", "qwen2", "dense"])
+def test_counts_equal_transformers_models_exactly(spec):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_config_of(from_dict({"model": {"tiny": spec.__dict__}}, cuda_available=False), None)  # the tiny model's
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_hf_config(spec, eos_token_id=383, pad_token_id=382))
+    assert ModelShape.from_hf(hf).total == sum(p.numel() for p in model.parameters())
+
+
+def _plan(path, tmp_path, published, *flags):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(published))
+    return subprocess.run([*moe_rl_cli(), "plan", path, "--model-config", str(cfg_file), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_shipped_recipes_fit_their_stated_clusters(tmp_path):
+    for recipe, published in (("configs/qwen3_30b_a3b_gspo.yaml", QWEN3_30B_A3B),
+                              ("configs/mixtral_8x7b_ppo.yaml", MIXTRAL_8X7B)):
+        out = _plan(recipe, tmp_path, published)
+        assert out.returncode == 0, out.stderr
+        assert "policy" in out.stdout and "engine" in out.stdout and "KV-cache tokens" in out.stdout
+
+
+def test_a_run_that_cannot_fit_is_refused_one_line_per_problem(tmp_path):
+    out = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80")
+    assert out.returncode == 2
+    errors = out.stderr.strip().splitlines()
+    assert errors == ["moe-rl: error: engine: 89.0 GiB per GPU does not fit a 80 GB GPU",
+                      "moe-rl: error: engine: 0 KV-cache tokens cannot hold one sequence of max_model_len=8192 "
+                      "(87.0 GiB of weights on a 80 GB GPU)"]
+
+
+def test_trainer_memory_worked_by_hand():
+    """Qwen3-30B-A3B in the shipped layout (tp 2, pp 2, ep 8, dp 8, bf16, distributed optimizer): stage 1
+    holds 24 layers, the final norm and the output projection."""
+    cfg = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", cuda_available=True)
+    plan = make_plan(cfg, QWEN3_30B_A3B)
+    s = ModelShape.from_hf(QWEN3_30B_A3B)
+    dense = (24 * s.attention + 24 * s.moe_shared + s.hidden + s.vocab * s.hidden) / 2  # tp 2
+    expert = 24 * 128 * s.expert / (8 * 2)  # ep 8 x etp 2
+    policy = plan.roles[0].per_gpu
+    assert policy["weights"] == pytest.approx((dense + expert) * 2)
+    assert policy["gradients"] == pytest.approx((dense + expert) * 4)
+    # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over 32 / (pp 2 * ep 8 * etp 2) = 1
+    assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 1)
+
+
+def test_check_config_assume_cuda_sizes_the_run():
+    ok = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "--assume-cuda"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "# fits 8 x 80 GB GPUs per node" in ok.stderr
+    small = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "cluster.gpu_memory_gb=0.5",
+                            "--assume-cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert small.returncode == 2 and small.stderr.startswith("moe-rl: error: policy: 0.0 GiB per GPU does not fit")
+    assert len(small.stderr.strip().splitlines()) == 1
