@@ -28,6 +28,21 @@ class RolloutError(RuntimeError):
     """A step's rollout left nothing to train on."""
 
 
+def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
+    """Per-token weight versions of a step's model tokens against the engines' `current` version: the
+    share of trajectories whose tokens come from several versions (a sync landed mid-conversation), and
+    the age (current - version) of the tokens: mean, max, and the share sampled by the current weights."""
+    ages, spanning = [], 0
+    for t in trajectories:
+        versions = t.versions or [t.weight_version] * len(t.token_ids)
+        mine = [v for v, m in zip(versions, t.response_mask, strict=True) if m]
+        spanning += len(set(mine)) > 1
+        ages += [current - v for v in mine]
+    return {"rollout/spanning_versions_frac": spanning / max(1, len(trajectories)),
+            "rollout/token_age_mean": sum(ages) / max(1, len(ages)), "rollout/token_age_max": max(ages, default=0),
+            "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
+
+
 class Rollouts:
     def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
         from moe_rl.rollout.envs import get_env
@@ -77,7 +92,8 @@ class Rollouts:
 
     def wait(self, pending: list) -> tuple[Batch, dict]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
-        current weights dropped, in async mode) and the rollout's figures, merged over the engines."""
+        current weights dropped, in async mode, measured from a sample's oldest token) and the rollout's
+        figures, merged over the engines."""
         from moe_rl.rollout.agent import RolloutStats
 
         t0 = time.perf_counter()
@@ -104,6 +120,7 @@ class Rollouts:
                                f"fewer than the {dp} data-parallel replicas; raise rollout.prompts_per_step")
         total = max(1, sum(st.outcomes.values()))
         return batch, {
+            **token_version_figures(trajs, self.version),
             "timing/generate_wait_s": wait_s,
             "perf/generate_tokens_per_s": sum(sum(t.response_mask) for t in trajs) / max(wait_s, 1e-9),
             "rollout/samples": batch.size, "rollout/rejected": sum(st.rejected.values()),

@@ -121,6 +121,11 @@ class Trajectory:
     boundary_len     tokens of the boundary state s_boundary (the prefix including observations
                      returned after the last model token); the critic's value at position
                      boundary_len-1 bootstraps truncated episodes
+    weight_version   the version the episode started with: the oldest of its tokens
+    versions         [N] weight version of each token: for a model token the weights that sampled it,
+                     for a prompt or observation token those of the request that first computed it
+                     (asynchronous mode: a weight sync can land mid-conversation, even mid-turn);
+                     empty: every token is weight_version
     """
 
     token_ids: list[int]
@@ -137,6 +142,7 @@ class Trajectory:
     group_id: int = 0
     sample_index: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
 
     @property
     def terminated(self) -> bool:
@@ -155,9 +161,11 @@ def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:
     """The guide's checklist, per trajectory. Returns the violated rules (empty: valid)."""
     bad = []
     n = len(t.token_ids)
-    if not (len(t.response_mask) == len(t.logprobs) == n):
-        bad.append("lengths: token_ids, response_mask and logprobs differ in length")
+    if not (len(t.response_mask) == len(t.logprobs) == n) or (t.versions and len(t.versions) != n):
+        bad.append("lengths: token_ids, response_mask, logprobs and versions differ in length")
         return bad
+    if t.versions and min(t.versions) < t.weight_version:
+        bad.append(f"versions: a token is older than the episode's start version {t.weight_version}")
     if t.prompt_len < 1 or any(t.response_mask[: t.prompt_len]):
         bad.append("action_mask: prompt tokens are marked as model actions")
     covered = [False] * n

@@ -83,7 +83,7 @@ class Agent:
         prompt_len = len(ids)
         mask = [False] * prompt_len
         logps = [0.0] * prompt_len
-        spans, turn_rewards = [], []
+        spans, turn_rewards, versions = [], [], []
         terminal, outcome, version, routes = 0.0, None, None, None
         last_texts: list[str] = []
         tool_errors = 0
@@ -104,6 +104,8 @@ class Agent:
             version = res.weight_version if version is None else version
             routes = res.routes if routes is None or res.routes is None else routes.extended(res.routes)
             start = len(ids)
+            versions.extend([res.weight_version] * (start - len(versions)))  # the prompt / observation it computed
+            versions.extend(res.token_versions())
             ids.extend(res.token_ids)
             mask.extend([True] * len(res.token_ids))
             logps.extend(res.logprobs)
@@ -141,12 +143,14 @@ class Agent:
         if outcome is None:
             outcome = Outcome.TRUNCATED_TURNS  # out of turns: the task could go on
         self.stats.tool_errors += tool_errors
+        if version is None:
+            version = getattr(self.engine, "version", 0)
+        versions.extend([versions[-1] if versions else version] * (len(ids) - len(versions)))  # a last observation
         return Trajectory(
             token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
             terminal_reward=terminal, outcome=outcome, boundary_len=len(ids),
-            weight_version=version if version is not None else getattr(self.engine, "version", 0),
-            prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
-            info={"tool_errors": tool_errors, "turns": len(spans)})
+            weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
+            info={"tool_errors": tool_errors, "turns": len(spans)}, versions=versions)
 
     def _failed(self, prompt, group_id, sample_index, reason) -> Trajectory:
         log.warning("episode failed before the first turn: %s", reason)

@@ -123,8 +123,12 @@ class GenerationResult:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
+    weight_version: int  # the version the request started with (the oldest of its tokens)
     routes: RoutingRecord | None = field(default=None, repr=False)
+    versions: list[int] | None = None  # the weight version that sampled each token (None: all weight_version)
+
+    def token_versions(self) -> list[int]:
+        return self.versions if self.versions is not None else [self.weight_version] * len(self.token_ids)
 
 
 def _worker_install_capture(worker, num_experts: int) -> int:
@@ -203,6 +207,8 @@ class RolloutEngine:
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
         self._stepper: asyncio.Task | None = None
         self._held: list[tuple[str, list[int], object]] | None = None  # requests waiting for a cache reset
+        self._sampled: dict[str, int] = {}  # tokens a running request has delivered so far
+        self._switches: dict[str, list[tuple[int, int]]] = {}  # (token index, version) where new weights took over
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -236,8 +242,12 @@ class RolloutEngine:
         elif self.route_source == "vllm" and comp.routed_experts is not None:
             routes = RoutingRecord.from_rows(moe_rows(comp.routed_experts, self.moe_hidden_layers), routes_from,
                                              route_dtype(self.num_experts))
+        versions = [version] * len(token_ids)
+        for index, new in self._switches.pop(out.request_id, []):  # weights updated while it ran
+            versions[index:] = [new] * (len(token_ids) - index)
+        self._sampled.pop(out.request_id, None)
         return GenerationResult(out.request_id, prompt, token_ids, logprobs, comp.finish_reason or "abort",
-                                version, routes)
+                                version, routes, versions)
 
     def _step(self) -> list[GenerationResult]:
         if self._held is not None and not self.engine.has_unfinished_requests():
@@ -245,7 +255,13 @@ class RolloutEngine:
             held, self._held = self._held, None
             for rid, prompt_ids, params in held:
                 self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
-        return [self._result(o) for o in self.engine.step() if o.finished]
+        done = []
+        for o in self.engine.step():
+            if o.finished:
+                done.append(self._result(o))
+            else:
+                self._sampled[o.request_id] = len(o.outputs[0].token_ids)
+        return done
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -256,9 +272,11 @@ class RolloutEngine:
         """The weights changed: from now on no cached prefix of the old weights may serve a request.
 
         vLLM resets its prefix cache only when no request holds cache blocks. In asynchronous mode
-        requests may still be running (they finish with the new weights, tagged with the version they
-        started with); requests submitted meanwhile wait until those finish and the cache is reset."""
+        requests may still be running: they finish with the new weights (`versions` marks the tokens each
+        weight version sampled); requests submitted meanwhile wait until those finish and the cache is reset."""
         self.version = version
+        for rid in self._meta:  # requests in flight sample their next tokens with the new weights
+            self._switches.setdefault(rid, []).append((self._sampled.get(rid, 0), version))
         if not self.prefix_caching:
             return
         if self.engine.has_unfinished_requests():

@@ -84,13 +84,19 @@ def agent_vllm_job(rank, world, model_path):
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.envs import get_env
 
+    from moe_rl.weights.hf import HFReader
+
     engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
     sampled = {}
     real = engine.agenerate
+    reader = HFReader(model_path)
+    same_weights = [(k, reader.get(k)) for k in sorted(reader.names())]
 
     async def logged(ids, sampling):
         res = await real(ids, sampling)
         sampled.setdefault(tuple(ids[:40]), []).append((len(ids), list(res.token_ids)))
+        if sum(map(len, sampled.values())) == 6:  # a weight sync (the same weights) lands mid-conversation
+            engine.update_weights(same_weights, version=1)
         return res
 
     engine.agenerate = logged

@@ -20,7 +20,11 @@ def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
     assert out["after_sync"].logprobs == pytest.approx(out["after_sync_fresh"].logprobs, abs=1e-5)
     # asynchronous: a request submitted while an older one still runs waits for the cache reset
     assert out["held"]
-    assert out["running"].weight_version == 1 and len(out["running"].token_ids) == 40
+    running = out["running"]
+    assert running.weight_version == 1 and len(running.token_ids) == 40
+    # its first tokens were sampled by version 1, the rest by version 2 (the sync landed mid-request)
+    switch = running.versions.index(2)
+    assert 0 < switch < 40 and running.versions == [1] * switch + [2] * (40 - switch)
     assert out["late"].weight_version == 2
     assert out["late"].token_ids == out["late_fresh"].token_ids
     assert out["late"].logprobs == pytest.approx(out["late_fresh"].logprobs, abs=1e-5)
