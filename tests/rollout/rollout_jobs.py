@@ -83,7 +83,6 @@ def agent_vllm_job(rank, world, model_path):
     from moe_rl.rollout.agent import Agent
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.envs import get_env
-
     from moe_rl.weights.hf import HFReader
 
     engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
