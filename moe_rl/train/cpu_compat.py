@@ -1,8 +1,10 @@
-"""What megatron-core needs to run on a machine without CUDA — and nothing else.
+"""What megatron-core needs to run without CUDA, or without Transformer Engine and apex — and nothing else.
 
-megatron-core targets GPUs; on a CPU box (gloo, local layer spec) a handful of CUDA assumptions stand
-in its way. Each shim below is named, says what it fixes, and is covered by tests/train/test_cpu_compat.py.
-`apply()` installs them once, and only when torch has no CUDA; with CUDA it does nothing.
+megatron-core targets GPUs with Transformer Engine; on a CPU box (gloo, local layer spec) a handful of
+CUDA assumptions stand in its way, and on a GPU without TE/apex (the local spec) two TE assumptions do.
+Each shim below is named, says what it fixes, and is covered by tests/train/test_cpu_compat.py.
+`apply()` installs once the shims this machine needs (`wanted`): all without CUDA; te_names and
+optimizer_step without Transformer Engine, CUDA or not; none on a GPU with TE.
 
   rng_tracker        model-parallel RNG tracker backed by CPU generators (dropout / init forks); the
                      CUDA-generator save/restore of activation recompute becomes a no-op (the CPU
@@ -33,8 +35,10 @@ from torch.overrides import TorchFunctionMode
 APPLIED: list[str] = []
 
 
-def needed() -> bool:
-    return not torch.cuda.is_available()
+def te_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,11 +304,19 @@ SHIMS = {
 }
 
 
+WITHOUT_TE = ("te_names", "optimizer_step")  # TE / apex assumptions: needed on GPUs without them too
+
+
+def wanted(cuda: bool, te: bool) -> list[str]:
+    """The shims a machine needs: every one without CUDA, the TE ones without Transformer Engine."""
+    return [name for name in SHIMS if not cuda or (not te and name in WITHOUT_TE)]
+
+
 def apply() -> list[str]:
-    """Install every shim once (no-op with CUDA). Returns the names installed in this process."""
-    if not needed() or APPLIED:
+    """Install the shims this machine needs, once. Returns the names installed in this process."""
+    if APPLIED:
         return APPLIED
-    for name, shim in SHIMS.items():
-        shim()
+    for name in wanted(torch.cuda.is_available(), te_available()):
+        SHIMS[name]()
         APPLIED.append(name)
     return APPLIED

@@ -78,6 +78,12 @@ def shim_checks(rank, world):
     out["sp_norm_tagged"] = all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
     out["sp_norm_names"] = [n for n, _ in norm.named_parameters()]
     out["sp_norm_err"] = float((norm(xin) - ref(xin)).abs().max())
+    # without sequence parallelism torch's own norm, in megatron's params_dtype (torch would build fp32)
+    plain = SimpleNamespace(normalization="RMSNorm", sequence_parallel=False, params_dtype=torch.bfloat16,
+                            layernorm_zero_centered_gamma=False, persist_layer_norm=False,
+                            memory_efficient_layer_norm=False)
+    norm = WrappedTorchNorm(plain, 8, eps=1e-6)
+    out["plain_norm"] = (type(norm).__name__, norm.weight.dtype)
 
     # optimizer_type
     out["param_type"] = torch.nn.Parameter(torch.zeros(2)).type()
@@ -114,6 +120,7 @@ def test_every_shim_in_a_fresh_process():
     assert out["pinned_on_cpu"] == [1, 2]
     assert out["te_general_gemm"] is None
     assert out["sp_norm_tagged"] and out["sp_norm_names"] == ["weight"] and out["sp_norm_err"] < 1e-6
+    assert out["plain_norm"] == ("RMSNorm", torch.bfloat16)
     assert out["param_type"] == "torch.cuda.FloatTensor" and out["explicit_type"] == "torch.float64"
     assert out["all_to_all"] == [0.0, 1.0, 2.0, 3.0]
     shim = "moe_rl.train.cpu_compat._optimizer_step.<locals>."
@@ -126,5 +133,15 @@ def test_shims_do_nothing_here_when_not_applied():
     # this process never called apply(): torch is untouched
     from moe_rl.train import cpu_compat
 
-    assert cpu_compat.needed() and not cpu_compat.APPLIED
+    assert cpu_compat.wanted(torch.cuda.is_available(), cpu_compat.te_available()) and not cpu_compat.APPLIED
     assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def test_which_machines_get_which_shims():
+    from moe_rl.train import cpu_compat
+
+    assert cpu_compat.wanted(cuda=False, te=False) == list(cpu_compat.SHIMS)  # a CPU box: all of them
+    assert cpu_compat.wanted(cuda=False, te=True) == list(cpu_compat.SHIMS)
+    # a GPU without Transformer Engine (the local spec): megatron's router still calls te_general_gemm
+    assert cpu_compat.wanted(cuda=True, te=False) == ["te_names", "optimizer_step"]
+    assert cpu_compat.wanted(cuda=True, te=True) == []

@@ -1,0 +1,279 @@
+"""GPU measurement of the Megatron trainer on its local layer spec (megatron-core's own layers, torch
+SDPA attention; no Transformer Engine, vLLM or Ray): one rank on one GPU, started by run_ranks. Run by
+tools/gpu_check.sh; progress goes to stderr, one JSON line to stdout at the end.
+
+    python3 tools/gpu_check.py [--dry-run] [--layers N] [--rows B] [--seq S] [--steps N]
+
+Model: a random Qwen3-MoE built here (moe_rl.tiny), hidden 1024, 8 layers, 64 experts top-8 of width
+384, 16 query and 4 key/value heads of 128: 647M parameters, 118M active per token (a 2.5 GiB fp32
+checkpoint; building it took 24 s on one thread of the 2-core CI machine). bf16, 8 rows x 2048 tokens a
+step, packed into one microbatch (trainer.micro_batch_tokens=16384, as the GPU recipes); production's
+PPO loss and value loss.
+
+Figures (medians of timed calls after warm-up calls, each call ending in torch.cuda.synchronize):
+  train_tokens_per_s, mfu   policy step (routes replayed): tokens / time, and
+                            6 * active params * tokens / time / PEAK_BF16_FLOPS (attention scores uncounted)
+  policy_step_s, critic_step_s
+  replay_score_ratio        scoring with the recorded routes replayed / scoring with free routing
+                            (median of the ratios of pairs run in alternating order)
+  peak_memory_gib           torch.cuda.max_memory_allocated over the policy's training steps
+  logp_max_abs_diff_*       Megatron vs transformers on the GPU, both in fp32 (TF32 off; <= 1e-5
+                            expected) and both in bf16, on conftest's tiny Qwen3-MoE
+
+--dry-run needs no GPU: it prints the plan and checks the FLOP/MFU arithmetic on a case worked by hand
+and the active-parameter count against the model's own parameters (built on the meta device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from bench._timing import median_time, timed
+
+from moe_rl.config import TinyModel
+from moe_rl.tiny import VOCAB_SIZE
+
+PEAK_BF16_FLOPS = 989e12  # H200 (as H100 SXM): dense bf16 tensor-core peak of NVIDIA's datasheet
+MEASURED = TinyModel(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                     num_experts=64, top_k=8, moe_intermediate_size=384, max_position_embeddings=4096)
+PARITY = TinyModel()  # conftest's tiny_qwen
+PARITY_SHAPE = (4, 64)  # rows x tokens scored for the parity figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    rows: int = 8
+    seq: int = 2048
+    micro_batch_tokens: int = 16384
+    warmup: int = 2  # untimed calls before each timed series
+    steps: int = 5  # timed policy steps, and timed critic steps
+    pairs: int = 6  # timed free/replay scoring pairs
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq
+
+
+def active_params(spec: TinyModel, vocab: int = VOCAB_SIZE) -> int:
+    """Weights a token's forward pass multiplies with, every layer an MoE layer (no first_dense_layers):
+    per layer the q/k/v/o projections, the router and its top_k experts (gate, up, down), plus the
+    output layer. The input embedding (a lookup) and the norms (no matrix product) are left out."""
+    h, d = spec.hidden_size, spec.head_dim
+    attention = h * d * 2 * (spec.num_attention_heads + spec.num_key_value_heads)
+    router = h * spec.num_experts
+    experts = spec.top_k * 3 * h * spec.moe_intermediate_size
+    return spec.num_layers * (attention + router + experts) + vocab * h
+
+
+def train_flops(active: int, tokens: int) -> float:
+    """Forward and backward matrix products of a training step: 6 FLOP per active weight and token."""
+    return 6.0 * active * tokens
+
+
+def mfu(active: int, tokens: int, seconds: float, peak: float = PEAK_BF16_FLOPS) -> float:
+    return train_flops(active, tokens) / seconds / peak
+
+
+def arithmetic_problems(spec: TinyModel) -> list[str]:
+    """The FLOP/MFU formulas on a case worked by hand, and active_params against the parameters of the
+    model `spec` itself (transformers on the meta device: the unchosen experts' share, the embedding
+    and the norms taken out). One line per problem."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.tiny import hf_config
+
+    problems = []
+    # hidden 4, 2 layers, 2 heads + 1 kv head of 2, 4 experts top-2 of width 3, vocabulary 10:
+    # attention 4*2*(2+1)*2 = 48, router 16, two experts 2*3*4*3 = 72 -> 136 a layer, 272 + output 40
+    hand = TinyModel(hidden_size=4, num_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=2,
+                     num_experts=4, top_k=2, moe_intermediate_size=3)
+    if active_params(hand, vocab=10) != 312:
+        problems.append(f"active_params of the hand-worked case is {active_params(hand, vocab=10)}, not 312")
+    # 6 * 312 * 100 tokens = 187200 FLOP in 1 us = 1.872e11 FLOP/s, / 989e12
+    if abs(mfu(312, 100, 1e-6) / (1.872e11 / 989e12) - 1) > 1e-12:
+        problems.append(f"mfu of the hand-worked case is {mfu(312, 100, 1e-6):.6g}, not {1.872e11 / 989e12:.6g}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(spec, 0, 0))
+    named = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    lookup_and_norms = sum(p.numel() for n, p in named.items()
+                           if "embed_tokens" in n or n.endswith("norm.weight"))
+    unchosen = experts - experts * spec.top_k // spec.num_experts
+    counted = sum(p.numel() for p in named.values()) - lookup_and_norms - unchosen
+    if counted != active_params(spec):
+        problems.append(f"the model's own parameters give {counted} active, active_params {active_params(spec)}")
+    return problems
+
+
+def synced(fn):
+    """fn, returning once the GPU has finished the work it queued."""
+    def call(*args):
+        out = fn(*args)
+        torch.cuda.synchronize()
+        return out
+    return call
+
+
+def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
+    """One bf16 rank: scoring free vs replayed, policy steps (routes replayed), then critic steps."""
+    from moe_rl import settings
+    from moe_rl.algos import aggregate
+    from moe_rl.algos.targets import policy_denominators
+    from moe_rl.batch import Batch
+    from moe_rl.config import RunConfig
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    cfg = RunConfig()
+    spec = dataclasses.replace(settings.model_spec(cfg, hf_path), dtype="bfloat16")
+    optim = dataclasses.replace(settings.optim_settings(cfg, cfg.trainer.lr),
+                                micro_batch_tokens=plan.micro_batch_tokens)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB_SIZE, (plan.rows, plan.seq), generator=g)  # on the CPU, as from Ray
+    lengths = torch.full((plan.rows,), plan.seq)
+    mask = torch.arange(plan.seq).expand(plan.rows, -1) > 0  # every token after the first is an action
+
+    policy = TrainWorker(spec, optim=optim)
+    free = Batch(ids, lengths)
+    routes = policy.score(free, record_routes=True)["routes"]
+    replayed = Batch(ids, lengths, routes)
+    t_free, t_replay = [], []
+    for i in range(plan.warmup + plan.pairs):  # alternating order: drift hits both alike
+        for batch, times in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
+            timed(synced(policy.score), times if i >= plan.warmup else [], batch)
+
+    weight, adv = torch.ones(plan.rows, plan.seq), torch.randn(plan.rows, plan.seq, generator=g) * mask
+    ppo = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, is_weight_BS=weight, adv_BS=adv,
+                logp_old_BS=policy.score(replayed)["logp"])
+    loss = settings.policy_loss(cfg)
+    denominators = policy_denominators(mask, mask, weight, settings.target_params(cfg))
+    torch.cuda.reset_peak_memory_stats()
+    t_policy = median_time(synced(lambda: policy.train_step(ppo, loss, denominators)), plan.steps, plan.warmup)
+    peak = torch.cuda.max_memory_allocated()
+
+    critic = TrainWorker(dataclasses.replace(spec, routing_replay=False), role="critic", optim=optim)
+    values = Batch(ids, lengths, mask_BS=mask, returns_BS=torch.randn(plan.rows, plan.seq, generator=g),
+                   values_old_BS=torch.zeros(plan.rows, plan.seq))
+    value_loss, denominator = settings.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
+    t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps, plan.warmup)
+    return {"policy_step_s": t_policy, "critic_step_s": t_critic, "peak_memory_gib": peak / 2**30,
+            "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True))}
+
+
+def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Megatron's log-probs [B, S] of ids_BS (whole rows), in fp32 (TF32 off) and in bf16."""
+    from moe_rl import settings
+    from moe_rl.batch import Batch
+    from moe_rl.config import RunConfig
+    from moe_rl.train import parallel
+    from moe_rl.train.hf_parity import exact_fp32_matmuls
+    from moe_rl.train.worker import TrainWorker
+
+    exact_fp32_matmuls()
+    parallel.init_distributed(parallel.Layout())
+    cfg = RunConfig()
+    lengths = torch.full((ids_BS.shape[0],), ids_BS.shape[1])
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        w = TrainWorker(dataclasses.replace(settings.model_spec(cfg, hf_path), dtype=dtype),
+                        optim=settings.optim_settings(cfg, cfg.trainer.lr))
+        out[dtype] = w.score(Batch(ids_BS, lengths))["logp"]
+    return out
+
+
+def describe(spec: TinyModel, plan: Plan) -> str:
+    active = active_params(spec)
+    flops = train_flops(active, plan.tokens)
+    return "\n".join([
+        f"model: random Qwen3-MoE, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_experts} experts "
+        f"top-{spec.top_k} of width {spec.moe_intermediate_size}, {spec.num_attention_heads} heads "
+        f"({spec.num_key_value_heads} kv) of {spec.head_dim}: {active / 1e6:.1f}M active parameters per token",
+        f"bf16, one rank on cuda:0: {plan.rows} rows x {plan.seq} tokens a step, packed into microbatches of "
+        f"<= {plan.micro_batch_tokens} tokens",
+        f"timed after {plan.warmup} warm-up calls each: {plan.pairs} free/replay scoring pairs, {plan.steps} policy "
+        f"steps (PPO, routes replayed), {plan.steps} critic steps",
+        f"MFU = 6 x {active / 1e6:.1f}M x {plan.tokens} tokens = {flops / 1e12:.2f} TFLOP per policy step "
+        f"/ step time / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (10% MFU: {flops / (0.1 * PEAK_BF16_FLOPS):.3f} s a step)",
+        f"parity: tiny Qwen3-MoE (hidden {PARITY.hidden_size}, {PARITY.num_experts} experts) vs transformers on the GPU, "
+        f"fp32 and bf16, {PARITY_SHAPE[0]} x {PARITY_SHAPE[1]} tokens",
+    ])
+
+
+def largest_gap(a_BS: torch.Tensor, b_BS: torch.Tensor) -> float:
+    return float((a_BS - b_BS).abs().max())
+
+
+def measure(spec: TinyModel, plan: Plan) -> dict:
+    from moe_rl.tiny import build_tiny_checkpoint
+    from moe_rl.train.hf_parity import exact_fp32_matmuls, hf_token_logprobs
+    from moe_rl.train.launch_local import run_ranks
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="moe_rl_gpu_check_") as tmp:
+        print("building the checkpoints", file=sys.stderr)
+        measured = build_tiny_checkpoint(Path(tmp) / "measured", spec, seed=0)
+        small = build_tiny_checkpoint(Path(tmp) / "parity", PARITY, seed=0)
+        build_s = time.perf_counter() - start
+        print(f"measuring (checkpoints built in {build_s:.1f} s)", file=sys.stderr)
+        figures = run_ranks(measure_job, 1, (str(measured), plan))[0]
+        print("parity with transformers", file=sys.stderr)
+        ids = torch.randint(0, VOCAB_SIZE, PARITY_SHAPE, generator=torch.Generator().manual_seed(1))
+        megatron = run_ranks(parity_job, 1, (str(small), ids))[0]
+        exact_fp32_matmuls()
+        fp32 = largest_gap(megatron["float32"], hf_token_logprobs(small, ids, "cuda", torch.float32))
+        bf16 = largest_gap(megatron["bfloat16"], hf_token_logprobs(small, ids, "cuda", torch.bfloat16))
+    active = active_params(spec)
+    return {
+        "check": "gpu_local_spec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "megatron_core": version("megatron-core"), "mbridge": version("mbridge"),
+        "model": dataclasses.asdict(spec) | {"active_params": active}, "plan": dataclasses.asdict(plan),
+        "dtype": "bfloat16", "train_tokens_per_s": plan.tokens / figures["policy_step_s"],
+        "mfu": mfu(active, plan.tokens, figures["policy_step_s"]), "peak_flops": PEAK_BF16_FLOPS,
+        "peak_flops_source": "H200 dense bf16 tensor-core peak (datasheet)", **figures,
+        "logp_max_abs_diff_fp32": fp32, "logp_max_abs_diff_bf16": bf16,
+        "checkpoint_build_s": build_s, "wall_s": time.perf_counter() - start,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: print the plan, check the FLOP/MFU arithmetic")
+    ap.add_argument("--layers", type=int, default=MEASURED.num_layers)
+    ap.add_argument("--rows", type=int, default=Plan.rows)
+    ap.add_argument("--seq", type=int, default=Plan.seq)
+    ap.add_argument("--steps", type=int, default=Plan.steps)
+    args = ap.parse_args()
+    spec = dataclasses.replace(MEASURED, num_layers=args.layers,
+                               max_position_embeddings=max(args.seq, MEASURED.max_position_embeddings))
+    plan = Plan(rows=args.rows, seq=args.seq, steps=args.steps,
+                micro_batch_tokens=max(Plan.micro_batch_tokens, args.seq))
+    if args.dry_run:
+        print(describe(spec, plan))
+        problems = arithmetic_problems(spec)
+        for p in problems:
+            print(f"gpu_check: problem: {p}")
+        if not problems:
+            print("FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree")
+        return 1 if problems else 0
+    if not torch.cuda.is_available():
+        print("gpu_check.py: no CUDA device here; use --dry-run", file=sys.stderr)
+        return 2
+    print(describe(spec, plan), file=sys.stderr)
+    print(json.dumps(measure(spec, plan)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
