@@ -135,6 +135,12 @@ class RankActor:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics
 
+    def offload(self) -> int:
+        return self.worker.offload()
+
+    def onload(self) -> None:
+        self.worker.onload()
+
     def set_lr(self, lr: float) -> None:
         for group in self.worker.optimizer.param_groups:
             group["lr"] = lr
@@ -373,6 +379,12 @@ class RolloutActor:
 
         sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
         return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self, part: str | None = None) -> None:
+        self.engine.wake(part)
 
     def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
         """A step of vLLM's weight transfer (under NCCL, update_weights blocks while the trainer broadcasts)."""

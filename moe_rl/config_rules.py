@@ -31,6 +31,9 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
+        if cfg.rollout.sleep_engines:
+            raise ConfigError("rollout.sleep_engines", "vLLM's sleep mode needs CUDA, and this machine has none; use "
+                              "false (cluster.offload still frees the trainer's memory on CPU)")
         if cfg.rollout.gpu_memory_utilization is not None:
             raise ConfigError("rollout.gpu_memory_utilization", "is a GPU setting, and this machine has none; on CPU "
                               "rollout.kv_cache_gb sizes the engine's KV cache")
@@ -47,6 +50,15 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one NCCL group, "
                           "and NCCL refuses two ranks on one GPU, which cluster.colocate=true gives them; use 'ipc' "
                           "(same GPU) or 'files', or cluster.colocate=false")
+    if cfg.cluster.offload and not cfg.cluster.colocate:
+        raise ConfigError("cluster.offload", "true without cluster.colocate: the trainer frees its GPUs for engines "
+                          "that share them; with engines on their own GPUs there is nothing to free them for")
+    if cfg.rollout.sleep_engines and (not cfg.cluster.colocate or cfg.rollout.async_mode):
+        raise ConfigError("rollout.sleep_engines", "true needs cluster.colocate=true and rollout.async_mode=false: "
+                          "engines sleep so that a trainer sharing their GPUs can train in between")
+    if cfg.cluster.offload and cfg.rollout.async_mode:
+        raise ConfigError("cluster.offload", "true with rollout.async_mode: engines generate while the trainer trains, "
+                          "so neither can step aside; use one of them")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm

@@ -3,6 +3,10 @@
     generate -> score (routes replayed) -> targets (checklist, advantages, corrections) -> fit (critic,
     then policy: epochs x minibatches) -> sync weights -> log -> checkpoint
 
+Colocated (cluster.offload, rollout.sleep_engines), the trainer and the engines take turns on the
+GPUs: the trainer offloads before each rollout and the engines wake; after it the engines sleep and
+the trainer comes back.
+
 Synchronous mode generates each step's rollout with the weights of the step before. Asynchronous mode
 starts the next rollout before training on the current batch (the engines keep generating while the
 trainer trains), syncs weights into the running engines between their steps, and drops samples older
@@ -43,11 +47,21 @@ def main(cfg: RunConfig) -> int:
     if summary:  # the warm start and the evaluation before RL, at step 0
         log.metrics.log(0, {k.removesuffix("_before"): v for k, v in summary.items()}, advance=False)
     diag = cfg.logging.routing_diagnostics_every
-    pending = rollouts.generate(first) if first < cfg.run.steps else None
+
+    def rollout(step: int) -> list:  # colocated: the trainer steps aside, the engines wake, they generate
+        with log.timer("offload"):
+            log.add(models.offload())
+            rollouts.wake()
+        return rollouts.generate(step)
+
+    pending = rollout(first) if first < cfg.run.steps else None
     try:
         for step in range(first, cfg.run.steps):
             with log.timer("step"):
                 batch, rollout_figures = rollouts.wait(pending)
+                with log.timer("onload"):  # colocated: the engines sleep, the trainer comes back
+                    rollouts.sleep()
+                    models.onload()
                 if cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                     pending = rollouts.generate(step + 1)  # the next rollout runs while this batch trains
                 with log.timer("score"):  # the free-routing diagnostics on logged steps N, 2N, ...
@@ -61,9 +75,10 @@ def main(cfg: RunConfig) -> int:
             log.step(step + 1, *figures)
             checkpoints.maybe_save(step + 1)
             if not cfg.rollout.async_mode and step + 1 < cfg.run.steps:
-                pending = rollouts.generate(step + 1)
+                pending = rollout(step + 1)
         last = max(first, cfg.run.steps)
         if cfg.trainer.eval_prompts:
+            rollouts.wake()
             after = rollouts.evaluate()
             summary.update({f"{k}_after": v for k, v in after.items()})
             log.metrics.log(last, after, advance=False)

@@ -146,6 +146,10 @@ class StepLog:
         finally:
             self.timings[f"timing/{name}_s"] = time.perf_counter() - t
 
+    def add(self, figures: dict) -> None:
+        """Figures measured between two steps (e.g. the swap before a rollout): logged with the next."""
+        self.timings.update(figures)
+
     def step(self, step: int, *parts: dict) -> dict[str, float]:
         """Log step `step` from its figures (later parts win on a shared key) and the timers run since
         the last step (timing/step_s: the step's timer)."""

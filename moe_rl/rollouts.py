@@ -134,10 +134,21 @@ class Rollouts:
 
     # -- weights --------------------------------------------------------------------------------------
 
+    def sleep(self) -> None:
+        """Colocated with rollout.sleep_engines: every engine frees its GPU for the trainer."""
+        if self.cfg.rollout.sleep_engines:
+            ray.get([e.sleep.remote() for e in self.engines])
+
+    def wake(self, part: str | None = None) -> None:
+        """The engines take their GPU back: "weights" only (to receive a weight sync), or all of it."""
+        if self.cfg.rollout.sleep_engines:
+            ray.get([e.wake.remote(part) for e in self.engines])
+
     def sync(self, policy, version: int) -> None:
         """The policy's current weights into every engine, as weight version `version`."""
         from moe_rl.weights.sync import shm_dir
 
+        self.wake("weights")  # a sleeping engine's weights are in host memory: back on the GPU first
         self.version = version
         if self.transfer != "files":  # vLLM's transfer from trainer rank 0 into every engine worker
             policy.send_weights(version)

@@ -31,7 +31,8 @@ def engine_settings(cfg: RunConfig, model_path: str):
                           record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb, route_source=r.route_source,
                           weight_transfer=r.weight_transfer, max_num_seqs=r.max_num_seqs,
                           max_num_batched_tokens=r.max_num_batched_tokens,
-                          gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate)
+                          gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate,
+                          sleep=r.sleep_engines)
 
 
 def agent_settings(cfg: RunConfig):

@@ -147,6 +147,19 @@ class Models:
         out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         return out
 
+    def offload(self) -> dict[str, float]:
+        """Colocated with cluster.offload: every trainer rank hands its device memory (parameters,
+        gradient buffers, optimizer state) to the engines until `onload`; restored bitwise."""
+        if not self.cfg.cluster.offload:
+            return {}
+        moved = sum(sum(group.call("offload")) for group in self.groups().values())
+        return {"memory/offloaded_gib": moved / 2**30}
+
+    def onload(self) -> None:
+        if self.cfg.cluster.offload:
+            for group in self.groups().values():
+                group.call("onload")
+
     def route_figures(self) -> dict[str, float]:
         """Bytes of routes each policy rank received since the last call, for scoring and in all, and
         what the path before 2026-12 sent for the same calls (int64 routes; scoring sent every rank the

@@ -228,3 +228,19 @@ def test_synchronous_check_runs_before_the_update(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "batch check 'sync_roles' failed" in proc.stderr and "Traceback" not in proc.stderr
     run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token")
+
+
+def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
+    """cluster.offload: the trainer's parameters, gradient buffers and optimizer state leave for host
+    memory before every rollout and come back for training; the run equals the reference step for step."""
+    ref_out, _ = reference
+    out = tmp_path / "offload"
+    run_train(out, "cluster.offload=true", "checkpoint.every=0")
+    hist = torch.load(out / "history.pt", weights_only=False)
+    ref = torch.load(ref_out / "history.pt", weights_only=False)
+    assert len(hist) == len(ref) == 3
+    for h, r in zip(hist, ref, strict=True):
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss",
+                    "policy/ratio_mean", "correction/logp_mismatch_mean"):
+            assert h[key] == r[key], key
+        assert h["memory/offloaded_gib"] > 0 and h["timing/offload_s"] > 0 and h["timing/onload_s"] > 0

@@ -51,6 +51,7 @@ class EngineSettings:
     max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
     gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
     colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
+    sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
 
 
 CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
@@ -103,6 +104,8 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
         kwargs["enable_return_routed_experts"] = True
     if settings.weight_transfer != "files":
         kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if settings.sleep:
+        kwargs["enable_sleep_mode"] = True
     return kwargs
 
 
@@ -191,6 +194,8 @@ class RolloutEngine:
         self.route_source = resolve_route_source(settings.route_source, cuda) if settings.record_routes else None
         if settings.weight_transfer != "files" and not cuda:
             raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'files' on CPU")
+        if settings.sleep and not cuda:
+            raise ValueError("vLLM's sleep mode needs CUDA; use rollout.sleep_engines=false on CPU")
         kwargs = engine_kwargs(settings, self.route_source, cuda)
         self.prefix_caching = kwargs["enable_prefix_caching"]
         self.llm = LLM(**kwargs)
@@ -202,6 +207,7 @@ class RolloutEngine:
         elif self.route_source == "vllm":
             self.moe_hidden_layers = self.llm.collective_rpc(_worker_moe_hidden_layers)[0]
             self.num_moe_layers = len(self.moe_hidden_layers)
+        self.asleep: set[str] = set()  # what sleep() released and wake() has not brought back
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
@@ -339,6 +345,18 @@ class RolloutEngine:
         self.llm.collective_rpc(_worker_reload, args=(cast(),))
         self._new_weights(version)
         return count
+
+    def sleep(self) -> None:
+        """Free the GPU for the trainer: weights to host memory, the KV cache discarded (level 1)."""
+        self.llm.sleep(level=1)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake(self, part: str | None = None) -> None:
+        """Take the GPU back: "weights" (before a weight update), "kv_cache", or everything (None)."""
+        parts = sorted(self.asleep) if part is None else [part] if part in self.asleep else []
+        if parts:
+            self.llm.wake_up(tags=parts)
+            self.asleep -= set(parts)
 
     TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 

@@ -33,6 +33,7 @@ from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
+from moe_rl.train.offload import Offloaded, storages
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.types import route_torch_dtype
 
@@ -284,6 +285,15 @@ class TrainWorker:
         for ids, t in parts:
             full[:, :, ids] = t
         return full
+
+    def offload(self) -> int:
+        """Hand this rank's parameters, gradient buffers and optimizer state to host memory (colocated
+        engines use the device meanwhile) until `onload`; returns the bytes moved."""
+        self._offloaded = Offloaded.of(storages(self.model, self.optimizer))
+        return self._offloaded.bytes
+
+    def onload(self) -> None:
+        self._offloaded.restore()
 
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by name (for the PPO-EWMA anchor)."""

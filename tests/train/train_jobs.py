@@ -202,3 +202,26 @@ def recompute_job(rank, world, hf_path, routes, pack=False):
     except MissingRoutes as err:
         refused = str(err)
     return {"step": step, "after_replay": after, "refused": refused}
+
+
+def offload_job(rank, world, hf_path, layout, dtype, offload):
+    """Two policy steps; with `offload`, the rank's memory goes to the host and back before each (as a
+    colocated rollout would make it). Returns scores, step figures, the weights and the bytes moved."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    out = {"moved": [], "steps": [], "scores": []}
+    for _ in range(2):
+        if offload:
+            out["moved"].append(w.offload())
+            out["emptied"] = all(p.untyped_storage().nbytes() == 0 for p in w.module.parameters())
+            w.onload()
+        logp = w.score(Batch(ids, lengths))["logp"]
+        out["scores"].append(logp)
+        out["steps"].append(w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
+                                         Denominator(mask)))
+    out["weights"] = {n: p.detach().clone() for n, p in w.module.named_parameters()}
+    return out
