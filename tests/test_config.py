@@ -96,6 +96,14 @@ def test_engine_memory_settings_on_gpu():
     assert from_dict({}, ["rollout.max_num_batched_tokens=32768"], cuda_available=False).rollout.max_num_batched_tokens
 
 
+def test_colocation_settings_on_gpu():
+    cfg = from_dict({}, ["cluster.offload=true", "rollout.sleep_engines=true"], cuda_available=True)
+    assert cfg.cluster.offload and cfg.rollout.sleep_engines and cfg.cluster.colocate
+    assert _err(["rollout.sleep_engines=true", "cluster.colocate=false"], cuda=True).startswith(
+        "rollout.sleep_engines: true needs cluster.colocate=true")
+    assert from_dict({}, ["cluster.offload=true"], cuda_available=False).cluster.offload  # a copy on CPU
+
+
 def test_nccl_weight_transfer_needs_separate_gpus():
     """NCCL refuses two ranks on one GPU: colocated trainer and engines cannot share an NCCL group."""
     with pytest.raises(ConfigError, match="^rollout.weight_transfer: 'nccl' joins"):
@@ -179,6 +187,9 @@ def test_resume_accepts_keywords_and_paths():
     (["rollout.max_num_batched_tokens=1000"], "rollout.max_num_batched_tokens: 1000 would make vLLM split prompts"),
     (["rollout.max_num_batched_tokens=64"], "rollout.max_num_batched_tokens: 64 is below rollout.max_num_seqs=128"),
     (["rollout.max_num_seqs=0"], "rollout.max_num_seqs: 0 must be a positive integer"),
+    (["cluster.offload=true", "cluster.colocate=false"], "cluster.offload: true without cluster.colocate"),
+    (["cluster.offload=true", "rollout.async_mode=true"], "cluster.offload: true with rollout.async_mode"),
+    (["rollout.sleep_engines=true"], "rollout.sleep_engines: vLLM's sleep mode needs CUDA"),
 ])
 def test_refused_settings(overrides, start):
     assert _err(overrides).startswith(start)
