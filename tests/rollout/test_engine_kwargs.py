@@ -37,6 +37,9 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
                          "rollout.max_num_batched_tokens=16384"], cuda_available=True)
     kw = engine_kwargs(settings_from_config(own, "m"), "vllm", cuda=True)
     assert (kw["gpu_memory_utilization"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (0.6, 16000, 16384)
+    sleeping = from_dict({}, ["rollout.sleep_engines=true"], cuda_available=True)  # colocated by default
+    assert engine_kwargs(settings_from_config(sleeping, "m"), "vllm", cuda=True)["enable_sleep_mode"]
+    assert "enable_sleep_mode" not in kw
     fixed = from_dict({}, ["rollout.kv_cache_gb=20"], cuda_available=True)
     kw = engine_kwargs(settings_from_config(fixed, "m"), "vllm", cuda=True)
     assert kw["kv_cache_memory_bytes"] == 20 * 2**30 and "gpu_memory_utilization" not in kw
