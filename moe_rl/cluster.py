@@ -62,19 +62,25 @@ class Placement:
     def __init__(self, cfg: RunConfig, counts: dict[str, int], timeout_s: float = 300.0):
         from ray.util.placement_group import placement_group
 
-        self.resources = {"num_cpus": 0 if cfg.cluster.colocate else 1}  # per actor (trainer rank or engine)
+        # per actor: a trainer rank takes cluster.gpu_share of a GPU, an engine that of engine_tp GPUs
+        # (one bundle: an engine's workers stay within a node)
+        cpus = 0 if cfg.cluster.colocate else 1
+        self.resources = {role: {"num_cpus": cpus} for role in counts}
         if torch.cuda.is_available():
-            self.resources["num_gpus"] = cfg.cluster.gpu_share
-        # a bundle may not be empty: colocated actors reserve a hundredth of a CPU
-        bundle = {"CPU": max(self.resources["num_cpus"], 0.01), **({"GPU": self.resources["num_gpus"]} if "num_gpus" in self.resources else {})}
+            for role in counts:
+                devices = cfg.rollout.engine_tp if role == "engine" else 1
+                self.resources[role]["num_gpus"] = cfg.cluster.gpu_share * devices
         self.slots: dict[str, list[int]] = {}
         bundles = []
         for role, n in counts.items():
+            # a bundle may not be empty: colocated actors reserve a hundredth of a CPU
+            bundle = {"CPU": max(cpus, 0.01), **({"GPU": self.resources[role]["num_gpus"]}
+                                                 if "num_gpus" in self.resources[role] else {})}
             self.slots[role] = list(range(len(bundles), len(bundles) + n))
             bundles += [bundle] * n
         have = ray.cluster_resources()
-        for kind in bundle:
-            need = sum(b[kind] for b in bundles)
+        for kind in ("CPU", "GPU"):
+            need = sum(b.get(kind, 0) for b in bundles)
             if need > have.get(kind, 0) + 1e-9:
                 raise PlacementError(f"the run needs {need:g} {kind} for {len(bundles)} actors ({counts}), the Ray cluster "
                                    f"has {have.get(kind, 0):g}; use cluster.colocate=true or a larger cluster")
@@ -87,7 +93,7 @@ class Placement:
     def options(self, role: str, i: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {**self.resources, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        return {**self.resources[role], "scheduling_strategy": PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=self.slots[role][i])}
 
     def address(self, role: str) -> tuple[str, int]:
@@ -378,7 +384,24 @@ class RolloutActor:
         from moe_rl.weights.sync import read_bucket
 
         sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
-        return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
+        if self.engine.settings.tensor_parallel_size == 1:  # the engine's one worker is this process
+            return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
+        # tensor parallel: the engine's workers are processes of their own, and read files; bytes from
+        # trainers on other nodes are written on this node first, and removed after the update
+        from moe_rl.weights.sync import shm_dir
+
+        paths, written = [], []
+        for i, src in enumerate(sources):
+            if isinstance(src, bytes):
+                written.append(shm_dir() / f"moe_rl_remote_{os.getpid()}_{version}_{i}.safetensors")
+                written[-1].write_bytes(src)
+                src = written[-1]
+            paths.append(str(src))
+        try:
+            return self.engine.update_weights_from_files(paths, version)
+        finally:
+            for path in written:
+                path.unlink(missing_ok=True)
 
     def sleep(self) -> None:
         self.engine.sleep()

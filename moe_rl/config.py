@@ -134,6 +134,10 @@ class ParallelSection:
 @dataclass(frozen=True)
 class RolloutSection:
     num_engines: int = 1  # vLLM engines
+    # each engine's own parallelism: tensor parallel ranks (GPUs, or CPU worker processes), and expert
+    # parallelism across them for MoE layers (vLLM's enable_expert_parallel)
+    engine_tp: int = 1
+    engine_ep: bool = False
     max_model_len: int = 256
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -156,7 +160,8 @@ class RolloutSection:
     weight_sync_bucket_mb: float = 64.0
     # Engine memory. kv_cache_gb fixes each engine's KV cache (vLLM's kv_cache_memory_bytes); null: 1 GiB
     # on CPU, and on GPU what gpu_memory_utilization leaves (the share of its GPU an engine may take for
-    # weights, activations and KV cache; null: 0.85, or 0.4 when colocated with the trainer; GPU only).
+    # weights, activations and KV cache, which must be free at start-up; null: 0.85, or 0.4 when
+    # colocated with the trainer; GPU only).
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 128  # sequences an engine step holds at once
@@ -168,7 +173,10 @@ class RolloutSection:
     sleep_engines: bool = False
 
     def check(self) -> None:
-        for name in ("num_engines", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
+        if self.engine_ep and self.engine_tp == 1:
+            raise ConfigError("rollout.engine_ep", "true with rollout.engine_tp=1: expert parallelism spreads experts over "
+                              "an engine's tensor-parallel ranks; raise engine_tp")
+        for name in ("num_engines", "engine_tp", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
             positive(f"rollout.{name}", getattr(self, name))
         in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
         in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -178,9 +186,6 @@ class RolloutSection:
             in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
         if self.gpu_memory_utilization is not None:
             in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
-            if self.kv_cache_gb is not None:
-                raise ConfigError("rollout.gpu_memory_utilization", "set together with rollout.kv_cache_gb, which fixes "
-                                  "the KV cache and makes vLLM ignore the utilisation; set one of them")
         positive("rollout.max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError("rollout.max_num_batched_tokens", f"{self.max_num_batched_tokens} is below rollout."
@@ -453,10 +458,13 @@ class RunConfig:
 
     @property
     def gpus(self) -> int:
-        """GPUs the run needs on a GPU cluster (each actor takes cluster.gpu_share of one)."""
+        """GPUs the run needs on a GPU cluster: cluster.gpu_share of one per trainer rank, of engine_tp
+        per engine."""
         import math
 
-        return math.ceil(sum(self.actors.values()) * self.cluster.gpu_share)
+        a = self.actors
+        devices = a["policy"] + a["critic"] + a["reference"] + a["engine"] * self.rollout.engine_tp
+        return math.ceil(devices * self.cluster.gpu_share)
 
     @property
     def uses_reference(self) -> bool:

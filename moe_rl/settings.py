@@ -32,7 +32,7 @@ def engine_settings(cfg: RunConfig, model_path: str):
                           weight_transfer=r.weight_transfer, max_num_seqs=r.max_num_seqs,
                           max_num_batched_tokens=r.max_num_batched_tokens,
                           gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate,
-                          sleep=r.sleep_engines)
+                          sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp, expert_parallel=r.engine_ep)
 
 
 def agent_settings(cfg: RunConfig):

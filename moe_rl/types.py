@@ -44,7 +44,9 @@ class RoutingRecord:
     def extended(self, later: RoutingRecord) -> RoutingRecord:
         """This record plus the positions only `later` computed (the next turn of the same
         conversation): a position keeps the route of the forward pass that first computed it (with
-        prefix caching, the one its key/value cache came from)."""
+        prefix caching, the one its key/value cache came from; after a weight sync reset the cache, a
+        later turn recomputes earlier positions with newer weights, and the record keeps the routes
+        that produced the earlier turns' tokens)."""
         P = max(len(self.computed_P), len(later.computed_P))
         experts = np.zeros((P, *self.experts_PLK.shape[1:]), dtype=self.experts_PLK.dtype)
         computed = np.zeros(P, dtype=bool)

@@ -89,8 +89,10 @@ def test_engine_memory_settings_on_gpu():
     gpu = ["rollout.gpu_memory_utilization=0.7", "rollout.max_num_batched_tokens=4096"]
     cfg = from_dict({}, gpu, cuda_available=True)
     assert cfg.rollout.gpu_memory_utilization == 0.7 and cfg.rollout.max_num_batched_tokens == 4096
-    # a fixed KV cache makes vLLM ignore the utilisation: one of the two
-    assert _err(gpu + ["rollout.kv_cache_gb=20"], cuda=True).startswith("rollout.gpu_memory_utilization: set together")
+    # a fixed KV cache and the share vLLM checks is free at start-up, together
+    assert from_dict({}, gpu + ["rollout.kv_cache_gb=20"], cuda_available=True).rollout.kv_cache_gb == 20
+    # our capture hook needs vLLM's CPU model runner
+    assert _err(["rollout.route_source=capture"], cuda=True).startswith("rollout.route_source: 'capture' hooks")
     assert _err(["rollout.gpu_memory_utilization=1.5"], cuda=True).startswith("rollout.gpu_memory_utilization: 1.5 is outside")
     # on CPU the budget holds max_num_seqs whole prompts, or it is refused
     assert from_dict({}, ["rollout.max_num_batched_tokens=32768"], cuda_available=False).rollout.max_num_batched_tokens

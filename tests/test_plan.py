@@ -63,7 +63,11 @@ def test_a_run_that_cannot_fit_is_refused_one_line_per_problem(tmp_path):
     errors = out.stderr.strip().splitlines()
     assert errors == ["moe-rl: error: engine: 89.0 GiB per GPU does not fit a 80 GB GPU",
                       "moe-rl: error: engine: 0 KV-cache tokens cannot hold one sequence of max_model_len=8192 "
-                      "(87.0 GiB of weights on a 80 GB GPU)"]
+                      "(87.0 GiB of weights on each 80 GB GPU; rollout.engine_tp=1)"]
+    # with engines of two GPUs each, it fits 80 GB GPUs
+    tp2 = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80", "rollout.engine_tp=2")
+    assert tp2.returncode == 0, tp2.stderr
+    assert "engine       4 GPU(s)" in tp2.stdout
 
 
 def test_trainer_memory_worked_by_hand():

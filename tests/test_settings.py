@@ -37,7 +37,7 @@ CFG = RunConfig(
     rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9, record_routes=False,
                            route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True,
                            max_num_seqs=33, max_num_batched_tokens=4444, gpu_memory_utilization=0.6,
-                           sleep_engines=True),
+                           sleep_engines=True, engine_tp=2, engine_ep=True),
     cluster=ClusterSection(colocate=False),
     environment=EnvironmentSection(max_turns=7, token_budget=333, overlong_filter=True),
     algorithm=AlgorithmSection(
@@ -77,7 +77,8 @@ CASES = {
         "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
         "max_num_seqs": at("rollout.max_num_seqs"), "max_num_batched_tokens": at("rollout.max_num_batched_tokens"),
         "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
-        "sleep": at("rollout.sleep_engines"),
+        "sleep": at("rollout.sleep_engines"), "tensor_parallel_size": at("rollout.engine_tp"),
+        "expert_parallel": at("rollout.engine_ep"),
     }, {"model_path"}),
     "agent_settings": (settings.agent_settings, AgentSettings, {
         "max_turns": at("environment.max_turns"), "token_budget": at("environment.token_budget"),

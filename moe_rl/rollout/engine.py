@@ -52,6 +52,8 @@ class EngineSettings:
     gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
     colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
     sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
+    tensor_parallel_size: int  # rollout.engine_tp
+    expert_parallel: bool  # rollout.engine_ep
 
 
 CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
@@ -69,6 +71,9 @@ def resolve_route_source(source: str, cuda_available: bool) -> str:
         raise ValueError(f"route_source must be one of {ROUTE_SOURCES}, not {source!r}")
     if source == "auto":
         return "vllm" if cuda_available else "capture"
+    if source == "capture" and cuda_available:
+        raise ValueError("route_source 'capture' hooks vLLM's CPU model runner, which GPU builds do not use "
+                         "(Model Runner V2); use 'vllm' or 'auto' with CUDA")
     if source == "vllm" and not cuda_available:
         raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and CUDA; "
                          "use 'capture' or 'auto' on CPU")
@@ -82,18 +87,24 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
       computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
       cache is reset after every weight update (`RolloutEngine._after_weight_update`).
     - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
-    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU the share
-      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated).
+    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
+      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
+      checks at start-up that the share is free.
+    - synchronous scheduling: no batch is in flight when weights change or the prefix cache resets.
     - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
       seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
     """
+    # async_scheduling off: vLLM's GPU default launches the next batch before the last one's output is
+    # read, so a batch would still be in flight when a weight update lands (its tokens, sampled by the old
+    # weights, would carry the new version) and when the prefix cache is reset (the routed-experts
+    # connector asserts "generation changed with output in flight")
     kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
                   seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
-                  enable_prefix_caching=route_source != "capture")
+                  enable_prefix_caching=route_source != "capture", async_scheduling=False)
     kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
-    else:
+    if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free
         kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization if settings.gpu_memory_utilization is not None
                                             else GPU_MEMORY_UTILIZATION[settings.colocated])
     budget = settings.max_num_batched_tokens
@@ -106,7 +117,24 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
         kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
     if settings.sleep:
         kwargs["enable_sleep_mode"] = True
+    if settings.tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="mp",
+                      enable_expert_parallel=settings.expert_parallel)
     return kwargs
+
+
+def cpu_thread_binding(cores: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: the cores split into contiguous, disjoint
+    ranges, one per worker ("0|1", "0-7|8-15"); vllm-cpu refuses to put two workers' threads on one
+    NUMA node unbound."""
+    if len(cores) < workers:
+        raise ValueError(f"{workers} engine workers need {workers} cores; this process may use {len(cores)}")
+    cores = sorted(cores)
+    parts = []
+    for i in range(workers):
+        mine = cores[len(cores) * i // workers: len(cores) * (i + 1) // workers]
+        parts.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
+    return "|".join(parts)
 
 
 @dataclass(frozen=True)
@@ -162,6 +190,24 @@ def _refresh_cpu_moe(worker, layers: set[str]) -> int:
     return count
 
 
+def _worker_reload_files(worker, paths: list[str], dtype: torch.dtype) -> int:
+    """Each engine worker reads the weight buckets itself (tensors cannot travel to worker processes);
+    returns the tensors read."""
+    from moe_rl.weights.sync import read_bucket
+
+    count = 0
+
+    def tensors():
+        nonlocal count
+        for path in paths:
+            for name, tensor in read_bucket(path, delete=False):
+                count += 1
+                yield name, tensor.to(dtype).contiguous()
+
+    _worker_reload(worker, tensors())
+    return count
+
+
 def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     layers: set[str] = set()
 
@@ -170,7 +216,7 @@ def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
             layers.add(layer_of(name))
             yield name, tensor
 
-    worker.model_runner.reload_weights(weights_iterator=noting_layers())
+    worker.reload_weights(weights_iterator=noting_layers())  # the worker sets vLLM's current config around it
     if torch.cuda.is_available():
         return 0
     return _refresh_cpu_moe(worker, layers - {""})
@@ -183,6 +229,9 @@ def _worker_moe_hidden_layers(worker) -> list[int]:
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if settings.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  cpu_thread_binding(sorted(os.sched_getaffinity(0)), settings.tensor_parallel_size))
         from transformers import AutoConfig
         from vllm import LLM
 
@@ -212,6 +261,8 @@ class RolloutEngine:
         self._pending: dict[str, asyncio.Future] = {}
         self._meta: dict[str, tuple[list[int], int, int]] = {}  # prompt, version, routes_from
         self._stepper: asyncio.Task | None = None
+        self._stepping = asyncio.Event()  # cleared while a weight transfer is under way
+        self._stepping.set()
         self._held: list[tuple[str, list[int], object]] | None = None  # requests waiting for a cache reset
         self._sampled: dict[str, int] = {}  # tokens a running request has delivered so far
         self._switches: dict[str, list[tuple[int, int]]] = {}  # (token index, version) where new weights took over
@@ -312,6 +363,7 @@ class RolloutEngine:
         try:
             while self._pending:
                 await asyncio.sleep(0)  # let conversations submit their next turns first
+                await self._stepping.wait()  # not while a weight transfer is half done
                 for r in self._step():
                     fut = self._pending.pop(r.request_id, None)
                     if fut is not None and not fut.done():
@@ -346,6 +398,15 @@ class RolloutEngine:
         self._new_weights(version)
         return count
 
+    def update_weights_from_files(self, paths: list[str], version: int) -> int:
+        """`update_weights` from weight-bucket files (weights.sync.write_bucket) that every engine worker
+        reads itself: the path for engines whose workers are other processes (tensor parallelism).
+        Returns the tensors each worker loaded."""
+        dtype = torch.float32 if self.settings.dtype == "float32" else torch.bfloat16
+        counts = self.llm.collective_rpc(_worker_reload_files, args=(list(paths), dtype))
+        self._new_weights(version)
+        return counts[0]
+
     def sleep(self) -> None:
         """Free the GPU for the trainer: weights to host memory, the KV cache discarded (level 1)."""
         self.llm.sleep(level=1)
@@ -366,9 +427,19 @@ class RolloutEngine:
         `finish_weight_update` sets the weight version."""
         if call not in self.TRANSFER_CALLS:
             raise ValueError(f"unknown weight-transfer call {call!r}; one of {self.TRANSFER_CALLS}")
+        if call == "start_weight_update":
+            self.pause()  # layers sit on the meta device until each is received: no step until finish
         self.llm.collective_rpc(call, args=() if payload is None else (payload,))
         if call == "finish_weight_update":
             self._new_weights(self.version if version is None else version)
+            self.resume()
+
+    def pause(self) -> None:
+        """No engine step for requests in flight (agenerate) until `resume`; submitting still works."""
+        self._stepping.clear()
+
+    def resume(self) -> None:
+        self._stepping.set()
 
     def shutdown(self) -> None:
         try:

@@ -135,10 +135,14 @@ def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
     block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec.layer_spec == "transformer_engine",
                                        normalization="RMSNorm", vp_stage=vp_stage)
     if spec.layer_spec == "local":
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
         from moe_rl.train import local_norm
         from moe_rl.train.attention import SdpaAttention
 
         local_norm.install()  # its norms under sequence parallelism, on any device
+        # the final norm too (with apex installed megatron picks apex's FusedLayerNorm: LayerNorm only)
+        block.layer_norm = WrappedTorchNorm
         for layer in block.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     return block

@@ -168,6 +168,35 @@ def vllm_prefix_cache_job(rank, world, model_path):
 
     running, late, held = asyncio.run(overlapping())
     late_fresh = fresh()
+
+    async def paused():  # a weight transfer under way (start ... finish): requests in flight wait
+        engine.pause()
+        task = asyncio.ensure_future(engine.agenerate(prompt, s))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        waited = not task.done() and not engine._sampled
+        engine.resume()
+        return waited, await task
+
+    waited, after_pause = asyncio.run(paused())
     return {"first": first, "cached": cached, "after_sync": after_sync, "after_sync_fresh": after_sync_fresh,
-            "running": running, "late": late, "held": held, "late_fresh": late_fresh,
+            "running": running, "late": late, "held": held, "late_fresh": late_fresh, "waited": waited,
+            "after_pause": after_pause,
             "prefix_caching": engine.prefix_caching}
+
+
+def vllm_tp_job(rank, world, model_path, tp, bucket_dir):
+    """One engine of `tp` tensor-parallel workers: seeded samples with routes, then a weight update from
+    bucket files (each worker reads them), then the same prompts again."""
+    import os
+
+    from moe_rl.rollout.engine import RolloutEngine, Sampling
+
+    engine = RolloutEngine(engine_settings(model_path, seed=0, tensor_parallel_size=tp))
+    s = Sampling(max_tokens=10, seed=7)
+    before = engine.generate(PROMPTS, s)
+    paths = sorted(os.path.join(bucket_dir, p) for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
+    loaded = engine.update_weights_from_files(paths, version=1)
+    after = engine.generate(PROMPTS, s)
+    workers = engine.llm.llm_engine.vllm_config.parallel_config.world_size
+    return {"before": before, "after": after, "loaded": loaded, "workers": workers}

@@ -10,8 +10,14 @@ from moe_rl.types import validate_trajectory
 pytestmark = pytest.mark.slow
 
 
-def test_multi_turn_rollout_with_vllm(tiny_qwen):
-    out = run_in_process(agent_vllm_job, (str(tiny_qwen),))
+@pytest.fixture(scope="module")
+def rollout(tiny_qwen):
+    """8 conversations on the real engine; a weight sync lands after the sixth engine call."""
+    return run_in_process(agent_vllm_job, (str(tiny_qwen),))
+
+
+def test_multi_turn_rollout_with_vllm(rollout):
+    out = rollout
     trajs = [t for g in out["groups"] for t in g]
     assert sum(out["stats"].outcomes.values()) == 8 and len(trajs) + sum(out["stats"].rejected.values()) == 8
     turns_seen = 0
@@ -31,14 +37,14 @@ def test_multi_turn_rollout_with_vllm(tiny_qwen):
     assert turns_seen > len(trajs)  # really multi-turn
 
 
-def test_a_sync_mid_conversation_gives_per_token_versions_and_staleness_from_the_oldest(tiny_qwen):
+def test_a_sync_mid_conversation_gives_per_token_versions_and_staleness_from_the_oldest(rollout):
     import torch
 
     from moe_rl.algos.correction import staleness
     from moe_rl.batch import build_batch
     from moe_rl.rollouts import token_version_figures
 
-    out = run_in_process(agent_vllm_job, (str(tiny_qwen),))
+    out = rollout
     trajs = [t for g in out["groups"] for t in g]
     spanning = [t for t in trajs if len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 2]
     assert spanning, "the weight sync landed between two turns of some conversation"

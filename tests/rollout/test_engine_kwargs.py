@@ -42,7 +42,22 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
     assert "enable_sleep_mode" not in kw
     fixed = from_dict({}, ["rollout.kv_cache_gb=20"], cuda_available=True)
     kw = engine_kwargs(settings_from_config(fixed, "m"), "vllm", cuda=True)
-    assert kw["kv_cache_memory_bytes"] == 20 * 2**30 and "gpu_memory_utilization" not in kw
+    # the KV cache fixed, and the share of the GPU vLLM checks is free at start-up still given
+    assert kw["kv_cache_memory_bytes"] == 20 * 2**30 and kw["gpu_memory_utilization"] == 0.4
+    # no batch in flight when weights change or the prefix cache resets (vLLM's GPU default is async)
+    assert kw["async_scheduling"] is False
+
+
+def test_route_sources_per_machine():
+    import pytest
+
+    from moe_rl.rollout.engine import resolve_route_source
+
+    assert resolve_route_source("auto", True) == "vllm" and resolve_route_source("auto", False) == "capture"
+    with pytest.raises(ValueError, match="Model Runner V2"):
+        resolve_route_source("capture", True)  # the hook reads the CPU model runner's batch layout
+    with pytest.raises(ValueError, match="needs vLLM's GPU build"):
+        resolve_route_source("vllm", False)
 
 
 def test_vllm_routed_expert_rows_keep_the_moe_layers_in_order():

@@ -28,3 +28,5 @@ def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
     assert out["late"].weight_version == 2
     assert out["late"].token_ids == out["late_fresh"].token_ids
     assert out["late"].logprobs == pytest.approx(out["late_fresh"].logprobs, abs=1e-5)
+    # paused (a weight transfer under way), no step runs; resumed, the request completes as usual
+    assert out["waited"] and out["after_pause"].token_ids == out["late_fresh"].token_ids

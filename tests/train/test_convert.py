@@ -60,6 +60,8 @@ def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
 
 
 def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, tiny_qwen_dense):
+    """Qwen3-MoE with a dense first layer: loaded in EP2, exported in TP2 (the dense MLP split over TP),
+    bitwise; the converted checkpoint scores as transformers does."""
     mc = tmp_path / "mcore"
     hf_to_mcore(tiny_qwen_dense, mc, Layout(ep=2))
     back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))

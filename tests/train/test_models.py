@@ -11,10 +11,10 @@ from moe_rl.weights.hf import HFReader
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen_dense"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_logprobs_match_transformers(arch, request):
-    """Mixtral (softmax after top-k), Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias) and
-    Qwen3-MoE with a dense first layer (then two MoE layers: the routes below)."""
+    """Mixtral (softmax after top-k) and Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias); a
+    dense first layer: tests/train/test_convert.py."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}")
@@ -31,7 +31,7 @@ def test_logprobs_match_transformers(arch, request):
 
 
 @pytest.mark.parametrize("arch,layout", [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
-                                         ("qwen2_moe", {"tp": 2}), ("qwen_dense", {"tp": 2}), ("qwen_dense", {"ep": 2})])
+                                         ("qwen2_moe", {"tp": 2})])
 def test_hf_round_trip_is_bitwise(arch, layout, request):
     tiny_qwen = request.getfixturevalue(f"tiny_{arch}")
     world = 1 if not layout else 2

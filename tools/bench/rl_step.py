@@ -13,6 +13,10 @@ and the bytes of routes each policy rank receives per step, as sent (each data-p
 shard, uint8) against the path before 2026-12 (int64 routes; scoring sent the whole batch to every
 rank, training already its shard): route_bytes_ratio = old / new over the step, score_route_bytes_ratio
 over scoring alone (expect 8 x dp there: 8 for the dtype, dp for the shard).
+
+--colocated (cluster.offload=true): the trainer ranks move their parameters, gradient buffers and
+optimizer state to host memory before each rollout and back after it; swap_frac = (offload + onload) /
+(step + offload) is what that costs (target <= 10% at quickstart size).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--colocated", action="store_true", help="trainer offload around every rollout (cluster.offload)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=32")
     args = ap.parse_args()
     from moe_rl import config, loop
@@ -34,6 +39,7 @@ def main() -> None:
     cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
                                                          "trainer.warm_start_steps=2", "trainer.eval_prompts=0",
                                                          "checkpoint.every=0", "logging.progress_bar=false",
+                                                         *(["cluster.offload=true"] if args.colocated else []),
                                                          *args.overrides])
     loop.main(cfg)
     import torch
@@ -44,6 +50,7 @@ def main() -> None:
         "score": [h["timing/score_s"] for h in hist],
         "train": [h["timing/critic_train_s"] + h["timing/actor_train_s"] for h in hist],
         "sync": [h["timing/sync_s"] for h in hist],
+        **({"onload": [h["timing/onload_s"] for h in hist]} if args.colocated else {}),
     }
     total = [h["timing/step_s"] for h in hist]
     parts["other"] = [t - sum(p[i] for p in parts.values()) for i, t in enumerate(total)]
@@ -62,6 +69,13 @@ def main() -> None:
               f"{old / 2**10:.1f} KiB on the old path: ratio {ratios[f'{prefix}route_bytes_ratio']} (dp={cfg.parallel.dp})")
     figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp,
                **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, **ratios}
+    if args.colocated:  # the offload runs between steps (before the rollout), the onload inside them
+        offload = statistics.median(h["timing/offload_s"] for h in hist)
+        swap = (offload + med["onload"]) / (step + offload)
+        moved = statistics.median(h["memory/offloaded_gib"] for h in hist)
+        print(f"colocated: offload {offload * 1e3:.1f} ms + onload {med['onload'] * 1e3:.1f} ms of {moved * 2**10:.1f} MiB "
+              f"= {100 * swap:.1f}% of the step (target <= 10%)")
+        figures |= {"offload_s": round(offload, 4), "swap_frac": round(swap, 4), "offloaded_mib": round(moved * 2**10, 2)}
     print(json.dumps(figures))
 
 
