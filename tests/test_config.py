@@ -192,6 +192,8 @@ def test_resume_accepts_keywords_and_paths():
     (["cluster.offload=true", "cluster.colocate=false"], "cluster.offload: true without cluster.colocate"),
     (["cluster.offload=true", "rollout.async_mode=true"], "cluster.offload: true with rollout.async_mode"),
     (["rollout.sleep_engines=true"], "rollout.sleep_engines: vLLM's sleep mode needs CUDA"),
+    (["rollout.engine_tp=2", "rollout.engine_ep=true"], "rollout.engine_ep: vLLM's expert parallelism is a GPU feature"),
+    (["rollout.engine_ep=true"], "rollout.engine_ep: true with rollout.engine_tp=1"),
 ])
 def test_refused_settings(overrides, start):
     assert _err(overrides).startswith(start)
