@@ -85,7 +85,7 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
 
     - prefix caching: on, except with our capture hook (it records only the positions the engine
       computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
-      cache is reset after every weight update (`RolloutEngine._after_weight_update`).
+      cache is reset after every weight update (`RolloutEngine._new_weights`).
     - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
     - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
       gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
