@@ -62,6 +62,7 @@ class PolicyGroup(TrainerGroup):
                 continue
             updates.append(self.train(mb, self.loss, denominators))
         out = {f"policy/{k}": v for k, v in reduce_updates(updates).items()}
+        out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "policy/lr": cfg.trainer.lr,
                     "timing/actor_train_s": time.perf_counter() - t0})
@@ -104,6 +105,7 @@ class CriticGroup(TrainerGroup):
             if float(denominator) > 0:
                 updates.append(self.train(mb, self.loss, denominator))
         return {f"critic/{k}": v for k, v in reduce_updates(updates).items()} | {
+            "critic/skipped_nonfinite": sum(u["skipped_nonfinite"] for u in updates),  # a count, not a mean
             "critic/lr": cfg.critic.lr, "timing/critic_train_s": time.perf_counter() - t0}
 
 
@@ -139,6 +141,7 @@ class Models:
         policy's lr and skip count are figures of every step (0 for a model that did not train)."""
         t0 = time.perf_counter()
         out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
+               "policy/skipped_nonfinite": 0,
                "policy/lr": self.cfg.trainer.lr}
         out |= self.critic.fit(batch, t, step) if self.critic else {}
         if step >= self.cfg.critic.warmup_steps:

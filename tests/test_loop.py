@@ -53,7 +53,7 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
                 "correction/logp_mismatch_no_replay", "rollout/length_mean", "rollout/outcome_truncated_turns",
                 "timing/score_s", "timing/sync_s", "perf/generate_tokens_per_s", "perf/train_tokens_per_s",
                 "memory/rss_gib", "warm_start/nll_last", "policy/lr", "critic/lr", "correction/staleness_max",
-                "rollout/outcome_env_error"):
+                "rollout/outcome_env_error", "policy/skipped_nonfinite", "critic/skipped_nonfinite"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
     # the free-routing diagnostic pass runs on the steps that are multiples of routing_diagnostics_every (3)

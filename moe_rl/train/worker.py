@@ -355,11 +355,27 @@ class TrainWorker:
             losses = self._run(mbs, forward_only=False, loss_func=loss_func)
         finally:
             replay.clear(self.replay_instances)
-        ok, grad_norm, _ = self.optimizer.step()
+        finite = self._gradients_finite()
+        if finite:
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN / inf loss or gradient on any rank: no rank of this model updates; weights untouched
+            ok, grad_norm = False, float("nan")
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
         self.steps += 1
         metrics = reduce_updates(microbatch_metrics)
         if self.ps.is_pipeline_last_stage():
             metrics["loss"] = float(sum(float(x["loss"]) for x in losses))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(ok))
+        metrics["skipped_nonfinite"] = float(not finite)
         return metrics
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient on every rank of this model is finite: each rank checks its gradient
+        buffers (under the distributed optimizer its unreduced part too, where a rank's own NaN stays),
+        then one all-reduce over the model's ranks (the process group they were started in)."""
+        buffers = [*self.model.buffers, *self.model.expert_parallel_buffers]
+        bad = torch.tensor([float(not all(bool(torch.isfinite(b.grad_data).all()) for b in buffers))], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())

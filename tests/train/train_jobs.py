@@ -225,3 +225,26 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
                                          Denominator(mask)))
     out["weights"] = {n: p.detach().clone() for n, p in w.module.named_parameters()}
     return out
+
+
+def nonfinite_job(rank, world, hf_path):
+    """DP2: a step whose advantages hold a NaN in rank 0's shard only, then a finite step."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    rows = parallel.dp_rows(B, rank, world)
+    before = {n: p.detach().clone() for n, p in w.module.named_parameters()}
+    logp = w.score(Batch(ids, lengths))["logp"]
+    poisoned = adv.clone()
+    poisoned[rows.start, 5] = float("nan") if rank == 0 else poisoned[rows.start, 5]
+    bad = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, poisoned)).rows(rows), policy_loss(),
+                       Denominator(mask))
+    untouched = all(torch.equal(before[n], p) for n, p in w.module.named_parameters())
+    good = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)).rows(rows), policy_loss(),
+                        Denominator(mask))
+    finite = all(bool(torch.isfinite(p).all()) for p in w.module.parameters())
+    moved = any(not torch.equal(before[n], p) for n, p in w.module.named_parameters())
+    return {"bad": bad, "untouched": untouched, "good": good, "finite": finite, "moved": moved}
