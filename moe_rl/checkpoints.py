@@ -5,7 +5,8 @@
     ckpt.maybe_save(step)       # every checkpoint.every steps and at the last step
 
 A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
-previous one as it was, and `resume: auto` takes the newest complete one.
+previous one as it was, and `resume: auto` takes the newest complete one. Nothing in it is unpickled
+beyond plain types and tensors (`read_loop_state`, and train/checkpoint.py for the weights).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import RunConfig
-from moe_rl.weights.hf import HF_CONFIG_DIR, copy_hf_config
+from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
 LOOP_STATE = "loop_state.pt"
 
@@ -48,8 +49,7 @@ class Checkpoints:
         for role, group in self._groups().items():
             group.call("save", str(tmp / role), state)
             copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
-        torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                    "np_rng": np.random.get_state()}, tmp / LOOP_STATE)
+        write_loop_state(tmp / LOOP_STATE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
         for old in sorted(self.root.glob("step_*"))[: -self.cfg.checkpoint.keep]:
@@ -74,13 +74,37 @@ class Checkpoints:
         if path is None:
             return None
         print(f"[moe-rl] resuming from {path}", flush=True)
+        st = read_loop_state(path / LOOP_STATE)  # first: a bad file fails before the weights are loaded
         self.models.policy.init_anchor()  # its state comes back with the checkpoint
         for role, group in self._groups().items():
             group.call("load", str(path / role))
-        st = torch.load(path / LOOP_STATE, weights_only=False)  # written by this program (RNG state tuples)
         self.rollouts.data_pos = st["data_pos"]
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
-        np.random.set_state(st["np_rng"])
+        name, keys, pos, has_gauss, cached = st["np_rng"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
         self.rollouts.sync(self.models.policy, st["version"])
         return st["step"]
+
+
+def write_loop_state(path: Path, state: dict) -> None:
+    """The loop's position and RNG states in plain types and tensors only (numpy's key array as a
+    tensor), so that loading needs no unpickling of arbitrary objects."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    torch.save({**state, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                "np_rng": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}, path)
+
+
+def read_loop_state(path: Path) -> dict:
+    """`write_loop_state`'s dict, loaded with weights_only=True: a file that would need arbitrary objects
+    (a crafted pickle, a checkpoint from elsewhere) or that is not one is refused with CheckpointError."""
+    try:
+        st = torch.load(path, weights_only=True)
+    except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... by cause
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a loop state this program wrote, or would run code when loaded; "
+                              f"refused ({first})") from None
+    missing = {"step", "version", "data_pos", "torch_rng", "py_rng", "np_rng"} - set(st if isinstance(st, dict) else ())
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(sorted(missing))}: not a complete loop state")
+    return st
