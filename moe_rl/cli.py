@@ -97,7 +97,7 @@ def _cmd_train(args) -> int:
     cfg = config.load_config(args.config, args.overrides)
     from moe_rl import loop
     from moe_rl.algos.checks import BatchCheckError
-    from moe_rl.cluster import PlacementError
+    from moe_rl.cluster import PlacementError, RemoteCallError
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.rollouts import RolloutError
@@ -106,7 +106,7 @@ def _cmd_train(args) -> int:
     try:
         return loop.main(cfg)
     except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-            RolloutError) as err:
+            RolloutError, RemoteCallError) as err:
         raise UserError(str(err)) from None
 
 

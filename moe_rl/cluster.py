@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import time
 
 import ray
 import torch
@@ -40,6 +41,30 @@ def start_ray(cfg: RunConfig) -> None:
 
 class PlacementError(RuntimeError):
     """The cluster cannot hold the run's actors."""
+
+
+class RemoteCallError(RuntimeError):
+    """A remote call that did not answer in time, or whose actor died; the message names both."""
+
+
+def gather(calls: list[tuple[str, object]], timeout_s: float) -> list:
+    """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
+    died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a
+    call unanswered: RemoteCallError names the actor and what it was doing (`label`). An exception the
+    call raised itself comes back as Ray raises it (an instance of its own type)."""
+    labels = {ref: label for label, ref in calls}
+    pending, results, deadline = [ref for _, ref in calls], {}, time.monotonic() + timeout_s
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise RemoteCallError(f"no answer within cluster.call_timeout_s={timeout_s:g} s from "
+                                  f"{', '.join(labels[r] for r in pending)}")
+        try:
+            results[done[0]] = ray.get(done[0])
+        except ray.exceptions.RayActorError as err:
+            why = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise RemoteCallError(f"{labels[done[0]]}: the actor died ({why})") from None
+    return [results[ref] for _, ref in calls]
 
 
 def _free_address() -> tuple[str, int]:
@@ -230,7 +255,8 @@ class TrainerGroup:
         self.dp = par.dp
         self.world = world
         self.tp_cp = par.tp * par.cp
-        self.nodes = ray.get([a.node.remote() for a in self.actors])
+        self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
+        self.nodes = self.call("node")
         self.route_bytes = self.new_route_counters()
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
@@ -289,7 +315,8 @@ class TrainerGroup:
         """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
         from moe_rl.train.parallel import dp_rows
 
-        outs = ray.get([a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"), strict=True)])
+        outs = self._gather("score", [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
+                                                                             strict=True)])
         if self.dp == 1:
             return outs[0]
         (B, S), full = batch.input_ids_BS.shape, {}
@@ -305,7 +332,7 @@ class TrainerGroup:
         from moe_rl.metrics import reduce_updates
 
         shards = self._send(batch.only(loss.fields), "train")
-        outs = ray.get([a.train.remote(s, loss, denominator) for a, s in zip(self.actors, shards, strict=True)])
+        outs = self._gather("train", [a.train.remote(s, loss, denominator) for a, s in zip(self.actors, shards, strict=True)])
         losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
         merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
         if losses:
@@ -313,7 +340,10 @@ class TrainerGroup:
         return merged
 
     def call(self, method: str, *args):
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    def _gather(self, method: str, refs: list) -> list:
+        return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)], self.timeout_s)
 
 
 class EngineSyncClient:

@@ -415,6 +415,9 @@ class ClusterSection:
     # first), spread (across nodes, best effort) or strict_spread (one bundle per node)
     placement: Literal["pack", "spread", "strict_spread"] = "pack"
     node_ip: str = ""  # this (driver) node's address when the machine has several (e.g. SLURM on one host)
+    # the longest the driver waits for a remote call (a rollout, a training step, a weight sync, ...);
+    # past it the run stops naming the role, the rank or engine, and the call
+    call_timeout_s: float = 3600.0
     # the GPU nodes the run is meant for: `moe-rl plan` and `check-config --assume-cuda` size it against them
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
@@ -423,6 +426,7 @@ class ClusterSection:
         if self.num_cpus is not None:
             positive("cluster.num_cpus", self.num_cpus)
         positive("cluster.gpus_per_node", self.gpus_per_node)
+        in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
 
     @property

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import time
 
-import ray
 import torch
 
 from moe_rl import settings
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
-from moe_rl.cluster import Placement, RolloutActor
+from moe_rl.cluster import Placement, RolloutActor, gather
 from moe_rl.config import RunConfig
 from moe_rl.types import Outcome
 
@@ -53,7 +52,7 @@ class Rollouts:
         self.engines = [RolloutActor.options(**place.options("engine", i)).remote(
             settings.engine_settings(cfg, model_path), self.agent_settings, cfg.environment.name, settings.env_options(cfg))
             for i in range(cfg.rollout.num_engines)]
-        infos = ray.get([e.info.remote() for e in self.engines])
+        infos = self._gather("info", [e.info.remote() for e in self.engines])
         self.top_k, self.nodes = infos[0]["top_k"], [i["node"] for i in infos]
         self.workers = [i["workers"] for i in infos]
         self.prompts = self._load_prompts()
@@ -73,6 +72,9 @@ class Rollouts:
         if self.transfer != "files":
             policy.start_transfer(self.transfer, self.engines, self.workers)
 
+    def _gather(self, what: str, refs: list) -> list:
+        return gather([(f"engine {i} ({what})", ref) for i, ref in enumerate(refs)], self.cfg.cluster.call_timeout_s)
+
     # -- a step's rollout ---------------------------------------------------------------------------
 
     def generate(self, step: int) -> list:
@@ -87,7 +89,8 @@ class Rollouts:
         bounds = [n * i // k for i in range(k + 1)]
         seed = cfg.run.seed * 1000 + step
         return [
-            e.collect.remote(prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed, rounds, bounds[i])
+            (f"engine {i} (rollout of step {step + 1})",
+             e.collect.remote(prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed, rounds, bounds[i]))
             for i, e in enumerate(self.engines) if bounds[i + 1] > bounds[i]]
 
     def wait(self, pending: list) -> tuple[Batch, dict]:
@@ -98,7 +101,7 @@ class Rollouts:
 
         t0 = time.perf_counter()
         trajs, st = [], RolloutStats()
-        for t, s in ray.get(pending):
+        for t, s in gather(pending, self.cfg.cluster.call_timeout_s):
             trajs.extend(t)
             st.outcomes.update(s.outcomes)
             st.rejected.update(s.rejected)
@@ -137,12 +140,12 @@ class Rollouts:
     def sleep(self) -> None:
         """Colocated with rollout.sleep_engines: every engine frees its GPU for the trainer."""
         if self.cfg.rollout.sleep_engines:
-            ray.get([e.sleep.remote() for e in self.engines])
+            self._gather("sleep", [e.sleep.remote() for e in self.engines])
 
     def wake(self, part: str | None = None) -> None:
         """The engines take their GPU back: "weights" only (to receive a weight sync), or all of it."""
         if self.cfg.rollout.sleep_engines:
-            ray.get([e.wake.remote(part) for e in self.engines])
+            self._gather("wake", [e.wake.remote(part) for e in self.engines])
 
     def sync(self, policy, version: int) -> None:
         """The policy's current weights into every engine, as weight version `version`."""
@@ -155,8 +158,8 @@ class Rollouts:
             return
         d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{version}")
         exported = policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
-        ray.get([e.update_weights.remote(policy.buckets_for(exported, node), version)
-                 for e, node in zip(self.engines, self.nodes, strict=True)])
+        self._gather("weight update", [e.update_weights.remote(policy.buckets_for(exported, node), version)
+                                       for e, node in zip(self.engines, self.nodes, strict=True)])
         policy.drop_weights(d)
 
     # -- evaluation and demonstrations ---------------------------------------------------------------
@@ -167,7 +170,7 @@ class Rollouts:
         env = self.cfg.environment
         prompts = self.env_cls.generate_prompts(self.cfg.trainer.eval_prompts, seed=self.cfg.run.seed + 424242,
                                                 **env.options)
-        trajs, _ = ray.get(self.engines[0].collect.remote(prompts, 1, 99991, 0))
+        trajs, _ = self._gather("evaluation", [self.engines[0].collect.remote(prompts, 1, 99991, 0)])[0]
         return {"eval/reward_mean": float(torch.tensor([t.total_reward for t in trajs]).mean()),
                 "eval/success_rate": float(torch.tensor([float(t.terminal_reward > 0) for t in trajs]).mean()),
                 "eval/samples": len(trajs)}

@@ -1,0 +1,51 @@
+"""The driver's waits on remote calls (cluster.gather) with real Ray actors: an actor that dies ends the
+wait at once, naming it, while its peer still hangs (as ranks blocked in a collective would); a call
+past the timeout names every actor still silent; an error a call raises keeps its own type."""
+
+import os
+import time
+
+import pytest
+import ray
+
+from moe_rl.cluster import RemoteCallError, gather
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def work(self, seconds: float, die: bool = False, fail: bool = False):
+        if die:
+            os._exit(1)
+        if fail:
+            raise KeyError("a bad batch")
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_dead_rank_ends_the_wait_at_once_and_is_named(cluster):
+    a, b = Rank.remote(), Rank.remote()
+    t0 = time.monotonic()
+    with pytest.raises(RemoteCallError, match=r"^policy rank 1 \(train\): the actor died"):
+        gather([("policy rank 0 (train)", a.work.remote(60)), ("policy rank 1 (train)", b.work.remote(0, die=True))], 120)
+    assert time.monotonic() - t0 < 30  # not the 60 s rank 0 stays blocked
+
+
+def test_silence_past_the_timeout_names_who(cluster):
+    a, b = Rank.remote(), Rank.remote()
+    with pytest.raises(RemoteCallError, match=r"^no answer within cluster.call_timeout_s=1 s from engine 1 \(rollout\)$"):
+        gather([("engine 0 (rollout)", a.work.remote(0)), ("engine 1 (rollout)", b.work.remote(30))], 1.0)
+    assert gather([("engine 0 (rollout)", a.work.remote(0.1))], 10) == [0.1]
+
+
+def test_an_error_raised_by_the_call_keeps_its_type(cluster):
+    with pytest.raises(KeyError, match="a bad batch"):
+        gather([("critic rank 0 (load)", Rank.remote().work.remote(0, fail=True))], 30)
