@@ -81,8 +81,7 @@ class Checkpoints:
         self.rollouts.data_pos = st["data_pos"]
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
-        name, keys, pos, has_gauss, cached = st["np_rng"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state(numpy_rng_state(st["np_rng"]))
         self.rollouts.sync(self.models.policy, st["version"])
         return st["step"]
 
@@ -107,4 +106,16 @@ def read_loop_state(path: Path) -> dict:
     missing = {"step", "version", "data_pos", "torch_rng", "py_rng", "np_rng"} - set(st if isinstance(st, dict) else ())
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(sorted(missing))}: not a complete loop state")
+    try:  # the RNG states tried on throwaway generators: a bad one fails here, not after the weights load
+        torch.Generator().set_state(st["torch_rng"])
+        random.Random().setstate(st["py_rng"])
+        np.random.RandomState().set_state(numpy_rng_state(st["np_rng"]))
+    except Exception as err:
+        raise CheckpointError(f"{path}: its RNG states are not valid ({type(err).__name__}: {err})") from None
     return st
+
+
+def numpy_rng_state(saved: tuple) -> tuple:
+    """numpy's RNG state from `write_loop_state`'s form (the uint32 keys kept as an int64 tensor)."""
+    name, keys, pos, has_gauss, cached = saved
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached

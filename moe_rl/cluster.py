@@ -61,10 +61,18 @@ def gather(calls: list[tuple[str, object]], timeout_s: float) -> list:
                                   f"{', '.join(labels[r] for r in pending)}")
         try:
             results[done[0]] = ray.get(done[0])
-        except ray.exceptions.RayActorError as err:
-            why = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise RemoteCallError(f"{labels[done[0]]}: the actor died ({why})") from None
+        except ray.exceptions.RayTaskError:
+            raise  # the call itself raised (also when something it waited on died): its own error
+        except _LOST as err:
+            what = "is unreachable" if isinstance(err, ray.exceptions.ActorUnavailableError) else "died"
+            why = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            raise RemoteCallError(f"{labels[done[0]]}: the actor {what} ({why[-1]})") from err
     return [results[ref] for _, ref in calls]
+
+
+# a call's process gone (crashed, killed for memory, never started) or its result lost with a node
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.ActorUnschedulableError,
+         ray.exceptions.RuntimeEnvSetupError, ray.exceptions.ObjectLostError)
 
 
 def _free_address() -> tuple[str, int]:
@@ -167,7 +175,7 @@ class RankActor:
         return metrics
 
     def offload(self) -> int:
-        return self.worker.offload()
+        return self.worker.offload(list(self.anchor.params.values()) if self.anchor is not None else [])
 
     def onload(self) -> None:
         self.worker.onload()

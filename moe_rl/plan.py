@@ -178,8 +178,10 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
             moe * shape.experts * shape.expert)
 
 
-def trainer_memory(shape: ModelShape, cfg, trains: bool) -> dict[str, float]:
-    """Bytes on the busiest rank of a trainer (policy / critic: trains; reference: forward only)."""
+def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
+    """Bytes on the busiest rank of a trainer: policy and critic train, the reference only scores; under
+    PPO-EWMA the policy also keeps an fp32 anchor of its weights."""
+    trains = role != "reference"
     par, b = cfg.parallel, (2 if cfg.model.dtype == "bfloat16" else 4)
     tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
     etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
@@ -196,6 +198,8 @@ def trainer_memory(shape: ModelShape, cfg, trains: bool) -> dict[str, float]:
         if cfg.model.recompute:  # and one layer's full activations while it is recomputed
             kept += tokens * shape.activation_bytes(False)
         out["activations"] = kept
+        if role == "policy" and cfg.algorithm.anchor == "ewma":
+            out["ewma_anchor"] = (p_dense + p_expert) * 4
     out["logits"] = tokens * shape.vocab * 4 * (2 if trains else 1)
     return out
 
@@ -225,7 +229,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     for role in ("policy", "critic", "reference"):
         if actors[role]:
             roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),
-                                  trainer_memory(shape, cfg, trains=role != "reference")))
+                                  trainer_memory(shape, cfg, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
     engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.rollout.engine_tp * cfg.cluster.gpu_share), engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.checkpoints import read_loop_state, write_loop_state
+from moe_rl.checkpoints import numpy_rng_state, read_loop_state, write_loop_state
 from moe_rl.weights.hf import CheckpointError
 
 
@@ -22,8 +22,7 @@ def test_loop_state_round_trips_the_rng_states(tmp_path):
     assert (st["step"], st["version"], st["data_pos"]) == (7, 7, 112)
     random.setstate(st["py_rng"])
     torch.set_rng_state(st["torch_rng"])
-    name, keys, pos, has_gauss, cached = st["np_rng"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state(numpy_rng_state(st["np_rng"]))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
 
 
@@ -42,6 +41,11 @@ def test_a_crafted_pickle_is_refused_without_running(tmp_path, monkeypatch):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a loop state this program wrote"):
         read_loop_state(tmp_path / "junk.pt")
+    write_loop_state(tmp_path / "ok.pt", {"step": 1, "version": 1, "data_pos": 0})
+    st = torch.load(tmp_path / "ok.pt", weights_only=True)
+    torch.save({**st, "py_rng": (3, (1, 2), None)}, tmp_path / "bad_rng.pt")
+    with pytest.raises(CheckpointError, match="its RNG states are not valid"):
+        read_loop_state(tmp_path / "bad_rng.pt")
     torch.save({"step": 1}, tmp_path / "partial.pt")
     with pytest.raises(CheckpointError, match="lacks data_pos, np_rng, py_rng, torch_rng, version"):
         read_loop_state(tmp_path / "partial.pt")

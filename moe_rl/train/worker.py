@@ -33,7 +33,7 @@ from moe_rl.train import cpu_compat, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
-from moe_rl.train.offload import Offloaded, storages
+from moe_rl.train.offload import HostCopies, storages
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.types import route_torch_dtype
 
@@ -111,6 +111,7 @@ class TrainWorker:
         self._packings: dict[int, Packing] = {}
         self.steps = 0
         self._recording: list[torch.Tensor] | None = None
+        self._host = HostCopies()  # colocated: where the rank's storages wait during a rollout
 
     # ----------------------------------------------------------------------------------------------
 
@@ -239,6 +240,7 @@ class TrainWorker:
         the result also holds "routes": [B, S, L, K] (uint8 / int16, as rollout routes), the trainer's own
         top-k for every position.
         """
+        self._resident()
         self.module.eval()
         mbs = [mb.to(self.device) for mb in self._microbatches(batch)]  # split on the host, then moved
         self._recording = [] if record_routes else None
@@ -286,14 +288,18 @@ class TrainWorker:
             full[:, :, ids] = t
         return full
 
-    def offload(self) -> int:
-        """Hand this rank's parameters, gradient buffers and optimizer state to host memory (colocated
-        engines use the device meanwhile) until `onload`; returns the bytes moved."""
-        self._offloaded = Offloaded.of(storages(self.model, self.optimizer))
-        return self._offloaded.bytes
+    def offload(self, extra: list[torch.Tensor] = ()) -> int:
+        """Hand this rank's parameters, gradient buffers and optimizer state (and `extra` tensors, e.g.
+        the EWMA anchor) to host memory, colocated engines using the device meanwhile, until `onload`;
+        returns the bytes moved."""
+        return self._host.offload(storages(self.model, self.optimizer, extra))
 
     def onload(self) -> None:
-        self._offloaded.restore()
+        self._host.restore()
+
+    def _resident(self) -> None:
+        if self._host.offloaded:
+            raise RuntimeError("this rank's weights are in host memory (offloaded for a rollout): onload first")
 
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by name (for the PPO-EWMA anchor)."""
@@ -330,6 +336,7 @@ class TrainWorker:
         and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
         """
+        self._resident()
         self.module.train()
         cpu_mbs = self._microbatches(batch)
         mbs = [mb.to(self.device) for mb in cpu_mbs]  # split on the host (no device sync per row), then moved
@@ -351,17 +358,22 @@ class TrainWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # megatron's gradient finalisation updates routers' expert biases in place (DeepSeek-V3-style
+        # aux-free balancing): kept aside, so a skipped step leaves them as they were
+        biases = [(b, b.detach().clone()) for n, b in self.module.named_buffers() if n.endswith("expert_bias")]
         try:
             losses = self._run(mbs, forward_only=False, loss_func=loss_func)
         finally:
             replay.clear(self.replay_instances)
-        finite = self._gradients_finite()
+        finite = self._finite(losses)
         if finite:
             ok, grad_norm, _ = self.optimizer.step()
         else:  # a NaN / inf loss or gradient on any rank: no rank of this model updates; weights untouched
             ok, grad_norm = False, float("nan")
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
+            for b, before in biases:
+                b.copy_(before)
         self.steps += 1
         metrics = reduce_updates(microbatch_metrics)
         if self.ps.is_pipeline_last_stage():
@@ -371,11 +383,14 @@ class TrainWorker:
         metrics["skipped_nonfinite"] = float(not finite)
         return metrics
 
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient on every rank of this model is finite: each rank checks its gradient
-        buffers (under the distributed optimizer its unreduced part too, where a rank's own NaN stays),
-        then one all-reduce over the model's ranks (the process group they were started in)."""
+    def _finite(self, losses: list[dict]) -> bool:
+        """Whether the loss (last pipeline stage) and every gradient on every rank of this model are
+        finite: each rank checks its own (under the distributed optimizer its gradient buffers' unreduced
+        part too, where its own NaN stays), then one all-reduce over the model's ranks (the process group
+        they were started in). A loss term of detached inputs can be NaN with finite gradients."""
         buffers = [*self.model.buffers, *self.model.expert_parallel_buffers]
-        bad = torch.tensor([float(not all(bool(torch.isfinite(b.grad_data).all()) for b in buffers))], device=self.device)
+        ok = all(bool(torch.isfinite(x["loss"]).all()) for x in losses if "loss" in x) and all(
+            bool(torch.isfinite(b.grad_data).all()) for b in buffers)
+        bad = torch.tensor([float(not ok)], device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())

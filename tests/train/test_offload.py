@@ -18,6 +18,8 @@ def test_offload_and_onload_are_bitwise_transparent(tiny_qwen, world, layout, dt
     moved = run_ranks(offload_job, world, (str(tiny_qwen), layout, dtype, True))
     for a, b in zip(plain, moved, strict=True):
         assert b["emptied"] and b["moved"][0] > 0
+        assert b["refused"] == ["this rank's weights are in host memory (offloaded for a rollout)",
+                                "offload while already offloaded"]
         # after the first step the optimizer holds Adam moments (and bf16's fp32 master weights) too
         assert b["moved"][1] > b["moved"][0]
         for x, y in zip(a["scores"], b["scores"], strict=True):

@@ -218,6 +218,13 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
         if offload:
             out["moved"].append(w.offload())
             out["emptied"] = all(p.untyped_storage().nbytes() == 0 for p in w.module.parameters())
+            refused = []
+            for call in (lambda: w.score(Batch(ids, lengths)), w.offload):  # nothing reads an absent weight
+                try:
+                    call()
+                except RuntimeError as err:
+                    refused.append(str(err).split(":")[0])
+            out["refused"] = refused
             w.onload()
         logp = w.score(Batch(ids, lengths))["logp"]
         out["scores"].append(logp)
