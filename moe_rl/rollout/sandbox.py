@@ -1,11 +1,19 @@
-"""Running untrusted tool code: a subprocess with CPU, memory, file-size and wall-time limits and no
-network (a fresh network namespace via `unshare -n`, which has only a downed loopback).
+"""Running untrusted tool code: a subprocess in namespaces of its own, as an unprivileged user, with
+CPU, memory, process, file-size and wall-time limits.
 
     result = await run_python("print(2**10)", timeout_s=5)
     result.ok, result.stdout, result.reason
 
-If the machine cannot create a network namespace (not root, no unshare), `run_python` raises
-`SandboxUnavailable` rather than run code with network access.
+- no network: a fresh network namespace (`unshare -n`, only a downed loopback);
+- no writes outside its scratch space: it runs as `nobody` (no group, no new privileges), so nothing
+  of ours is writable, and in a mount namespace whose /tmp (its working directory), /var/tmp and
+  /dev/shm are small private tmpfs that vanish with it;
+- no runaway processes: a PID namespace (everything it starts dies with it, at the timeout too) and a
+  process limit for the user (a fork bomb stops there);
+- memory (address space), CPU seconds, file size and wall time limits.
+
+If the machine cannot do this (not root, no unshare / setpriv, no interpreter the unprivileged user
+can run), `run_python` raises `SandboxUnavailable` rather than run code unconfined.
 """
 
 from __future__ import annotations
@@ -19,6 +27,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+NOBODY = 65534
+MAX_PROCESSES = 32  # of the unprivileged user, all tools together
+# inside the new namespaces, as root: private scratch mounts, then become nobody and run the interpreter
+# (not exec'd: the shell turns a signal that kills it into exit status 128 + N, which unshare passes on)
+_ENTER = ("mount -t tmpfs -o size=16m,mode=1777 none /tmp && mount -t tmpfs -o size=1m none /var/tmp && "
+          "mount -t tmpfs -o size=1m none /dev/shm && cd /tmp && setpriv --reuid {uid} --regid {uid} "
+          "--clear-groups --no-new-privs \"$0\" -I -S -c \"$1\"")
+
 
 class SandboxUnavailable(RuntimeError):
     pass
@@ -29,19 +45,26 @@ class SandboxResult:
     ok: bool
     stdout: str
     stderr: str
-    reason: str  # "" | "timeout" | "exit code N" | "killed (signal N)" | "output too large"
+    reason: str  # "" | "timeout" | "exit code N" | "killed (signal N)" (also exit codes 129..) | "output too large"
 
 
 @functools.cache
-def _netns_prefix() -> tuple[str, ...]:
-    exe = shutil.which("unshare")
-    if exe is None:
-        raise SandboxUnavailable("`unshare` is not installed: cannot isolate tool code from the network")
-    probe = subprocess.run([exe, "-n", "true"], capture_output=True)
-    if probe.returncode != 0:
-        raise SandboxUnavailable(f"cannot create a network namespace ({probe.stderr.decode().strip()}); "
-                                 "code-executing tools need root or CAP_SYS_ADMIN")
-    return (exe, "-n")
+def _prefix() -> tuple[str, ...]:
+    """The command that enters the sandbox and runs `python -I -S -c CODE` (CODE and the interpreter
+    follow as arguments), checked once by running it."""
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    if unshare is None or setpriv is None:
+        raise SandboxUnavailable("`unshare` and `setpriv` (util-linux) are needed to isolate tool code")
+    prefix = (unshare, "-n", "-m", "-p", "-f", "--kill-child", "--propagation", "private", "sh", "-c",
+              _ENTER.format(uid=NOBODY))
+    problems = []
+    for python in dict.fromkeys([sys.executable, "/usr/bin/python3"]):  # one the unprivileged user can run
+        probe = subprocess.run([*prefix, python, "import json"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return (*prefix, python)
+        problems.append(f"{python}: {probe.stderr.decode(errors='replace').strip().splitlines()[-1:] or ['?']}")
+    raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces as an unprivileged "
+                             f"user; code-executing tools need root): {'; '.join(problems)}")
 
 
 def _limits(cpu_s: int, memory_mb: int, file_mb: int):
@@ -50,6 +73,7 @@ def _limits(cpu_s: int, memory_mb: int, file_mb: int):
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 2**20, file_mb * 2**20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))  # enforced once unprivileged
         os.setsid()
 
     return apply
@@ -57,11 +81,10 @@ def _limits(cpu_s: int, memory_mb: int, file_mb: int):
 
 async def run_python(code: str, stdin: str = "", timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 256,
                      file_mb: int = 1, max_output: int = 65536) -> SandboxResult:
-    cmd = (*_netns_prefix(), sys.executable, "-I", "-S", "-c", code)
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_limits(cpu_s, memory_mb, file_mb), env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
-        cwd="/tmp")
+        *_prefix(), code, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(cpu_s, memory_mb, file_mb),
+        env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, cwd="/")
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
     except asyncio.TimeoutError:
@@ -74,5 +97,6 @@ async def run_python(code: str, stdin: str = "", timeout_s: float = 5.0, cpu_s: 
     if len(out) > max_output:
         return SandboxResult(False, "", "", "output too large")
     rc = proc.returncode
-    reason = "" if rc == 0 else (f"killed (signal {-rc})" if rc < 0 else f"exit code {rc}")
+    signal = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # > 128: the interpreter killed by signal rc - 128
+    reason = "" if rc == 0 else f"killed (signal {signal})" if signal else f"exit code {rc}"
     return SandboxResult(rc == 0, out.decode(errors="replace"), err.decode(errors="replace")[-2000:], reason)

@@ -4,10 +4,11 @@ by hand); the end-to-end test with the real vLLM engine is in test_agent_vllm.py
 
 import asyncio
 import json
+import os
 
 import numpy as np
 import pytest
-from conftest import agent_settings
+from conftest import ROOT, agent_settings
 from transformers import AutoTokenizer
 
 from moe_rl.rollout.agent import Agent
@@ -157,6 +158,31 @@ def test_sandbox_limits_and_no_network():
     r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass", timeout_s=10, cpu_s=1))
     assert not r.ok and r.reason.startswith("killed")
     assert run(run_python("print(6*7)")).stdout.strip() == "42"
+
+
+def test_sandbox_holds_files_processes_and_memory(tmp_path):
+    """Tool code runs as an unprivileged user in its own mount and PID namespaces: it writes only to its
+    private scratch space, a fork bomb and a memory bomb stop at their limits, and each gives its outcome."""
+    import time
+
+    from moe_rl.rollout.sandbox import run_python
+
+    outside = ROOT / "sandbox_escape_probe"
+    code = (f"import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd(), os.getuid(), open('scratch.txt').read())\n"
+            f"for p in ({str(outside)!r}, '/var/tmp/probe', '/dev/shm/probe'):\n"
+            f"    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.errno)")
+    r = run(run_python(code))
+    lines = r.stdout.splitlines()
+    assert r.ok and lines[0] == "/tmp 65534 ok" and lines[1] == f"refused {outside} 13", r.stdout + r.stderr
+    # /var/tmp and /dev/shm are the tool's own: what it writes there is gone with it
+    assert not outside.exists() and not os.path.exists("/var/tmp/probe") and not os.path.exists("/dev/shm/probe")
+    t0 = time.monotonic()
+    bomb = run(run_python("import os\nwhile True:\n    os.fork()", timeout_s=5))
+    assert not bomb.ok and bomb.reason in ("timeout", "exit code 1") and time.monotonic() - t0 < 15
+    assert "BlockingIOError" in bomb.stderr or bomb.reason == "timeout"
+    memory = run(run_python("import os\nfor _ in range(8):\n    os.fork()\nx = bytearray(2**30)", memory_mb=128))
+    assert not memory.ok and "MemoryError" in memory.stderr
+    assert run(run_python("print(6*7)")).stdout.strip() == "42"  # and the next tool runs as usual
 
 
 def test_group_sampling_and_dynamic_sampling(tok):
