@@ -244,3 +244,31 @@ def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
                     "policy/ratio_mean", "correction/logp_mismatch_mean"):
             assert h[key] == r[key], key
         assert h["memory/offloaded_gib"] > 0 and h["timing/offload_s"] > 0 and h["timing/onload_s"] > 0
+
+
+def test_a_trainer_rank_that_dies_stops_the_run_naming_it(tmp_path):
+    """kill -9 of a trainer rank (policy or critic) mid-run: the driver stops within a bounded time (no hang on a collective
+    or a Ray wait), exit code 2, one line naming the role, the rank and the call."""
+    import psutil
+
+    out = tmp_path / "rank_dies"
+    proc = subprocess.Popen(train_cmd(out, "run.steps=6", "cluster.call_timeout_s=120"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (out / "checkpoints" / "step_000001").exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+            time.sleep(0.2)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RankActor" in " ".join(p.cmdline())]
+        assert ranks, "no trainer rank process found"
+        victim = ranks[0]
+        victim.kill()
+        killed_at = time.time()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2 and time.time() - killed_at < 120
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moe-rl: error: ") and " rank " in last and "the actor died" in last, err[-3000:]
