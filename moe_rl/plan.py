@@ -162,6 +162,10 @@ class Plan:
     problems: list[str]
 
 
+def dtype_bytes(cfg) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
 def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     """(non-expert, routed-expert) parameters of pipeline stage `stage`: ceil(layers / pp) layers each,
     the dense layers first; the embedding on the first stage, final norm and output on the last."""
@@ -182,10 +186,11 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     """Bytes on the busiest rank of a trainer: policy and critic train, the reference only scores; under
     PPO-EWMA the policy also keeps an fp32 anchor of its weights."""
     trains = role != "reference"
-    par, b = cfg.parallel, (2 if cfg.model.dtype == "bfloat16" else 4)
+    par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
     etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
-    p_dense, p_expert = max((d / tp, e / (ep * etp)) for d, e in (stage_params(shape, pp, s) for s in range(pp)))
+    p_dense, p_expert = max(((d / tp, e / (ep * etp)) for d, e in (stage_params(shape, pp, s) for s in range(pp))),
+                            key=sum)  # the stage with the most parameters per rank
     out = {"weights": (p_dense + p_expert) * b}
     tokens = cfg.trainer.micro_batch_tokens / (tp * cp)
     if trains:
@@ -207,7 +212,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
 def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, float], float]:
     """(bytes per engine GPU, KV-cache tokens an engine holds). An engine spans rollout.engine_tp GPUs,
     each with 1/engine_tp of the weights and of the KV heads."""
-    b, tp = (2 if cfg.model.dtype == "bfloat16" else 4), cfg.rollout.engine_tp
+    b, tp = dtype_bytes(cfg), cfg.rollout.engine_tp
     weights = shape.total * b / tp
     r = cfg.rollout
     reserve = ENGINE_RESERVE_GB * GiB
@@ -255,7 +260,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
                         "tensor parallelism needs one node's links")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k * (1 if shape.experts <= 256 else 2)
-    sync_bytes = shape.total * (2 if cfg.model.dtype == "bfloat16" else 4)
+    sync_bytes = shape.total * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, math.ceil(cfg.gpus / cluster.gpus_per_node),
                 route_bytes, sync_bytes, problems)
 

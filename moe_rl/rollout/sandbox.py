@@ -62,7 +62,8 @@ def _prefix() -> tuple[str, ...]:
         probe = subprocess.run([*prefix, python, "import json"], capture_output=True, timeout=30)
         if probe.returncode == 0:
             return (*prefix, python)
-        problems.append(f"{python}: {probe.stderr.decode(errors='replace').strip().splitlines()[-1:] or ['?']}")
+        lines = probe.stderr.decode(errors="replace").strip().splitlines()
+        problems.append(f"{python}: {lines[-1] if lines else f'exit code {probe.returncode}'}")
     raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces as an unprivileged "
                              f"user; code-executing tools need root): {'; '.join(problems)}")
 
