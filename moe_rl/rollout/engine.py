@@ -90,14 +90,12 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
       gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
       checks at start-up that the share is free.
-    - synchronous scheduling: no batch is in flight when weights change or the prefix cache resets.
+    - synchronous scheduling (vLLM's GPU default launches the next batch before reading the last): no
+      batch is in flight when weights change (its old-weight tokens would carry the new version) or the
+      prefix cache resets (the routed-experts connector asserts "generation changed with output in flight").
     - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
       seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
     """
-    # async_scheduling off: vLLM's GPU default launches the next batch before the last one's output is
-    # read, so a batch would still be in flight when a weight update lands (its tokens, sampled by the old
-    # weights, would carry the new version) and when the prefix cache is reset (the routed-experts
-    # connector asserts "generation changed with output in flight")
     kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
                   seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
                   enable_prefix_caching=route_source != "capture", async_scheduling=False)
@@ -190,36 +188,31 @@ def _refresh_cpu_moe(worker, layers: set[str]) -> int:
     return count
 
 
-def _worker_reload_files(worker, paths: list[str], dtype: torch.dtype) -> int:
-    """Each engine worker reads the weight buckets itself (tensors cannot travel to worker processes);
-    returns the tensors read."""
-    from moe_rl.weights.sync import read_bucket
-
+def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> int:
+    """Load HF-named tensors (cast to the engine's dtype) in place on this worker; on CPU the reloaded
+    layers' MoE prepacks are redone. Returns the tensors loaded."""
+    layers: set[str] = set()
     count = 0
 
-    def tensors():
+    def cast():
         nonlocal count
-        for path in paths:
-            for name, tensor in read_bucket(path, delete=False):
-                count += 1
-                yield name, tensor.to(dtype).contiguous()
+        for name, tensor in weights:
+            layers.add(layer_of(name))
+            count += 1
+            yield name, tensor.detach().to(dtype).contiguous()
 
-    _worker_reload(worker, tensors())
+    worker.reload_weights(weights_iterator=cast())  # the worker sets vLLM's current config around it
+    if not torch.cuda.is_available():
+        _refresh_cpu_moe(worker, layers - {""})
     return count
 
 
-def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    layers: set[str] = set()
+def _worker_reload_files(worker, paths: list[str], dtype: torch.dtype) -> int:
+    """`_worker_reload` from weight-bucket files each engine worker reads itself (tensors cannot travel
+    to worker processes)."""
+    from moe_rl.weights.sync import read_bucket
 
-    def noting_layers():
-        for name, tensor in weights:
-            layers.add(layer_of(name))
-            yield name, tensor
-
-    worker.reload_weights(weights_iterator=noting_layers())  # the worker sets vLLM's current config around it
-    if torch.cuda.is_available():
-        return 0
-    return _refresh_cpu_moe(worker, layers - {""})
+    return _worker_reload(worker, (t for path in paths for t in read_bucket(path, delete=False)), dtype)
 
 
 def _worker_moe_hidden_layers(worker) -> list[int]:
@@ -377,6 +370,10 @@ class RolloutEngine:
 
     # -- weights --------------------------------------------------------------------------------
 
+    @property
+    def _dtype(self) -> torch.dtype:
+        return torch.float32 if self.settings.dtype == "float32" else torch.bfloat16
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named tensors in place and set the weight version. Returns tensors loaded.
 
@@ -384,17 +381,8 @@ class RolloutEngine:
         model goes in one call, streamed (`named_tensors` may be a generator reading bucket after
         bucket), and no generation step sees half-updated weights. A call must carry whole transformer
         layers (weights.sync.buckets never splits one): vLLM finalises a layer within its call."""
-        dtype = torch.float32 if self.settings.dtype == "float32" else torch.bfloat16
-        count = 0
-
-        def cast():
-            nonlocal count
-            for name, tensor in named_tensors:
-                count += 1
-                yield name, tensor.detach().to(dtype).contiguous()
-
         # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is passed as is
-        self.llm.collective_rpc(_worker_reload, args=(cast(),))
+        count = self.llm.collective_rpc(_worker_reload, args=(named_tensors, self._dtype))[0]
         self._new_weights(version)
         return count
 
@@ -402,8 +390,7 @@ class RolloutEngine:
         """`update_weights` from weight-bucket files (weights.sync.write_bucket) that every engine worker
         reads itself: the path for engines whose workers are other processes (tensor parallelism).
         Returns the tensors each worker loaded."""
-        dtype = torch.float32 if self.settings.dtype == "float32" else torch.bfloat16
-        counts = self.llm.collective_rpc(_worker_reload_files, args=(list(paths), dtype))
+        counts = self.llm.collective_rpc(_worker_reload_files, args=(list(paths), self._dtype))
         self._new_weights(version)
         return counts[0]
 

@@ -388,9 +388,9 @@ class TrainWorker:
         finite: each rank checks its own (under the distributed optimizer its gradient buffers' unreduced
         part too, where its own NaN stays), then one all-reduce over the model's ranks (the process group
         they were started in). A loss term of detached inputs can be NaN with finite gradients."""
-        buffers = [*self.model.buffers, *self.model.expert_parallel_buffers]
-        ok = all(bool(torch.isfinite(x["loss"]).all()) for x in losses if "loss" in x) and all(
-            bool(torch.isfinite(b.grad_data).all()) for b in buffers)
-        bad = torch.tensor([float(not ok)], device=self.device)
+        # sums on the device (a NaN or inf anywhere makes its sum one), one host sync after the all-reduce
+        sums = [b.grad_data.sum(dtype=torch.float32) for b in [*self.model.buffers, *self.model.expert_parallel_buffers]]
+        sums += [x["loss"].float().sum() for x in losses if "loss" in x]
+        bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums else torch.zeros(1, device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())

@@ -13,6 +13,7 @@ from convert_jobs import B, S, score_converted_job, tokens
 
 from moe_rl.train.checkpoint import read_metadata
 from moe_rl.train.convert import hf_to_mcore, mcore_to_hf
+from moe_rl.train.hf_parity import hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.train.parallel import Layout
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, CheckpointMismatch, HFReader
@@ -28,16 +29,6 @@ def assert_same_tensors(a, b):
         assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-def hf_logp(path, ids):
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        lp = torch.log_softmax(AutoModelForCausalLM.from_pretrained(path).float()(ids).logits, -1)
-    ref = torch.zeros(ids.shape)
-    ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return ref
-
-
 def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_path, tiny_qwen):
     mc = tmp_path / "mcore"
     done = hf_to_mcore(tiny_qwen, mc, Layout(tp=2, pp=2, ep=2, etp=1))  # 4 ranks
@@ -49,7 +40,7 @@ def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_pat
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen), str(mc), "policy"))[0]
     assert out["logp"].shape == ids.shape == (B, S)
-    torch.testing.assert_close(out["logp"][:, 1:], hf_logp(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["logp"][:, 1:], hf_token_logprobs(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
 def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
@@ -68,7 +59,7 @@ def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, 
     assert_same_tensors(tiny_qwen_dense, back.out)
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen_dense), str(mc), "policy"))[0]
-    torch.testing.assert_close(out["logp"][:, 1:], hf_logp(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["logp"][:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
 def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, tiny_qwen):
