@@ -5,7 +5,9 @@
 #   launch/local.sh configs/quickstart.yaml run.steps=50
 #
 # Knobs: MOE_RL_VENV (default: the checkout's .venv), OMP_NUM_THREADS (default 1: trainer ranks and
-# engines share the cores), MOE_RL_LOG (default runs/<time>.log; the console shows it too).
+# engines share the cores), MOE_RL_LOG (default runs/<time>.log; the console shows it too),
+# MOE_RL_RETRIES (default 0: after a process died or hung, run again from the last checkpoint up to
+# this many times; launch/retry.sh).
 set -euo pipefail
 CONFIG=${1:?usage: launch/local.sh CONFIG [section.key=value ...]}
 shift
@@ -16,6 +18,15 @@ LOG=${MOE_RL_LOG:-$REPO/runs/$(date +%Y%m%d-%H%M%S).log}
 mkdir -p "$(dirname "$LOG")"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 cd "$REPO"
-echo "[launch/local] $VENV/bin/moe-rl train $CONFIG $* (log: $LOG)"
-"$VENV/bin/moe-rl" train "$CONFIG" "$@" 2>&1 | tee "$LOG"
-exit "${PIPESTATUS[0]}"
+source "$REPO/launch/retry.sh"
+resume=()
+for attempt in $(seq 0 "$RETRIES"); do
+  echo "[launch/local] $VENV/bin/moe-rl train $CONFIG $* ${resume[*]} (log: $LOG)" | tee -a "$LOG"
+  set +e
+  "$VENV/bin/moe-rl" train "$CONFIG" "$@" "${resume[@]}" 2>&1 | tee -a "$LOG"
+  code=${PIPESTATUS[0]}
+  set -e
+  retryable "$code" && (( attempt < RETRIES )) || exit "$code"
+  echo "[launch/local] the run stopped with exit code $code; retry $((attempt + 1)) of $RETRIES from its last checkpoint" | tee -a "$LOG"
+  resume=(checkpoint.resume=auto)
+done

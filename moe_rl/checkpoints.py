@@ -2,7 +2,8 @@
 
     ckpt = Checkpoints(cfg, out_dir, models, rollouts)
     step = ckpt.resume()        # None: a fresh run (checkpoint.resume never, or nothing to resume)
-    ckpt.maybe_save(step)       # every checkpoint.every steps and at the last step
+    if ckpt.due(step):          # every checkpoint.every steps and at the last step
+        ckpt.save(step, in_flight)  # in_flight: an asynchronous run's next rollout, finished
 
 A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
 previous one as it was, and `resume: auto` takes the newest complete one. Nothing in it is unpickled
@@ -20,26 +21,29 @@ import numpy as np
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.rollouts import Collected
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
 LOOP_STATE = "loop_state.pt"
+IN_FLIGHT = "rollout_in_flight.pt"  # asynchronous runs: the rollout started before the checkpoint
 
 
 class Checkpoints:
     def __init__(self, cfg: RunConfig, out: Path, models, rollouts):
         self.cfg, self.root, self.models, self.rollouts = cfg, out / "checkpoints", models, rollouts
+        self.in_flight: Collected | None = None  # set by `resume` where the checkpoint holds one
 
     def _groups(self) -> dict:
         """The trainer groups a checkpoint holds, by directory name."""
         return {"policy": self.models.policy, **({"critic": self.models.critic} if self.models.critic else {})}
 
-    def maybe_save(self, step: int) -> Path | None:
+    def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
-        if every and step % every == 0 or step == self.cfg.run.steps:
-            return self.save(step)
-        return None
+        return bool(every and step % every == 0 or step == self.cfg.run.steps)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, in_flight: Collected | None = None) -> Path:
+        """The run after `step` steps; `in_flight`: the finished rollout an asynchronous run started
+        before the checkpoint (the next step trains on it, after a resume too)."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".step_{step:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -49,6 +53,8 @@ class Checkpoints:
         for role, group in self._groups().items():
             group.call("save", str(tmp / role), state)
             copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
+        if in_flight is not None:
+            torch.save(in_flight.state(), tmp / IN_FLIGHT)
         write_loop_state(tmp / LOOP_STATE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
@@ -83,6 +89,12 @@ class Checkpoints:
         random.setstate(st["py_rng"])
         np.random.set_state(numpy_rng_state(st["np_rng"]))
         self.rollouts.sync(self.models.policy, st["version"])
+        if (path / IN_FLIGHT).is_file():
+            try:
+                self.in_flight = Collected.from_state(torch.load(path / IN_FLIGHT, weights_only=True))
+            except Exception as err:
+                raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused "
+                                      f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
         return st["step"]
 
 

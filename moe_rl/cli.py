@@ -7,7 +7,10 @@
     moe-rl bench gae
     moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf
 
-User errors print one line `moe-rl: error: ...` and exit with code 2; never a traceback.
+User errors print one line `moe-rl: error: ...` and exit with code 2; never a traceback. A run that
+stops because a process died or hung (a trainer rank, an engine past its restarts, a call past
+cluster.call_timeout_s) prints its line and exits with code 3: a launcher's retry resumes it from the
+last checkpoint (launch/), where retrying a code-2 error would only repeat it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from moe_rl.config import ConfigError
 
 EXIT_USAGE = 2
+EXIT_FAULT = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "tools" / "bench"
 
@@ -105,8 +109,10 @@ def _cmd_train(args) -> int:
 
     try:
         return loop.main(cfg)
+    except RemoteCallError as err:  # a process died or hung: retryable
+        return _fail(str(err), EXIT_FAULT)
     except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-            RolloutError, RemoteCallError) as err:
+            RolloutError) as err:
         raise UserError(str(err)) from None
 
 

@@ -47,27 +47,39 @@ class RemoteCallError(RuntimeError):
     """A remote call that did not answer in time, or whose actor died; the message names both."""
 
 
-def gather(calls: list[tuple[str, object]], timeout_s: float) -> list:
+def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> list:
     """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
     died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a
     call unanswered: RemoteCallError names the actor and what it was doing (`label`). An exception the
-    call raised itself comes back as Ray raises it (an instance of its own type)."""
-    labels = {ref: label for label, ref in calls}
+    call raised itself comes back as Ray raises it (an instance of its own type).
+
+    `retry(index, err)`, where given, is asked first about a call that failed (its actor lost, or the
+    call raised): it returns a new ref to wait on instead (the call submitted again, with `timeout_s`
+    from now), or None to fail as above."""
+    labels = {ref: (i, label) for i, (label, ref) in enumerate(calls)}
     pending, results, deadline = [ref for _, ref in calls], {}, time.monotonic() + timeout_s
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             raise RemoteCallError(f"no answer within cluster.call_timeout_s={timeout_s:g} s from "
-                                  f"{', '.join(labels[r] for r in pending)}")
+                                  f"{', '.join(labels[r][1] for r in pending)}")
+        i, label = labels[done[0]]
         try:
-            results[done[0]] = ray.get(done[0])
-        except ray.exceptions.RayTaskError:
-            raise  # the call itself raised (also when something it waited on died): its own error
+            results[i] = ray.get(done[0])
+            continue
+        except ray.exceptions.RayTaskError as err:  # the call itself raised (also when something it waited on died)
+            if retry is None or (again := retry(i, err)) is None:
+                raise
         except _LOST as err:
             what = "is unreachable" if isinstance(err, ray.exceptions.ActorUnavailableError) else "died"
             why = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-            raise RemoteCallError(f"{labels[done[0]]}: the actor {what} ({why[-1]})") from err
-    return [results[ref] for _, ref in calls]
+            failure = RemoteCallError(f"{label}: the actor {what} ({why[-1]})")
+            if retry is None or (again := retry(i, failure)) is None:
+                raise failure from err
+        labels[again] = (i, label)
+        pending.append(again)
+        deadline = max(deadline, time.monotonic() + timeout_s)
+    return [results[i] for i in range(len(calls))]
 
 
 # a call's process gone (crashed, killed for memory, never started) or its result lost with a node
@@ -195,8 +207,15 @@ class RankActor:
         from moe_rl.train.hf_io import export_hf_weights
         from moe_rl.weights.sync import buckets, write_bucket
 
-        named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
-        return [str(write_bucket(b, directory, i)) for i, b in enumerate(buckets(named, bucket_mb))]
+        offloaded = self.worker.offloaded  # a replacement engine's weights, asked for during a rollout
+        if offloaded:
+            self.onload()
+        try:
+            named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
+            return [str(write_bucket(b, directory, i)) for i, b in enumerate(buckets(named, bucket_mb))]
+        finally:
+            if offloaded:
+                self.offload()
 
     def bucket_bytes(self, path: str) -> bytes:
         """A bucket's bytes, for an engine on another node."""

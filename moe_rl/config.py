@@ -171,8 +171,25 @@ class RolloutSection:
     # colocated on GPU: vLLM's sleep mode frees each engine's GPU (weights to host, KV cache dropped)
     # while the trainer trains, and wakes it for the weight sync and the next rollout
     sleep_engines: bool = False
+    # an engine that dies (or whose weight update fails) is replaced on its resources with the current
+    # weights and its lost work regenerated; this many failures of one engine in a row stop the run.
+    # null: 3 with weight_transfer=files, 0 with nccl | ipc (a replacement cannot join vLLM's transfer
+    # group mid-run: the run stops and a launcher retry resumes it from the last checkpoint)
+    max_engine_restarts: int | None = None
+
+    @property
+    def engine_restarts(self) -> int:
+        if self.max_engine_restarts is not None:
+            return self.max_engine_restarts
+        return 3 if self.weight_transfer == "files" else 0
 
     def check(self) -> None:
+        if self.max_engine_restarts is not None:
+            in_range("rollout.max_engine_restarts", self.max_engine_restarts, 0, None)
+            if self.max_engine_restarts and self.weight_transfer != "files":
+                raise ConfigError("rollout.max_engine_restarts", f"{self.max_engine_restarts} with weight_transfer="
+                                  f"{self.weight_transfer}: a replacement engine cannot join vLLM's transfer group "
+                                  "mid-run; use 0 (a launcher retry resumes the run) or weight_transfer=files")
         if self.engine_ep and self.engine_tp == 1:
             raise ConfigError("rollout.engine_ep", "true with rollout.engine_tp=1: expert parallelism spreads experts over "
                               "an engine's tensor-parallel ranks; raise engine_tp")

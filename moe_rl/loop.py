@@ -54,7 +54,8 @@ def main(cfg: RunConfig) -> int:
             rollouts.wake()
         return rollouts.generate(step)
 
-    pending = rollout(first) if first < cfg.run.steps else None
+    # an asynchronous run's checkpoint holds the rollout it had in flight: resumed, the next step trains on it
+    pending = checkpoints.in_flight or (rollout(first) if first < cfg.run.steps else None)
     try:
         for step in range(first, cfg.run.steps):
             with log.timer("step"):
@@ -62,8 +63,8 @@ def main(cfg: RunConfig) -> int:
                 with log.timer("onload"):  # colocated: the engines sleep, the trainer comes back
                     rollouts.sleep()
                     models.onload()
-                if cfg.rollout.async_mode and step + 1 < cfg.run.steps:
-                    pending = rollouts.generate(step + 1)  # the next rollout runs while this batch trains
+                # asynchronous: the next rollout runs while this batch trains
+                pending = rollouts.generate(step + 1) if cfg.rollout.async_mode and step + 1 < cfg.run.steps else None
                 with log.timer("score"):  # the free-routing diagnostics on logged steps N, 2N, ...
                     scores = models.score(batch, diagnostics=bool(diag) and (step + 1) % diag == 0)
                 with log.timer("advantages"):
@@ -73,7 +74,10 @@ def main(cfg: RunConfig) -> int:
                     rollouts.sync(models.policy, step + 1)
                 figures = [rollout_figures, step_figures(batch, scores, tgt), fit_figures, models.route_figures()]
             log.step(step + 1, *figures)
-            checkpoints.maybe_save(step + 1)
+            if checkpoints.due(step + 1):
+                if pending:  # asynchronous: the next rollout, finished, goes into the checkpoint
+                    pending = rollouts.finish(pending)
+                checkpoints.save(step + 1, pending)
             if not cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                 pending = rollout(step + 1)
         last = max(first, cfg.run.steps)

@@ -10,21 +10,62 @@ Evaluation (held-out prompts) and the warm start's scripted-expert demonstration
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from dataclasses import dataclass
 
+import ray
 import torch
 
 from moe_rl import settings
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
-from moe_rl.cluster import Placement, RolloutActor, gather
+from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather
 from moe_rl.config import RunConfig
-from moe_rl.types import Outcome
+from moe_rl.types import Outcome, trajectory_from_state, trajectory_state
 
 
 class RolloutError(RuntimeError):
     """A step's rollout left nothing to train on."""
+
+
+class EngineFailure(RemoteCallError):
+    """An engine failed more times in a row than rollout.max_engine_restarts allows."""
+
+
+@dataclass
+class Call:
+    """An engine call the driver waits on, kept so that it can go again to a replacement engine."""
+
+    engine: int
+    method: str
+    args: tuple
+    what: str  # for messages: "rollout of step 3", "weight update", ...
+    ref: object = None
+    actor: object = None  # the engine actor it went to
+
+
+@dataclass
+class Collected:
+    """A rollout's results [(trajectories, RolloutStats)] per engine, finished (see `Rollouts.finish`)."""
+
+    results: list
+
+    def state(self) -> list:
+        """In plain types and tensors: an asynchronous run's checkpoint keeps the rollout in flight."""
+        return [([trajectory_state(t) for t in trajs], {k: dict(v) if isinstance(v, dict) else v
+                                                        for k, v in dataclasses.asdict(stats).items()})
+                for trajs, stats in self.results]
+
+    @classmethod
+    def from_state(cls, state: list) -> Collected:
+        from collections import Counter
+
+        from moe_rl.rollout.agent import RolloutStats
+
+        return cls([([trajectory_from_state(t) for t in trajs], RolloutStats(**{
+            k: Counter(v) if isinstance(v, dict) else v for k, v in stats.items()})) for trajs, stats in state])
 
 
 def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
@@ -49,15 +90,23 @@ class Rollouts:
         self.cfg, self.model_path, self.transfer = cfg, model_path, cfg.rollout.weight_transfer
         self.env_cls = get_env(cfg.environment.name)
         self.agent_settings = settings.agent_settings(cfg)
-        self.engines = [RolloutActor.options(**place.options("engine", i)).remote(
-            settings.engine_settings(cfg, model_path), self.agent_settings, cfg.environment.name, settings.env_options(cfg))
-            for i in range(cfg.rollout.num_engines)]
+        self.place = place
+        self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]
         infos = self._gather("info", [e.info.remote() for e in self.engines])
         self.top_k, self.nodes = infos[0]["top_k"], [i["node"] for i in infos]
         self.workers = [i["workers"] for i in infos]
         self.prompts = self._load_prompts()
         self.data_pos = 0  # prompts consumed (saved with checkpoints)
         self.version = 0  # weight version the engines hold
+        self.policy = None  # where the engines' current weights come from, once a sync gave them any
+        self.restarts = 0  # engines replaced in this run
+        self.failures = [0] * len(self.engines)  # failures in a row, per engine
+
+    def _start_engine(self, i: int):
+        cfg = self.cfg
+        return RolloutActor.options(**self.place.options("engine", i)).remote(
+            settings.engine_settings(cfg, self.model_path), self.agent_settings, cfg.environment.name,
+            settings.env_options(cfg))
 
     def _load_prompts(self) -> list[dict]:
         env = self.cfg.environment
@@ -75,6 +124,48 @@ class Rollouts:
     def _gather(self, what: str, refs: list) -> list:
         return gather([(f"engine {i} ({what})", ref) for i, ref in enumerate(refs)], self.cfg.cluster.call_timeout_s)
 
+    # -- engine calls, and engines replaced when they fail -------------------------------------------
+
+    def _submit(self, call: Call) -> Call:
+        call.actor = self.engines[call.engine]
+        call.ref = getattr(call.actor, call.method).remote(*call.args)
+        return call
+
+    def _run(self, calls: list[Call]) -> list:
+        """The calls' results, in order. An engine that dies, or whose weight update fails (vLLM cannot
+        resume a half-finished one), is replaced and its call goes again: the same arguments, so a
+        rollout regenerates exactly the lost work (per-group seeds)."""
+        def retry(k: int, err: Exception):
+            call = calls[k]
+            if call.actor is not self.engines[call.engine]:  # its engine was replaced meanwhile
+                return self._submit(call).ref
+            if isinstance(err, RemoteCallError) or call.method == "update_weights":
+                self._replace(call.engine, err)
+                return self._submit(call).ref
+            return None
+
+        out = gather([(f"engine {c.engine} ({c.what})", c.ref) for c in calls], self.cfg.cluster.call_timeout_s, retry)
+        for c in calls:
+            self.failures[c.engine] = 0
+        return out
+
+    def _replace(self, i: int, err: Exception) -> None:
+        """Engine i failed: a new one on its resources, with the engines' current weights."""
+        limit, why = self.cfg.rollout.engine_restarts, str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        self.failures[i] += 1
+        if self.failures[i] > limit:
+            raise EngineFailure(f"engine {i} failed {self.failures[i]} time(s) in a row (rollout.max_engine_restarts={limit}"
+                                f", weight_transfer={self.transfer}); last error: {why}")
+        print(f"[moe-rl] engine {i} failed ({why}); starting a replacement on its resources "
+              f"({self.failures[i]} of {limit} in a row)", flush=True)
+        ray.kill(self.engines[i])  # a live engine whose update failed; a dead one: no-op
+        self.engines[i] = self._start_engine(i)
+        self.nodes[i] = gather([(f"engine {i} (start)", self.engines[i].info.remote())],
+                               self.cfg.cluster.call_timeout_s)[0]["node"]
+        if self.policy is not None:  # the weights of the last sync (a new engine holds the base model's)
+            self._load_weights(self.policy, [i])
+        self.restarts += 1
+
     # -- a step's rollout ---------------------------------------------------------------------------
 
     def generate(self, step: int) -> list:
@@ -88,12 +179,15 @@ class Rollouts:
         k = len(self.engines)
         bounds = [n * i // k for i in range(k + 1)]
         seed = cfg.run.seed * 1000 + step
-        return [
-            (f"engine {i} (rollout of step {step + 1})",
-             e.collect.remote(prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed, rounds, bounds[i]))
-            for i, e in enumerate(self.engines) if bounds[i + 1] > bounds[i]]
+        return [self._submit(Call(i, "collect", (prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed,
+                                                 rounds, bounds[i]), f"rollout of step {step + 1}"))
+                for i in range(k) if bounds[i + 1] > bounds[i]]
 
-    def wait(self, pending: list) -> tuple[Batch, dict]:
+    def finish(self, pending: list[Call]) -> Collected:
+        """Wait for a rollout's results without building its batch (a checkpoint keeps them)."""
+        return Collected(self._run(pending))
+
+    def wait(self, pending: list[Call] | Collected) -> tuple[Batch, dict]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
         current weights dropped, in async mode, measured from a sample's oldest token) and the rollout's
         figures, merged over the engines."""
@@ -101,7 +195,7 @@ class Rollouts:
 
         t0 = time.perf_counter()
         trajs, st = [], RolloutStats()
-        for t, s in gather(pending, self.cfg.cluster.call_timeout_s):
+        for t, s in (pending if isinstance(pending, Collected) else self.finish(pending)).results:
             trajs.extend(t)
             st.outcomes.update(s.outcomes)
             st.rejected.update(s.rejected)
@@ -128,7 +222,7 @@ class Rollouts:
             "perf/generate_tokens_per_s": sum(sum(t.response_mask) for t in trajs) / max(wait_s, 1e-9),
             "rollout/samples": batch.size, "rollout/rejected": sum(st.rejected.values()),
             "rollout/dropped_groups": st.dropped_groups, "rollout/tool_errors": st.tool_errors,
-            "rollout/overlong_filtered": st.overlong_filtered,
+            "rollout/overlong_filtered": st.overlong_filtered, "rollout/engine_restarts": self.restarts,
             **{f"correction/{k}": v for k, v in stale.items()},
             # every outcome every step (0 when absent): charts never join distant points
             **{f"rollout/outcome_{k.value}": st.outcomes.get(k.value, 0) / total for k in Outcome},
@@ -137,30 +231,39 @@ class Rollouts:
 
     # -- weights --------------------------------------------------------------------------------------
 
+    def _all(self, method: str, *args) -> list:
+        return self._run([self._submit(Call(i, method, args, method)) for i in range(len(self.engines))])
+
     def sleep(self) -> None:
         """Colocated with rollout.sleep_engines: every engine frees its GPU for the trainer."""
         if self.cfg.rollout.sleep_engines:
-            self._gather("sleep", [e.sleep.remote() for e in self.engines])
+            self._all("sleep")
 
     def wake(self, part: str | None = None) -> None:
         """The engines take their GPU back: "weights" only (to receive a weight sync), or all of it."""
         if self.cfg.rollout.sleep_engines:
-            self._gather("wake", [e.wake.remote(part) for e in self.engines])
+            self._all("wake", part)
 
     def sync(self, policy, version: int) -> None:
         """The policy's current weights into every engine, as weight version `version`."""
-        from moe_rl.weights.sync import shm_dir
-
         self.wake("weights")  # a sleeping engine's weights are in host memory: back on the GPU first
-        self.version = version
+        self.version, self.policy = version, policy
         if self.transfer != "files":  # vLLM's transfer from trainer rank 0 into every engine worker
             policy.send_weights(version)
             return
-        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{version}")
+        self._load_weights(policy, range(len(self.engines)))
+
+    def _load_weights(self, policy, engines) -> None:
+        """The policy's weights, as files, into the given engines, as version `self.version`."""
+        from moe_rl.weights.sync import shm_dir
+
+        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}_{self.restarts}_{len(engines)}")
         exported = policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
-        self._gather("weight update", [e.update_weights.remote(policy.buckets_for(exported, node), version)
-                                       for e, node in zip(self.engines, self.nodes, strict=True)])
-        policy.drop_weights(d)
+        try:
+            self._run([self._submit(Call(i, "update_weights", (policy.buckets_for(exported, self.nodes[i]), self.version),
+                                         "weight update")) for i in engines])
+        finally:
+            policy.drop_weights(d)
 
     # -- evaluation and demonstrations ---------------------------------------------------------------
 
@@ -170,7 +273,7 @@ class Rollouts:
         env = self.cfg.environment
         prompts = self.env_cls.generate_prompts(self.cfg.trainer.eval_prompts, seed=self.cfg.run.seed + 424242,
                                                 **env.options)
-        trajs, _ = self._gather("evaluation", [self.engines[0].collect.remote(prompts, 1, 99991, 0)])[0]
+        trajs, _ = self._run([self._submit(Call(0, "collect", (prompts, 1, 99991, 0), "evaluation"))])[0]
         return {"eval/reward_mean": float(torch.tensor([t.total_reward for t in trajs]).mean()),
                 "eval/success_rate": float(torch.tensor([float(t.terminal_reward > 0) for t in trajs]).mean()),
                 "eval/samples": len(trajs)}

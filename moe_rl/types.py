@@ -7,6 +7,7 @@ sampled. Everything downstream (reward placement, GAE, losses, R3) reads these f
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -157,6 +158,23 @@ class Trajectory:
     @property
     def total_reward(self) -> float:
         return self.terminal_reward + sum(self.turn_rewards)
+
+
+def trajectory_state(t: Trajectory) -> dict:
+    """A trajectory in plain types and tensors (a checkpoint loads it with weights_only=True)."""
+    state = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
+    state["outcome"] = t.outcome.value
+    state["spans"] = [list(s) for s in t.spans]
+    if t.routes is not None:
+        state["routes"] = (torch.from_numpy(t.routes.experts_PLK), torch.from_numpy(t.routes.computed_P))
+    return state
+
+
+def trajectory_from_state(state: dict) -> Trajectory:
+    """`trajectory_state`'s inverse."""
+    routes = state["routes"] and RoutingRecord(*(x.numpy() for x in state["routes"]))
+    return Trajectory(**{**state, "outcome": Outcome(state["outcome"]), "spans": [tuple(s) for s in state["spans"]],
+                         "routes": routes})
 
 
 def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:

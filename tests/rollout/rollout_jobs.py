@@ -27,12 +27,28 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     turn2 = engine.generate([turn2_prompt], Sampling(max_tokens=4, seed=8, routes_from=start))[0]
     whole = engine.generate([turn2_prompt], Sampling(max_tokens=4, seed=8))[0]
     reader = HFReader(model_path)
-    engine.update_weights([(k, reader.get(k)) for k in sorted(reader.names())], version=2)
+    names = sorted(reader.names())
+
+    def dies_halfway():  # a sync whose source fails after half the tensors arrived
+        yield from ((k, reader.get(k) * 0) for k in names[: len(names) // 2])
+        raise OSError("the trainer went away")
+
+    engine.update_weights([(k, reader.get(k)) for k in names], version=2)
     restored = engine.generate(PROMPTS, s)
+    from moe_rl.rollout.engine import HalfUpdatedWeights
+
+    refused = ""
+    try:  # last: vLLM's in-place reload cannot resume after a half-finished one (the run restarts the engine)
+        engine.update_weights(dies_halfway(), version=3)
+    except OSError:
+        try:
+            engine.generate(PROMPTS, s)
+        except HalfUpdatedWeights as err:
+            refused = str(err)
     return {"before": before, "after": after, "restored": restored, "synced_tensors": n,
             "checkpoint_tensors": len(reader.names()), "buckets": len(paths),
             "turn2": turn2, "turn2_start": start, "whole": whole,
-            "layers": engine.num_moe_layers}
+            "layers": engine.num_moe_layers, "refused": refused}
 
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):

@@ -33,6 +33,13 @@ def test_sync_changes_outputs_and_old_weights_restore_them(synced):
     assert [r.weight_version for r in after] == [1, 1, 1] and restored[0].weight_version == 2
 
 
+def test_half_updated_weights_never_generate(synced):
+    """A weight update that dies halfway (its source fails mid-stream) leaves the engine refusing to
+    generate (the run then replaces the engine: rollouts.py)."""
+    _, _, gen = synced
+    assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 2 did not finish)")
+
+
 def test_routing_record_covers_every_computed_position(synced):
     _, _, gen = synced
     assert gen["layers"] == 2  # each model here has two MoE layers (qwen_dense: after its dense layer)
