@@ -267,3 +267,15 @@ def test_environment_option_declarations(monkeypatch):
 def test_more_refused_combinations(overrides, field):
     with pytest.raises(ConfigError, match=f"^{re.escape(field)}: "):
         load_config(ROOT / "configs" / "quickstart.yaml", overrides, cuda_available=False)
+
+
+def test_engine_restarts_follow_the_weight_transfer():
+    """A failed engine is replaced (3 in a row at most by default) where weights travel as files; under
+    vLLM's NCCL transfer a replacement cannot join the group mid-run: 0, and more is refused."""
+    assert from_dict({}, cuda_available=False).rollout.engine_restarts == 3
+    assert from_dict({}, ["rollout.max_engine_restarts=0"], cuda_available=False).rollout.engine_restarts == 0
+    nccl = ["rollout.weight_transfer=nccl", "cluster.colocate=false"]
+    assert from_dict({}, nccl, cuda_available=True).rollout.engine_restarts == 0
+    assert _err(nccl + ["rollout.max_engine_restarts=2"], cuda=True).startswith(
+        "rollout.max_engine_restarts: 2 with weight_transfer=nccl: a replacement engine cannot join")
+    assert _err(["rollout.max_engine_restarts=-1"]).startswith("rollout.max_engine_restarts: -1 is outside")

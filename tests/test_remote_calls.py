@@ -49,3 +49,20 @@ def test_silence_past_the_timeout_names_who(cluster):
 def test_an_error_raised_by_the_call_keeps_its_type(cluster):
     with pytest.raises(KeyError, match="a bad batch"):
         gather([("critic rank 0 (load)", Rank.remote().work.remote(0, fail=True))], 30)
+
+
+def test_retry_replaces_a_failed_call_and_keeps_the_order(cluster):
+    """gather's retry hook (rollouts.py replaces a failed engine this way): asked about the dead call
+    and the call that raised, with the error each got; the new refs' results land in their places."""
+    asked = []
+
+    def retry(index, err):
+        asked.append((index, type(err).__name__ if isinstance(err, RemoteCallError) else "raised"))
+        return Rank.remote().work.remote(index / 10)
+
+    calls = [("engine 0 (rollout)", Rank.remote().work.remote(0)), ("engine 1 (rollout)", Rank.remote().work.remote(0, die=True)),
+             ("engine 2 (rollout)", Rank.remote().work.remote(0, fail=True))]
+    assert gather(calls, 60, retry) == [0, 0.1, 0.2]
+    assert sorted(asked) == [(1, "RemoteCallError"), (2, "raised")]
+    with pytest.raises(RemoteCallError, match=r"^engine 0 \(rollout\): the actor died"):
+        gather([("engine 0 (rollout)", Rank.remote().work.remote(0, die=True))], 60, lambda i, err: None)

@@ -35,9 +35,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def submit(slurm, tmp: Path, *overrides: str, wait: bool = True):
+def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0):
     logs = tmp / "logs"
-    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(_port()), "OMP_NUM_THREADS": "1"}
+    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(_port()), "OMP_NUM_THREADS": "1",
+           "MOE_RL_RETRIES": str(retries)}
     argv = ["sbatch", "--parsable", f"--output={tmp / 'job.out'}", *(["--wait"] if wait else []),
             str(SCRIPT), "configs/quickstart.yaml", f"run.output_dir={tmp / 'run'}", *SHORT, *overrides]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -78,11 +79,16 @@ def test_quickstart_runs_across_both_nodes(slurm, tmp_path):
     assert job_processes(job) == []
 
 
-def test_failing_driver_shuts_the_cluster_down(slurm, tmp_path):
-    proc, job, logs = submit(slurm, tmp_path, "algorithm.no_such_knob=1")
-    assert proc.returncode != 0
-    assert "no_such_knob" in (logs / f"driver-{list(NODES)[0]}.log").read_text()
-    assert "driver exited with 2" in (logs / "driver.log").read_text()
+@pytest.mark.parametrize("override, code, tries", [("algorithm.no_such_knob=1", 2, 1), ("cluster.call_timeout_s=0.001", 3, 2)])
+def test_failing_driver_is_retried_only_after_a_fault_and_shuts_the_cluster_down(slurm, tmp_path, override, code, tries):
+    """MOE_RL_RETRIES=1: a config mistake (exit 2) is final; a fault (exit 3: here every remote call
+    times out) runs the driver once more, resuming (`checkpoint.resume=auto`), on the same Ray cluster."""
+    proc, job, logs = submit(slurm, tmp_path, override, retries=1)
+    assert proc.returncode == code, explain(slurm, tmp_path)
+    script, driver = (logs / "driver.log").read_text(), (logs / f"driver-{list(NODES)[0]}.log").read_text()
+    assert script.count(f"driver exited with {code}") == tries
+    assert ("retry 1 of 1 from the last checkpoint (the Ray cluster stays up)" in script) == (tries == 2)
+    assert driver.count(override.split("=")[0]) == tries  # each try's one-line error names the setting
     time.sleep(1)
     assert job_processes(job) == [], explain(slurm, tmp_path)
 

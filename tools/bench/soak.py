@@ -1,0 +1,138 @@
+"""Benchmark: a long asynchronous run, watched for leaks and slowdown.
+
+Runs `moe-rl train` at quickstart size for --steps asynchronous steps (default 200) with two engines
+and the calculator tool (its sandboxed code runs every turn), and samples every process of the run
+(the driver, trainer ranks, engines, Ray's own) every few steps:
+
+  rss_growth      resident memory of all processes at the end vs after --warmup steps (goal <= 5%),
+                  and the process that grew most
+  fds, threads    open file descriptors and threads, summed, after warm-up vs at the end (no growth)
+  steps/s         the median step time of the first and the last quarter after warm-up (no decay)
+
+Prints one line per figure and a JSON summary (`--json FILE` writes it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def role(p: psutil.Process, driver: int) -> str:
+    if p.pid == driver:
+        return "driver"
+    cmd = " ".join(p.cmdline())
+    for name in ("RankActor", "RolloutActor", "raylet", "gcs_server", "dashboard", "log_monitor", "IDLE"):
+        if name in cmd:
+            return name
+    return p.name()
+
+
+def snapshot(driver: int) -> dict[int, dict]:
+    """Every live process of the run: its role, resident bytes, open files and threads."""
+    out = {}
+    try:
+        procs = [psutil.Process(driver), *psutil.Process(driver).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            with p.oneshot():
+                out[p.pid] = {"role": role(p, driver), "rss": p.memory_info().rss, "fds": p.num_fds(),
+                              "threads": p.num_threads()}
+        except psutil.Error:
+            pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20, help="steps before the first memory sample")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=16")
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="moe_rl_soak_"))
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}",
+           f"run.steps={args.steps}", "environment.name=calculator", "environment.options={}",
+           "trainer.warm_start_steps=0", "trainer.eval_prompts=0", "rollout.async_mode=true", "rollout.num_engines=2",
+           "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    state = {"step": 0, "tail": []}
+
+    def follow() -> None:  # the progress bar ("RL steps: ... 17/200") tells the step
+        buf = ""
+        while ch := proc.stderr.read(1):
+            buf += ch
+            if ch in "\r\n":
+                m = re.search(r"RL steps:.*?\|\s*(\d+)/\d+", buf)
+                if m:
+                    state["step"] = int(m.group(1))
+                state["tail"] = (state["tail"] + [buf])[-20:]
+                buf = ""
+
+    threading.Thread(target=follow, daemon=True).start()
+    samples: dict[int, dict] = {}  # step -> snapshot
+    t0 = time.time()
+    while proc.poll() is None:
+        step = state["step"]
+        if step >= args.warmup and step not in samples and step < args.steps:
+            samples[step] = snapshot(proc.pid)
+            print(f"[soak] step {step}/{args.steps} ({time.time() - t0:.0f} s): "
+                  f"{sum(v['rss'] for v in samples[step].values()) / 2**30:.2f} GiB resident in "
+                  f"{len(samples[step])} processes", flush=True)
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        sys.exit(f"soak: the run failed (exit {proc.returncode}):\n{''.join(state['tail'])}")
+    import torch
+
+    hist = torch.load(out / "history.pt", weights_only=False)
+    first, last = min(samples), max(samples)
+    a, b = samples[first], samples[last]
+    both = sorted(set(a) & set(b))
+    rss_a, rss_b = sum(a[p]["rss"] for p in both), sum(b[p]["rss"] for p in both)
+    worst = max(both, key=lambda p: b[p]["rss"] / a[p]["rss"])
+    times = [h["timing/step_s"] for h in hist[args.warmup:]]
+    q = max(1, len(times) // 4)
+    summary = {
+        "steps": len(hist), "sampled_steps": [first, last], "processes": len(both),
+        "processes_started_between": len(set(b) - set(a)), "processes_ended_between": len(set(a) - set(b)),
+        "rss_gib": [rss_a / 2**30, rss_b / 2**30], "rss_growth": rss_b / rss_a - 1,
+        "worst_process": {"role": b[worst]["role"], "growth": b[worst]["rss"] / a[worst]["rss"] - 1},
+        "fds": [sum(a[p]["fds"] for p in both), sum(b[p]["fds"] for p in both)],
+        "threads": [sum(a[p]["threads"] for p in both), sum(b[p]["threads"] for p in both)],
+        "steps_per_s": [1 / statistics.median(times[:q]), 1 / statistics.median(times[-q:])],
+        "reward_mean": [hist[0]["reward/mean"], hist[-1]["reward/mean"]],
+        "tool_errors": sum(h.get("rollout/tool_errors", 0) for h in hist),
+        "engine_restarts": hist[-1].get("rollout/engine_restarts", 0),
+    }
+    summary["steps_per_s_ratio"] = summary["steps_per_s"][1] / summary["steps_per_s"][0]
+    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, calculator tool; processes sampled at steps "
+          f"{first} and {last} ({len(both)} in both)")
+    print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; most: "
+          f"{summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   goal <= +5%")
+    print(f"  fds             {summary['fds'][0]} -> {summary['fds'][1]}")
+    print(f"  threads         {summary['threads'][0]} -> {summary['threads'][1]}")
+    print(f"  steps/s         {summary['steps_per_s'][0]:.3f} -> {summary['steps_per_s'][1]:.3f} "
+          f"(last / first quarter {summary['steps_per_s_ratio']:.3f})")
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
