@@ -184,7 +184,6 @@ def test_resume_accepts_keywords_and_paths():
     (["algorithm.anchor=ewma"], "algorithm.anchor: 'ewma' with algorithm.correction=none"),
     (["algorithm.anchor=ewma", "algorithm.correction=bypass"], "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
     (["algorithm.overlong_buffer=128"], "algorithm.overlong_buffer: 128 must be below environment.token_budget=128"),
-    (["environment.name=calculator", "trainer.warm_start_steps=2"], "trainer.warm_start_steps: 2 needs a scripted expert"),
     (["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization: is a GPU setting"),
     (["rollout.max_num_batched_tokens=1000"], "rollout.max_num_batched_tokens: 1000 would make vLLM split prompts"),
     (["rollout.max_num_batched_tokens=64"], "rollout.max_num_batched_tokens: 64 is below rollout.max_num_seqs=128"),
@@ -207,7 +206,7 @@ def test_accepted_neighbours_of_refused_settings():
           ["algorithm.anchor=old", "algorithm.correction=bypass"],
           # the overlong buffer is measured against the episode budget, not the per-turn cap
           ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
-          ["environment.name=calculator", "trainer.warm_start_steps=0"],
+          ["environment.name=calculator", "trainer.warm_start_steps=2"],
           ["environment.name=arithmetic", "trainer.warm_start_steps=2"]]
     for overrides in ok:
         from_dict({}, overrides, cuda_available=False)
@@ -239,7 +238,7 @@ def test_environment_option_declarations(monkeypatch):
     from moe_rl.rollout.envs import _ENVS, Environment, get_env
 
     guess, calc = get_env("guess_number"), get_env("calculator")
-    assert guess.has_expert() and get_env("arithmetic").has_expert() and not calc.has_expert()
+    assert guess.has_expert() and get_env("arithmetic").has_expert() and calc.has_expert()
     assert guess(low=3).option("low") == 3 and guess().option("high") == 9
     assert [p["high"] for p in guess.generate_prompts(2, seed=0, low=1, high=2)] == [2, 2]
     cfg = from_dict({"environment": {"options": {"low": 2, "high": 2}}}, cuda_available=False)

@@ -126,6 +126,21 @@ def test_calculator_tool_call_result_and_verified_answer(tok):
     assert obs_tokens and not any(t.response_mask[i] for i in obs_tokens)
 
 
+def test_calculator_expert_calls_the_tool_then_answers(tok):
+    """The calculator's scripted expert (its warm-start demonstrations): a tool call on the question's
+    expression, then the tool's result as the answer, through the real sandbox."""
+    from moe_rl.rollout.demos import ExpertPolicy
+
+    env = get_env("calculator")
+    agent = Agent(ExpertPolicy(tok, env, 0), tok, env, {}, agent_settings(max_turns=3, token_budget=300,
+                                                                        max_tokens_per_turn=32))
+    prompt = env.generate_prompts(1, seed=3)[0]
+    t = run(agent.run_episode(prompt))
+    text = tok.decode(t.token_ids)
+    assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0 and len(t.spans) == 2
+    assert f"<calc>{prompt['question'][8:-1]}</calc>" in text and f"<result>{prompt['answer']}</result>" in text
+
+
 @pytest.mark.parametrize("expr, expect", [
     ("2**99999999", "tool_error"),  # exponent refused
     ("__import__('os').system('true')", "tool_error"),  # not an arithmetic expression

@@ -1,8 +1,9 @@
 """Benchmark: a long asynchronous run, watched for leaks and slowdown.
 
 Runs `moe-rl train` at quickstart size for --steps asynchronous steps (default 200) with two engines
-and the calculator tool (its sandboxed code runs every turn), and samples every process of the run
-(the driver, trainer ranks, engines, Ray's own) every few steps:
+and the calculator tool (a supervised warm start on its scripted expert first, so that episodes call
+the tool: its code runs in the sandbox), and samples every process of the run (the driver, trainer
+ranks, engines, Ray's own) every step after --warmup:
 
   rss_growth      resident memory of all processes at the end vs after --warmup steps (goal <= 5%),
                   and the process that grew most
@@ -68,7 +69,9 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="moe_rl_soak_"))
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}",
            f"run.steps={args.steps}", "environment.name=calculator", "environment.options={}",
-           "trainer.warm_start_steps=0", "trainer.eval_prompts=0", "rollout.async_mode=true", "rollout.num_engines=2",
+           # the calculator's expert teaches the tool's format first, so that RL episodes call it
+           "environment.token_budget=192", "rollout.max_new_tokens=24", "trainer.warm_start_steps=60",
+           "trainer.eval_prompts=0", "rollout.async_mode=true", "rollout.num_engines=2",
            "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -92,9 +95,10 @@ def main() -> None:
         step = state["step"]
         if step >= args.warmup and step not in samples and step < args.steps:
             samples[step] = snapshot(proc.pid)
-            print(f"[soak] step {step}/{args.steps} ({time.time() - t0:.0f} s): "
-                  f"{sum(v['rss'] for v in samples[step].values()) / 2**30:.2f} GiB resident in "
-                  f"{len(samples[step])} processes", flush=True)
+            if step % 10 == 0 or step == args.warmup:
+                print(f"[soak] step {step}/{args.steps} ({time.time() - t0:.0f} s): "
+                      f"{sum(v['rss'] for v in samples[step].values()) / 2**30:.2f} GiB resident in "
+                      f"{len(samples[step])} processes", flush=True)
         time.sleep(0.2)
     if proc.returncode != 0:
         sys.exit(f"soak: the run failed (exit {proc.returncode}):\n{''.join(state['tail'])}")
