@@ -62,25 +62,14 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def _resume_dir(self) -> Path | None:
-        r = self.cfg.checkpoint.resume
-        if r == "never":
-            return None
-        if r != "auto":
-            if not (Path(r) / LOOP_STATE).is_file():
-                raise FileNotFoundError(f"checkpoint.resume: {r} is not a complete checkpoint")
-            return Path(r)
-        done = sorted(p for p in self.root.glob("step_*") if (p / LOOP_STATE).is_file())
-        return done[-1] if done else None
-
     def resume(self) -> int | None:
         """Load the checkpoint to resume from (weights, optimizer, EWMA anchor, prompt position, RNG)
         and sync the engines; its step, or None when there is none."""
-        path = self._resume_dir()
+        path = resume_dir(self.cfg, self.root)
         if path is None:
             return None
         print(f"[moe-rl] resuming from {path}", flush=True)
-        st = read_loop_state(path / LOOP_STATE)  # first: a bad file fails before the weights are loaded
+        st = check_resumable(path, list(self._groups()))  # first: a bad file fails before the weights are loaded
         self.models.policy.init_anchor()  # its state comes back with the checkpoint
         for role, group in self._groups().items():
             group.call("load", str(path / role))
@@ -96,6 +85,30 @@ class Checkpoints:
                 raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused "
                                       f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
         return st["step"]
+
+
+def resume_dir(cfg: RunConfig, root: Path) -> Path | None:
+    """The checkpoint a run resumes from (checkpoint.resume: auto -> the newest complete one under
+    `root`, never -> None, or a directory), or None."""
+    r = cfg.checkpoint.resume
+    if r == "never":
+        return None
+    if r != "auto":
+        if not (Path(r) / LOOP_STATE).is_file():
+            raise CheckpointError(f"checkpoint.resume: {r} is not a complete checkpoint (no {LOOP_STATE})")
+        return Path(r)
+    done = sorted(p for p in root.glob("step_*") if (p / LOOP_STATE).is_file())
+    return done[-1] if done else None
+
+
+def check_resumable(path: Path, roles: list[str]) -> dict:
+    """A checkpoint's loop state (`read_loop_state`), once its trainer groups' directories are there."""
+    st = read_loop_state(path / LOOP_STATE)
+    missing = [role for role in roles if not (path / role).is_dir()]
+    if missing:
+        raise CheckpointError(f"{path} has no {' or '.join(missing)} checkpoint; it was saved by a run without "
+                              f"{' or '.join(missing)}, or is incomplete")
+    return st
 
 
 def write_loop_state(path: Path, state: dict) -> None:

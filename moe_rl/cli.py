@@ -42,8 +42,14 @@ def _cmd_check_config(args) -> int:
     from moe_rl.algos import registry
 
     if args.list:
+        import typing
+
+        from moe_rl.rollout.envs import env_names
+
         for kind in registry.KINDS:
             print(f"{kind}: {', '.join(registry.names(kind))}")
+        print(f"aggregation: {', '.join(typing.get_args(typing.get_type_hints(config.AlgorithmSection)['aggregation']))}")
+        print(f"environment: {', '.join(env_names())}")
         return 0
     if not args.config:
         raise UserError("check-config needs a config file (or --list)")
@@ -58,6 +64,13 @@ def _cmd_check_config(args) -> int:
           file=sys.stderr)
     if sized:
         print(sized, file=sys.stderr)
+    return 0
+
+
+def _cmd_config_show(args) -> int:
+    from moe_rl import config
+
+    print(config.dump_yaml(config.load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -120,7 +133,11 @@ def _cmd_tiny(args) -> int:
     from moe_rl.config import TinyModel
     from moe_rl.tiny import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(args.out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise UserError(f"{out} {'is not empty' if out.is_dir() else 'is a file'}; give a new directory, or --overwrite "
+                        "to replace what is there")
+    path = build_tiny_checkpoint(out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True)
     print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
 
@@ -144,6 +161,7 @@ def _cmd_convert(args) -> int:
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     try:
         layout.check(convert.ranks_for(layout))
+        _check_convert_layout(args, layout)
         print(f"converting {args.src} -> {args.out} with tp {args.tp} pp {args.pp} ep {args.ep} "
               f"({convert.ranks_for(layout)} rank(s))", file=sys.stderr)
         if args.direction == "hf-to-mcore":
@@ -157,61 +175,113 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _check_convert_layout(args, layout) -> None:
+    """The layout against the model's HF config, before any rank starts: one line naming the flag."""
+    import json
+
+    from moe_rl.config_rules import check_layout_fits_hf_config
+
+    hf = Path(args.src) if args.direction == "hf-to-mcore" else Path(args.hf_config or Path(args.src) / "hf_config")
+    try:
+        hf_config = json.loads((hf / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the conversion itself names a missing or unreadable config
+    try:
+        check_layout_fits_hf_config(layout, hf_config)
+    except ConfigError as err:
+        raise UserError(f"--{err.path.removeprefix('parallel.')} {str(err).split(': ', 1)[1]}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    fmt = {"formatter_class": _Help}
     p = argparse.ArgumentParser(
-        prog="moe-rl",
+        prog="moe-rl", **fmt,
         description="Reinforcement-learning post-training of Mixture-of-Experts LLMs "
         "(Megatron-core trainers, vLLM rollouts, Rollout Routing Replay, Ray).",
         epilog="Configs are YAML files (see configs/); any field can be overridden as section.key=value, "
         "e.g. `moe-rl train configs/quickstart.yaml run.steps=2 parallel.tp=2`.",
     )
+    from moe_rl import __version__
+
+    p.add_argument("--version", action="version", version=f"moe-rl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    c = sub.add_parser("check-config", help="validate a config and print it fully resolved",
+    c = sub.add_parser("check-config", **fmt, help="validate a config and print it fully resolved",
                        description="Load a YAML config with overrides, validate every field and the "
                        "combinations (parallel layout vs model, GPU-only features), print the result.")
     c.add_argument("config", nargs="?", help="YAML config file, e.g. configs/quickstart.yaml")
-    c.add_argument("overrides", nargs="*", help="section.key=value overrides (values parsed as YAML)")
-    c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy losses and corrections")
+    c.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides (values parsed as YAML)")
+    c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy losses, "
+                   "corrections, aggregation modes and environments")
     c.add_argument("--assume-cuda", action="store_true",
                    help="validate as on a GPU machine (for GPU recipes checked on a CPU box)")
     c.set_defaults(fn=_cmd_check_config)
 
-    n = sub.add_parser("plan", help="will a config fit its GPU cluster? memory per role and GPU",
+    n = sub.add_parser("plan", **fmt, help="will a config fit its GPU cluster? memory per role and GPU",
                        description="Size a run from its config and the model's Hugging Face config alone (no "
                        "weights): GPUs per role (policy, critic, reference, engines), per-GPU memory (weights, "
                        "gradients, optimizer state, activations, engine KV cache), the host memory of one step's "
                        "routes and the bytes of one weight sync. Exit 2, one line per problem, if it cannot fit.")
     n.add_argument("config", help="YAML config file")
-    n.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    n.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     n.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.gpus_per_node, 8)")
     n.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: cluster.gpu_memory_gb, 80)")
     n.add_argument("--model-config", help="the model's config.json (default: model.path/config.json; the tiny model "
                    "when model.path is empty)")
     n.set_defaults(fn=_cmd_plan)
 
-    t = sub.add_parser("train", help="run RL training from a config",
+    t = sub.add_parser("train", **fmt, help="run RL training from a config",
                        description="Run the RL loop described by a config: rollouts, advantages, critic and "
                        "actor updates, weight sync, TensorBoard metrics, checkpoints.")
     t.add_argument("config", help="YAML config file")
-    t.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    t.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     t.set_defaults(fn=_cmd_train)
 
-    k = sub.add_parser("tiny", help="build a tiny random MoE checkpoint (Hugging Face format) locally",
+    k = sub.add_parser("tiny", **fmt, help="build a tiny random MoE checkpoint (Hugging Face format) locally",
                        description="Write a random Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert) checkpoint with a byte-level tokenizer "
                        "and chat template: loadable by transformers, vLLM and mbridge.")
-    k.add_argument("out", help="output directory")
-    k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("out", help="output directory (new or empty)")
+    k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe",
+                   help="architecture (Hugging Face model_type)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    k.add_argument("--overwrite", action="store_true", help="replace what the output directory holds")
     k.set_defaults(fn=_cmd_tiny)
 
-    b = sub.add_parser("bench", help="run a benchmark from tools/bench (prints ratios and a JSON line)",
+    g = sub.add_parser("config", **fmt, help="show a config fully resolved (every default filled in)",
+                       description="`moe-rl config show CONFIG [overrides]` prints the config as a run would "
+                       "use it: the file, the overrides and every default, as YAML.")
+    gsub = g.add_subparsers(dest="action", metavar="ACTION", required=True)
+    gs = gsub.add_parser("show", **fmt, help="print the resolved config as YAML")
+    gs.add_argument("config", help="YAML config file")
+    gs.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
+    gs.set_defaults(fn=_cmd_config_show)
+
+    b = sub.add_parser("bench", **fmt, help="run a benchmark from tools/bench (prints ratios and a JSON line)",
                        description=f"Run tools/bench/NAME.py. Available: {', '.join(_benches()) or 'none'}.")
     b.add_argument("name", help="benchmark name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(fn=_cmd_bench)
 
-    v = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron formats",
+    v = sub.add_parser("convert", **fmt, help="convert checkpoints between Hugging Face and Megatron formats",
                        description="Hugging Face safetensors <-> Megatron dist checkpoints (policy or critic). "
                        "The layout (--tp/--pp/--ep) splits the work over local ranks; the dist checkpoint itself "
                        "loads into any layout. mcore-to-hf also exports trained RL checkpoints "
@@ -222,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src", help="HF model directory (hf-to-mcore) or Megatron dist checkpoint (mcore-to-hf)")
     v.add_argument("out", help="output directory (must be new or empty)")
     for flag in ("tp", "pp", "ep"):
-        v.add_argument(f"--{flag}", type=int, default=1, help=f"{flag.upper()} size of the ranks that convert")
-    v.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
+        v.add_argument(f"--{flag}", type=_positive, default=1, help=f"{flag.upper()} size of the ranks that convert")
+    v.add_argument("--etp", type=_positive, default=None, help="expert tensor parallel size (default: tp)")
     v.add_argument("--critic", action="store_true", help="hf-to-mcore: build the critic (value head from score.weight if present)")
     v.add_argument("--value-head-from", help="hf-to-mcore --critic: reward-model checkpoint holding the value head")
     v.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf-to-mcore: storage dtype (default: the checkpoint's)")

@@ -117,3 +117,10 @@ def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers
         raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
     if layers % par.pp:
         raise ConfigError("parallel.pp", f"{par.pp} does not divide the {layers} layers")
+
+
+def check_layout_fits_hf_config(par, hf: dict) -> None:
+    """`check_layout_fits_model` from a Hugging Face config.json's fields."""
+    heads = hf.get("num_attention_heads", 1)
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
+    check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts, hf.get("num_hidden_layers", 1))

@@ -34,7 +34,8 @@ def say(msg: str) -> None:
 
 def main(cfg: RunConfig) -> int:
     out = Path(cfg.run.output_dir)
-    models, rollouts = start(cfg, out)
+    prompts = preflight(cfg, out)
+    models, rollouts = start(cfg, out, prompts)
     checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
     first, summary = checkpoints.resume(), {}
     if first is None:
@@ -93,7 +94,26 @@ def main(cfg: RunConfig) -> int:
     return 0
 
 
-def start(cfg: RunConfig, out: Path):
+def preflight(cfg: RunConfig, out: Path) -> list[dict]:
+    """What a user can get wrong in files, checked before Ray and vLLM start (which takes 20-45 s): the
+    output directory, the model, the prompts (returned), the checkpoint to resume from."""
+    from moe_rl.checkpoints import check_resumable, resume_dir
+    from moe_rl.config_rules import check_layout_fits_hf_config
+    from moe_rl.rollouts import training_prompts
+    from moe_rl.weights.hf import CheckpointError, check_model_dir
+
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"run.output_dir: '{out}' is a file, not a directory")
+    if cfg.model.path:
+        check_layout_fits_hf_config(cfg.parallel, check_model_dir(cfg.model.path))
+    prompts = training_prompts(cfg)
+    resume = resume_dir(cfg, out / "checkpoints")
+    if resume is not None:
+        check_resumable(resume, ["policy", "critic"] if cfg.critic_enabled else ["policy"])
+    return prompts
+
+
+def start(cfg: RunConfig, out: Path, prompts: list[dict]):
     """Ray, the placement, the trainer groups and the engines, on the run's model."""
     from moe_rl import cluster
     from moe_rl.algos.gae import prepare_kernel
@@ -115,7 +135,7 @@ def start(cfg: RunConfig, out: Path):
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     cluster.start_ray(cfg)
     place = cluster.Placement(cfg, cfg.actors)
-    models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path)
+    models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts)
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)}"]))
     rollouts.connect(models.policy)

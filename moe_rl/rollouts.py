@@ -1,6 +1,6 @@
 """The rollout manager: vLLM engines as Ray actors, the prompt stream, and the weights they generate with.
 
-    rollouts = Rollouts(cfg, place, model_path)
+    rollouts = Rollouts(cfg, place, model_path, training_prompts(cfg))
     pending = rollouts.generate(step)             # the step's prompts split over the engines
     batch, metrics = rollouts.wait(pending)       # one Batch; merged statistics; stale samples dropped
     rollouts.sync(policy, version)                # the policy's weights into every engine
@@ -83,8 +83,20 @@ def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
             "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
 
 
+def training_prompts(cfg: RunConfig) -> list[dict]:
+    """The prompt stream: environment.dataset's rows, or prompts the environment generates."""
+    from moe_rl.rollout.envs import get_env
+
+    env = cfg.environment
+    if env.dataset:
+        from moe_rl.rollout.data import load_prompts
+
+        return load_prompts(env.dataset)
+    return get_env(env.name).generate_prompts(100_000, seed=cfg.run.seed, **env.options)
+
+
 class Rollouts:
-    def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
+    def __init__(self, cfg: RunConfig, place: Placement, model_path: str, prompts: list[dict]):
         from moe_rl.rollout.envs import get_env
 
         self.cfg, self.model_path, self.transfer = cfg, model_path, cfg.rollout.weight_transfer
@@ -95,7 +107,7 @@ class Rollouts:
         infos = self._gather("info", [e.info.remote() for e in self.engines])
         self.top_k, self.nodes = infos[0]["top_k"], [i["node"] for i in infos]
         self.workers = [i["workers"] for i in infos]
-        self.prompts = self._load_prompts()
+        self.prompts = prompts
         self.data_pos = 0  # prompts consumed (saved with checkpoints)
         self.version = 0  # weight version the engines hold
         self.policy = None  # where the engines' current weights come from, once a sync gave them any
@@ -107,14 +119,6 @@ class Rollouts:
         return RolloutActor.options(**self.place.options("engine", i)).remote(
             settings.engine_settings(cfg, self.model_path), self.agent_settings, cfg.environment.name,
             settings.env_options(cfg))
-
-    def _load_prompts(self) -> list[dict]:
-        env = self.cfg.environment
-        if env.dataset:
-            from moe_rl.rollout.data import load_prompts
-
-            return load_prompts(env.dataset)
-        return self.env_cls.generate_prompts(100_000, seed=self.cfg.run.seed, **env.options)
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""

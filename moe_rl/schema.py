@@ -216,10 +216,16 @@ def _check_unique_keys(node, path: str, seen: set[int]) -> None:
 def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data; a missing file, invalid YAML or a repeated key is a ConfigError."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError("", f"config file '{path}' is a directory; give a YAML file, e.g. configs/quickstart.yaml")
     if not path.is_file():
         raise ConfigError("", f"config file '{path}' does not exist")
     try:
-        return load_unique_keys(path.read_text()) or {}
+        data = load_unique_keys(path.read_text())
+        if data is None:
+            raise ConfigError("", f"config file '{path}' is empty; to run with every default, say so with one line "
+                              "such as `run: {}`")
+        return data
     except DuplicateKey as dup:
         raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML would keep "
                           "only the last, silently: keep one") from None

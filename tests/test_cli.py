@@ -72,3 +72,78 @@ def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):
               "cluster.num_cpus=2", "trainer.warm_start_steps=0")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: the run needs 3 CPU for 3 actors")
+
+
+def test_cli_conventions():
+    """--version; each option's help shows its default; train without a config says it is required;
+    --list names every registry, the aggregation modes and the environments; `config show` prints the
+    resolved config."""
+    from moe_rl import __version__
+
+    assert run("--version").stdout.strip() == f"moe-rl {__version__}"
+    tiny = run("tiny", "--help").stdout
+    assert "architecture (Hugging Face model_type) (default: qwen3_moe)" in " ".join(tiny.split())
+    assert "seed of the random weights (default: 0)" in tiny
+    train = run("train")
+    assert train.returncode == 2 and train.stderr.strip().endswith("the following arguments are required: config")
+    listed = dict(line.split(": ", 1) for line in run("check-config", "--list").stdout.strip().splitlines())
+    assert listed["aggregation"] == "token_mean, seq_mean, seq_sum_const"
+    assert {"calculator", "guess_number"} <= set(listed["environment"].split(", "))
+    shown = run("config", "show", "configs/quickstart.yaml", "run.steps=7")
+    assert shown.returncode == 0 and "  steps: 7\n" in shown.stdout
+    assert "max_engine_restarts: null" in shown.stdout  # a default the file does not set
+
+
+def one_line_error(out) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("moe-rl: error: ") or "error: argument" in lines[-1], out.stderr
+    return lines[-1]
+
+
+def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
+    """Each mistake ends in one line within seconds: before Ray, the trainers or vLLM start."""
+    import json
+    import time
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty.yaml").write_text("# nothing\n")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    junk = tmp_path / "out" / "checkpoints" / "step_000001"
+    junk.mkdir(parents=True)
+    (junk / "loop_state.pt").write_text("not a checkpoint")
+    q = ["configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}"]
+    cases = {
+        "is a directory; give a YAML file": ["train", str(tmp_path)],
+        "is empty; to run with every default": ["train", str(tmp_path / "empty.yaml")],
+        "run.output_dir: '{}/file' is a file".format(tmp_path): ["train", q[0], f"run.output_dir={tmp_path / 'file'}"],
+        "model.path: '/nonexistent' does not exist": ["train", *q, "model.path=/nonexistent"],
+        "is a 'llama' model; supported: mixtral, qwen2_moe, qwen3_moe": ["train", *q, f"model.path={tmp_path / 'llama'}"],
+        "dataset '/nonexistent.jsonl' does not exist": ["train", *q, "environment.dataset=/nonexistent.jsonl"],
+        "loop_state.pt is not a loop state this program wrote": ["train", q[0], f"run.output_dir={tmp_path / 'out'}"],
+        "checkpoint.resume: /nonexistent is not a complete checkpoint": ["train", *q, "checkpoint.resume=/nonexistent"],
+    }
+    for expect, argv in cases.items():
+        t = time.monotonic()
+        line = one_line_error(run(*argv))
+        assert expect in line and time.monotonic() - t < 30, (argv, line)
+
+
+def test_tiny_and_convert_refuse_before_any_work(tmp_path):
+    """`tiny` never overwrites without --overwrite; convert's layout is checked against the model's
+    config (4 experts, 2 heads) before any rank starts."""
+    model = tmp_path / "model"
+    assert run("tiny", str(model)).returncode == 0
+    stamp = (model / "config.json").read_text()
+    assert "is not empty; give a new directory, or --overwrite" in one_line_error(run("tiny", str(model), "--seed", "1"))
+    assert (model / "config.json").read_text() == stamp
+    assert run("tiny", str(model), "--seed", "1", "--overwrite").returncode == 0
+    out = str(tmp_path / "converted")
+    assert "argument --tp: '0' is not a positive whole number" in one_line_error(run("convert", "hf-to-mcore", str(model), out,
+                                                                                     "--tp", "0"))
+    assert one_line_error(run("convert", "hf-to-mcore", str(model), out, "--ep", "3")) == \
+        "moe-rl: error: --ep 3 does not divide the 4 experts"
+    line = one_line_error(run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", f"model.path={model}",
+                              "parallel.tp=4", "parallel.world_size=4"))
+    assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"

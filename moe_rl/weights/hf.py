@@ -37,6 +37,28 @@ class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model (names, shapes or architecture)."""
 
 
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # HF model_type values trained, served and tested here
+
+
+def check_model_dir(path: str | Path) -> dict:
+    """A Hugging Face model directory this project can train: its config.json names one of
+    MODEL_TYPES. Returns the config; CheckpointError (one line) otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model.path: '{path}' is not a directory" if path.exists() else
+                              f"model.path: '{path}' does not exist")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+        kind = hf.get("model_type", "")
+    except FileNotFoundError:
+        raise CheckpointError(f"model.path: '{path}' has no config.json (not a Hugging Face model directory)") from None
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise CheckpointError(f"model.path: '{path}/config.json' is not a JSON object ({err})") from None
+    if kind not in MODEL_TYPES:
+        raise CheckpointError(f"model.path: '{path}' is a '{kind or 'unknown'}' model; supported: {', '.join(MODEL_TYPES)}")
+    return hf
+
+
 def to_te_name(name: str, expert_offset: int = 0) -> str:
     """The TE-style name of a local-spec (or TE) parameter name, expert ids shifted by expert_offset."""
     if name.endswith(".input_layernorm.weight"):
