@@ -117,7 +117,7 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     cases = {
         "is a directory; give a YAML file": ["train", str(tmp_path)],
         "is empty; to run with every default": ["train", str(tmp_path / "empty.yaml")],
-        "run.output_dir: '{}/file' is a file".format(tmp_path): ["train", q[0], f"run.output_dir={tmp_path / 'file'}"],
+        f"run.output_dir: '{tmp_path}/file' is a file": ["train", q[0], f"run.output_dir={tmp_path / 'file'}"],
         "model.path: '/nonexistent' does not exist": ["train", *q, "model.path=/nonexistent"],
         "is a 'llama' model; supported: mixtral, qwen2_moe, qwen3_moe": ["train", *q, f"model.path={tmp_path / 'llama'}"],
         "dataset '/nonexistent.jsonl' does not exist": ["train", *q, "environment.dataset=/nonexistent.jsonl"],
