@@ -471,6 +471,7 @@ class RolloutActor:
         self.engine.transfer(call, payload, version)
 
     def info(self) -> dict:
-        return {"top_k": self.engine.top_k, "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
+        return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts, "moe_layers": self.engine.num_moe_layers,
+                "version": self.engine.version,
                 "node": ray.util.get_node_ip_address(),
                 "workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size}

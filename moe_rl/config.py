@@ -391,6 +391,9 @@ class LoggingSection:
     tensorboard: bool = True
     progress_bar: bool = True
     log_every: int = 1
+    # the expert-load heatmaps (TensorBoard images; rows: MoE layers, columns: experts) every this many
+    # steps (on logged steps); 0: never. The load figures themselves are scalars every logged step.
+    heatmap_every: int = 10
     # the diagnostic forward without routing replay (how far the trainer's own routing is from the
     # rollout's: routing/agreement, correction/logp_mismatch_no_replay) every this many steps; 0: never.
     # It is a full extra forward; it never runs when routes are not replayed (it would repeat the plain one)
@@ -398,6 +401,7 @@ class LoggingSection:
 
     def check(self) -> None:
         positive("logging.log_every", self.log_every)
+        in_range("logging.heatmap_every", self.heatmap_every, 0, None)
         in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
 
 

@@ -24,8 +24,10 @@ import torch
 from moe_rl import settings
 from moe_rl.algos.targets import targets
 from moe_rl.checkpoints import Checkpoints
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, dump_yaml
 from moe_rl.metrics import StepLog, step_figures
+
+CONFIG_FILE = "config.yaml"  # the resolved config of the run, in run.output_dir
 
 
 def say(msg: str) -> None:
@@ -44,7 +46,8 @@ def main(cfg: RunConfig) -> int:
         say(f"resumed at step {first}" + ("" if first < cfg.run.steps else f"; this run already reached run.steps="
             f"{cfg.run.steps}: raise run.steps to continue, or start over in a new run.output_dir"))
     log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
-                  first, cfg.logging.log_every)
+                  first, cfg.logging.log_every, cfg.logging.heatmap_every)
+    log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")  # as run: every default filled in
     if summary:  # the warm start and the evaluation before RL, at step 0
         log.metrics.log(0, {k.removesuffix("_before"): v for k, v in summary.items()}, advance=False)
     diag = cfg.logging.routing_diagnostics_every
@@ -73,7 +76,7 @@ def main(cfg: RunConfig) -> int:
                 fit_figures = models.fit(batch, tgt, step)
                 with log.timer("sync"):
                     rollouts.sync(models.policy, step + 1)
-                figures = [rollout_figures, step_figures(batch, scores, tgt), fit_figures, models.route_figures()]
+                figures = [rollout_figures, step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
             log.step(step + 1, *figures)
             if checkpoints.due(step + 1):
                 if pending:  # asynchronous: the next rollout, finished, goes into the checkpoint
@@ -121,6 +124,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict]):
     from moe_rl.trainers import Models
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(dump_yaml(cfg))
     torch.manual_seed(cfg.run.seed)
     t = time.perf_counter()
     say("preparing the fused GAE kernel (compiled once per machine, then cached)")

@@ -52,14 +52,22 @@ def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
     return out
 
 
+def heatmap_pixels(x_HW: torch.Tensor, cell: int = 24) -> torch.Tensor:
+    """An [H, W] array as a grayscale image in [0, 1] (white: the largest value), each value a cell x
+    cell square, so that a 2 x 4 map is legible in TensorBoard. Returns [H * cell, W * cell]."""
+    x = x_HW.double()
+    x = x / x.max() if float(x.max()) > 0 else x
+    return x.repeat_interleave(cell, 0).repeat_interleave(cell, 1).float()
+
+
 class Metrics:
     """TensorBoard scalars under `log_dir`, written every `every` steps (and at the last step), and a
     progress bar advanced every step."""
 
     def __init__(self, log_dir: str | Path, enabled: bool = True, total_steps: int = 0, progress: bool = True,
-                 start_step: int = 0, every: int = 1):
+                 start_step: int = 0, every: int = 1, heatmap_every: int = 0):
         self.writer = None
-        self.every, self.total = every, total_steps
+        self.every, self.total, self.heatmap_every = every, total_steps, heatmap_every
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -71,21 +79,34 @@ class Metrics:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, values: dict[str, object], advance: bool = True) -> dict[str, float]:
-        clean = {}
+        """Scalars (returned), plus `hist/TAG` values as histograms and `heatmap/TAG` [H, W] values as
+        images (every `heatmap_every` steps) in TensorBoard."""
+        clean, extra = {}, {}
         for k, v in values.items():
-            f = scalar(v)
-            if f is not None:
+            if k.startswith(("hist/", "heatmap/")):
+                extra[k] = v
+            elif (f := scalar(v)) is not None:
                 clean[k] = f
         clean["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
         if self.writer is not None and (step % self.every == 0 or step == self.total or not advance):
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
+            for k, v in extra.items():
+                if k.startswith("hist/") and v.numel():
+                    self.writer.add_histogram(k.removeprefix("hist/"), v.double(), step)
+                elif k.startswith("heatmap/") and self.heatmap_every and step % self.heatmap_every == 0:
+                    self.writer.add_image(k.removeprefix("heatmap/"), heatmap_pixels(v), step, dataformats="HW")
             self.writer.flush()
         if self.bar is not None and advance:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
                                  len=f"{clean.get('rollout/length_mean', float('nan')):.0f}")
         return clean
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, 0)
+            self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
@@ -94,8 +115,23 @@ class Metrics:
             self.bar.close()
 
 
-def step_figures(batch, scores, targets) -> dict[str, object]:
-    """The figures of a step's batch (moe_rl.batch.Batch), scores and targets (algos.targets)."""
+def expert_load_figures(name: str, load_LE: torch.Tensor) -> dict[str, object]:
+    """Expert-load figures of one routing (algos.stats.expert_load's [L, E] shares): the load imbalance
+    (max / mean) and usage entropy (over log E) per layer and summarised, and the shares themselves as a
+    heatmap (rows: layers, columns: experts)."""
+    from moe_rl.algos import stats
+
+    imbalance, entropy = stats.load_imbalance(load_LE), stats.usage_entropy(load_LE)
+    return {f"moe/{name}_load_imbalance_max": imbalance.max(), f"moe/{name}_load_imbalance_mean": imbalance.mean(),
+            f"moe/{name}_usage_entropy_min": entropy.min(),
+            **{f"moe/{name}_layer{i:02d}_load_imbalance": x for i, x in enumerate(imbalance)},
+            f"heatmap/moe/{name}_expert_load": load_LE}
+
+
+def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, object]:
+    """The figures of a step's batch (moe_rl.batch.Batch), scores and targets (algos.targets); with the
+    model's `num_experts`, the expert load of the rollout's routes (and of the trainer's own routing on
+    steps with the free-routing diagnostic)."""
     from moe_rl.algos import stats
     from moe_rl.algos.rewards import last_action_index
 
@@ -126,6 +162,13 @@ def step_figures(batch, scores, targets) -> dict[str, object]:
         out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
     if targets.returns_BS is not None:
         out["critic/explained_variance"] = stats.explained_variance(targets.values_BS, targets.returns_BS, valid)
+    if num_experts and batch.routes_BSLK is not None:  # every position the engine computed (not the last token)
+        computed = torch.arange(batch.input_ids_BS.shape[1]) < (batch.lengths_B - 1).unsqueeze(1)
+        out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts)))
+        if scores.free_routes_BSLK is not None:
+            out.update(expert_load_figures("trainer_free", stats.expert_load(scores.free_routes_BSLK, computed, num_experts)))
+    out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/reward/score": batch.score_B,
+                "hist/policy/advantage": targets.adv_BS[valid]})
     return out
 
 
@@ -133,8 +176,8 @@ class StepLog:
     """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history."""
 
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, start_step: int,
-                 every: int):
-        self.metrics = Metrics(log_dir, enabled, total_steps, progress, start_step, every)
+                 every: int, heatmap_every: int = 0):
+        self.metrics = Metrics(log_dir, enabled, total_steps, progress, start_step, every, heatmap_every)
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = {}
 

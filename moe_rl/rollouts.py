@@ -105,7 +105,7 @@ class Rollouts:
         self.place = place
         self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]
         infos = self._gather("info", [e.info.remote() for e in self.engines])
-        self.top_k, self.nodes = infos[0]["top_k"], [i["node"] for i in infos]
+        self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
         self.workers = [i["workers"] for i in infos]
         self.prompts = prompts
         self.data_pos = 0  # prompts consumed (saved with checkpoints)

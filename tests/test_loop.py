@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4",
          "trainer.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-         "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=3"]
+         "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=3",
+         "logging.heatmap_every=3"]
 
 
 def train_cmd(out: Path, *extra: str) -> list[str]:
@@ -70,6 +71,16 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert max(e.value for e in acc.Scalars("correction/logp_mismatch_mean")) < 1e-4
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000003"]  # keep: 2, no partial directory left
+    # MoE expert load of the rollout's routes every step (2 layers), of the trainer's free routing on
+    # diagnostic steps; the heatmaps every heatmap_every (3) steps; histograms; the resolved config
+    assert [e.step for e in acc.Scalars("moe/rollout_load_imbalance_max")] == [1, 2, 3]
+    assert all(1.0 <= e.value <= 4.0 for e in acc.Scalars("moe/rollout_load_imbalance_max"))  # 4 experts
+    assert {"moe/rollout_layer01_load_imbalance", "moe/rollout_usage_entropy_min"} <= tags
+    assert [e.step for e in acc.Scalars("moe/trainer_free_load_imbalance_max")] == [3]
+    assert {"moe/rollout_expert_load", "moe/trainer_free_expert_load"} <= set(acc.Tags()["images"])
+    assert {"reward/score", "policy/advantage", "rollout/model_tokens"} <= set(acc.Tags()["histograms"])
+    assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
+    assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
 
 
 def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):

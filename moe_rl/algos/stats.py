@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -20,3 +22,28 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
 
     vg = var(g)
     return torch.where(vg > 0, 1 - var(g - v) / vg.clamp(min=1e-300), torch.zeros_like(vg))
+
+
+def expert_load(routes_BSLK: torch.Tensor, valid_BS: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The share of routed (token, slot) pairs each expert received, per MoE layer:
+
+        load[l, e] = #{(b, s, k) : valid[b, s], routes[b, s, l, k] = e} / (K * #valid)
+
+    routes_BSLK: [B, S, L, K] global expert ids (any integer dtype); valid_BS: [B, S] bool, the positions
+    to count. Returns [L, E] float64; each row sums to 1 (0 with no valid position)."""
+    r = routes_BSLK[valid_BS.bool()].long()  # [N, L, K]
+    N, L, K = r.shape
+    counts = torch.zeros(L, num_experts, dtype=torch.float64)
+    counts.scatter_add_(1, r.permute(1, 0, 2).reshape(L, N * K), torch.ones(L, N * K, dtype=torch.float64))
+    return counts / max(1, N * K)
+
+
+def load_imbalance(load_LE: torch.Tensor) -> torch.Tensor:
+    """max_e load / mean_e load per layer (1: perfectly even; E: every token on one expert). [L, E] -> [L]."""
+    return load_LE.max(-1).values * load_LE.shape[-1]
+
+
+def usage_entropy(load_LE: torch.Tensor) -> torch.Tensor:
+    """The entropy of expert usage per layer over its maximum, log E (1: even; 0: one expert). [L, E] -> [L]."""
+    p = load_LE.clamp(min=0)
+    return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1) / math.log(max(2, load_LE.shape[-1]))

@@ -1,0 +1,55 @@
+"""Expert-load figures from routes counted by hand, through the metrics writer into real TensorBoard
+event files and back: scalars, the heatmap image, histograms."""
+
+import math
+
+import pytest
+import torch
+
+from moe_rl.algos import stats
+from moe_rl.metrics import Metrics, expert_load_figures
+
+
+def hand_routes():
+    """2 rows, 3 positions, 2 layers, top-2 of 4 experts; row 1's last position is padding (its ids,
+    3 and 3, must not count). Valid: 5 positions -> 10 (token, slot) pairs per layer."""
+    r = torch.zeros(2, 3, 2, 2, dtype=torch.uint8)
+    # layer 0: expert 0 in every slot-0, expert 1 in every slot-1 -> loads [.5, .5, 0, 0]
+    r[..., 0, 0], r[..., 0, 1] = 0, 1
+    # layer 1: expert 2 six times, expert 3 four times over the valid pairs
+    r[0, :, 1] = torch.tensor([[2, 3], [2, 3], [2, 2]])
+    r[1, :2, 1] = torch.tensor([[2, 3], [2, 3]])
+    r[1, 2] = 3  # padding
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    return r, valid
+
+
+def test_expert_load_imbalance_and_entropy_by_hand():
+    routes, valid = hand_routes()
+    load = stats.expert_load(routes, valid, num_experts=4)
+    assert torch.equal(load, torch.tensor([[0.5, 0.5, 0, 0], [0, 0, 0.6, 0.4]], dtype=torch.float64))
+    assert torch.allclose(stats.load_imbalance(load), torch.tensor([2.0, 2.4], dtype=torch.float64))  # max / (1/4)
+    h1 = -(0.6 * math.log(0.6) + 0.4 * math.log(0.4)) / math.log(4)
+    assert torch.allclose(stats.usage_entropy(load), torch.tensor([0.5, h1], dtype=torch.float64))
+    even = torch.full((1, 4), 0.25, dtype=torch.float64)
+    assert float(stats.load_imbalance(even)) == 1.0 and float(stats.usage_entropy(even)) == pytest.approx(1.0)
+
+
+def test_expert_load_reaches_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    routes, valid = hand_routes()
+    figures = expert_load_figures("rollout", stats.expert_load(routes, valid, 4))
+    m = Metrics(tmp_path, progress=False, total_steps=2, heatmap_every=2)
+    for step in (1, 2):
+        m.log(step, {**figures, "hist/reward/score": torch.tensor([0.0, 1.0, 1.0])})
+    m.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "histograms": 0})
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("moe/rollout_load_imbalance_max")] == pytest.approx([2.4, 2.4])
+    assert [e.value for e in acc.Scalars("moe/rollout_layer00_load_imbalance")] == pytest.approx([2.0, 2.0])
+    images = acc.Images("moe/rollout_expert_load")
+    assert [i.step for i in images] == [2]  # heatmap_every=2
+    assert (images[0].height, images[0].width) == (2 * 24, 4 * 24)  # layers x experts, 24-pixel cells
+    hist = acc.Histograms("reward/score")
+    assert [h.step for h in hist] == [1, 2] and hist[0].histogram_value.num == 3 and hist[0].histogram_value.sum == 2
