@@ -179,12 +179,13 @@ class RankActor:
 
     def train(self, batch, loss, denominator):
         """One optimizer update with `loss` (a train.objectives type) on this rank's shard."""
+        from moe_rl.metrics import process_memory
         from moe_rl.train.objectives import PolicyLoss
 
         metrics = self.worker.train_step(batch, loss, denominator)
         if self.anchor is not None and isinstance(loss, PolicyLoss):
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
-        return metrics
+        return metrics | process_memory()
 
     def offload(self) -> int:
         return self.worker.offload(list(self.anchor.params.values()) if self.anchor is not None else [])
@@ -431,6 +432,9 @@ class RolloutActor:
                                                        samples_per_prompt, dynamic, seed, first_group_id)
         else:
             groups = await self.agent.run_groups(prompts, samples_per_prompt, seed, first_group_id)
+        from moe_rl.metrics import process_memory
+
+        self.agent.stats.memory = process_memory()
         return [t for g in groups for t in g], self.agent.stats
 
     async def update_weights(self, buckets: list, version: int) -> int:

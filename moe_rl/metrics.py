@@ -29,6 +29,22 @@ def scalar(v) -> float | None:
         return None
 
 
+def process_memory() -> dict[str, float]:
+    """This process's resident memory and, with CUDA, its GPU memory allocated now and at peak, in GiB
+    (`memory_*_max` keys: merged over ranks and updates by their maximum)."""
+    out = {"memory_rss_gib_max": psutil.Process().memory_info().rss / 2**30}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out |= {"memory_gpu_allocated_gib_max": torch.cuda.memory_allocated() / 2**30,
+                "memory_gpu_peak_gib_max": torch.cuda.max_memory_allocated() / 2**30}
+    return out
+
+
+def role_figures(role: str, updates: list[dict[str, object]]) -> dict[str, float]:
+    """`reduce_updates` under the role's prefix (policy/loss, ...); its ranks' memory as memory/ROLE_*."""
+    return {f"memory/{role}_{k.removeprefix('memory_')}" if k.startswith("memory_") else f"{role}/{k}": v
+            for k, v in reduce_updates(updates).items()}
+
+
 def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
     """One step's figures from its updates (every minibatch of every epoch): the mean of each key,
     except max-like keys (`*_max`, `*max`) take the maximum and min-like keys (`*_min`) the minimum.

@@ -65,7 +65,7 @@ class Collected:
         from moe_rl.rollout.agent import RolloutStats
 
         return cls([([trajectory_from_state(t) for t in trajs], RolloutStats(**{
-            k: Counter(v) if isinstance(v, dict) else v for k, v in stats.items()})) for trajs, stats in state])
+            k: Counter(v) if k in ("outcomes", "rejected") else v for k, v in stats.items()})) for trajs, stats in state])
 
 
 def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
@@ -206,6 +206,8 @@ class Rollouts:
             st.dropped_groups += s.dropped_groups
             st.overlong_filtered += s.overlong_filtered
             st.tool_errors += s.tool_errors
+            for k, v in s.memory.items():  # the largest engine
+                st.memory[k] = max(v, st.memory.get(k, 0.0))
         wait_s = time.perf_counter() - t0
         if not trajs:
             raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}); "
@@ -231,6 +233,7 @@ class Rollouts:
             # every outcome every step (0 when absent): charts never join distant points
             **{f"rollout/outcome_{k.value}": st.outcomes.get(k.value, 0) / total for k in Outcome},
             **{f"rollout/rejected_{reason}": n for reason, n in st.rejected.items()},
+            **{f"memory/engine_{k.removeprefix('memory_')}": v for k, v in st.memory.items()},
         }
 
     # -- weights --------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from moe_rl.algos.targets import Scores, Targets, correct, policy_denominators
 from moe_rl.batch import Batch
 from moe_rl.cluster import Placement, TrainerGroup
 from moe_rl.config import RunConfig
-from moe_rl.metrics import reduce_updates
+from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.train.objectives import SftLoss
 
 
@@ -61,7 +61,7 @@ class PolicyGroup(TrainerGroup):
                 skipped += 1
                 continue
             updates.append(self.train(mb, self.loss, denominators))
-        out = {f"policy/{k}": v for k, v in reduce_updates(updates).items()}
+        out = role_figures("policy", updates)
         out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "policy/lr": cfg.trainer.lr,
@@ -104,7 +104,7 @@ class CriticGroup(TrainerGroup):
             denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
             if float(denominator) > 0:
                 updates.append(self.train(mb, self.loss, denominator))
-        return {f"critic/{k}": v for k, v in reduce_updates(updates).items()} | {
+        return role_figures("critic", updates) | {
             "critic/skipped_nonfinite": sum(u["skipped_nonfinite"] for u in updates),  # a count, not a mean
             "critic/lr": cfg.critic.lr, "timing/critic_train_s": time.perf_counter() - t0}
 

@@ -79,6 +79,8 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert [e.step for e in acc.Scalars("moe/trainer_free_load_imbalance_max")] == [3]
     assert {"moe/rollout_expert_load", "moe/trainer_free_expert_load"} <= set(acc.Tags()["images"])
     assert {"reward/score", "policy/advantage", "rollout/model_tokens"} <= set(acc.Tags()["histograms"])
+    for role in ("policy", "critic", "engine"):  # each role's largest process, not only the driver's
+        assert 0.1 < acc.Scalars(f"memory/{role}_rss_gib_max")[-1].value < 20, role
     assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
     assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
 

@@ -49,6 +49,7 @@ class RolloutStats:
     dropped_groups: int = 0  # DAPO dynamic sampling: groups whose rewards were all equal
     overlong_filtered: int = 0
     tool_errors: int = 0
+    memory: dict = field(default_factory=dict)  # the engine process's (metrics.process_memory), after the rollout
 
 
 class Agent:
