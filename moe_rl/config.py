@@ -97,9 +97,17 @@ class ModelSection:
     fp8: FP8Recipe = "none"
     recompute: bool = False
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # MoE router losses in the trainers' updates (megatron-core's): the switch load-balancing loss and
+    # the router z-loss, by their coefficients. Off by default: with routing replay the trainer scores
+    # the rollout's routes, and a balancing term only moves the router toward other choices than those
+    # the engine will make; policy/moe_aux_loss and policy/moe_z_loss log them where on.
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
     def check(self) -> None:
         self.tiny.check()
+        in_range("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0.0, None)
+        in_range("model.moe_z_loss_coeff", self.moe_z_loss_coeff, 0.0, None)
         if self.fp8 != "none" and self.layer_spec != "transformer_engine":
             raise ConfigError("model.fp8", f"'{self.fp8}' needs model.layer_spec=transformer_engine")
 

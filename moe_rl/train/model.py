@@ -34,6 +34,8 @@ class ModelSpec:
     recompute: bool  # model.recompute
     moe_dispatcher: str  # model.moe_dispatcher: alltoall | allgather
     routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
+    moe_aux_loss_coeff: float = 0.0  # model.*: the switch load-balancing loss (0: off)
+    moe_z_loss_coeff: float = 0.0  # model.*: the router z-loss (0: off)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,9 +88,9 @@ def make_bridge(spec: ModelSpec):
         context_parallel_size=ps.get_context_parallel_world_size(),
         moe_token_dispatcher_type=spec.moe_dispatcher,
         moe_enable_routing_replay=spec.routing_replay,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_z_loss_coeff=None,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_z_loss_coeff=spec.moe_z_loss_coeff or None,
         moe_router_dtype="fp32",
         # microbatches have their own lengths; only pipeline p2p needs to be told (and the allgather
         # dispatcher refuses the flag, so it is set only where it matters)

@@ -385,7 +385,7 @@ class TrainWorker:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(ok))
         metrics["skipped_nonfinite"] = float(not finite)
-        return metrics
+        return metrics | router_losses(len(mbs))
 
     def _finite(self, losses: list[dict]) -> bool:
         """Whether the loss (last pipeline stage) and every gradient on every rank of this model are
@@ -398,3 +398,21 @@ class TrainWorker:
         bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums else torch.zeros(1, device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
+
+
+def router_losses(microbatches: int) -> dict[str, float]:
+    """The MoE router losses of the update just run (megatron-core records each MoE layer's per
+    microbatch while its coefficient is on): their mean over this rank's MoE layers and the
+    microbatches, as moe_aux_loss / moe_z_loss; the record is cleared."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    out = {}
+    for name, key in (("load_balancing_loss", "moe_aux_loss"), ("z_loss", "moe_z_loss")):
+        values = get_moe_layer_wise_logging_tracker().get(name, {}).get("values")
+        if values is not None and bool((values != 0).any()):
+            out[key] = float(values.sum()) / (int((values != 0).sum()) * max(1, microbatches))
+    clear_aux_losses_tracker()
+    return out

@@ -16,3 +16,4 @@ def test_a_nan_in_one_shard_skips_the_step_on_every_rank(tiny_qwen):
         assert r["bad"]["skipped_nonfinite"] == 1.0 and r["bad"]["update_ok"] == 0.0 and r["untouched"]
         assert r["good"]["skipped_nonfinite"] == 0.0 and r["good"]["update_ok"] == 1.0
         assert math.isfinite(r["good"]["grad_norm"]) and r["finite"] and r["moved"]
+

@@ -255,3 +255,19 @@ def nonfinite_job(rank, world, hf_path):
     finite = all(bool(torch.isfinite(p).all()) for p in w.module.parameters())
     moved = any(not torch.equal(before[n], p) for n, p in w.module.named_parameters())
     return {"bad": bad, "untouched": untouched, "good": good, "finite": finite, "moved": moved}
+
+
+def router_loss_job(rank, world, hf_path, aux, z):
+    """One policy update with the MoE router losses at the given coefficients, from the same weights
+    and batch: the step's figures and the routers' weights after it."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z),
+                    optim=optim_settings(1e-2, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    logp = w.score(Batch(ids, lengths))["logp"]
+    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
+    routers = {n: p.detach().clone() for n, p in w.module.named_parameters() if "router" in n}
+    return {"figures": figures, "routers": routers}
