@@ -13,6 +13,7 @@ same node reads the files, an engine on another node receives the bytes through 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -34,7 +35,9 @@ def start_ray(cfg: RunConfig) -> None:
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
         ray.init(address=address, runtime_env=env, log_to_driver=False, _node_ip_address=node_ip)
-    else:
+    else:  # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            lambda record: not record.getMessage().startswith("Token authentication is enabled"))
         ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
                  log_to_driver=False)
 

@@ -46,7 +46,7 @@ def main(cfg: RunConfig) -> int:
         say(f"resumed at step {first}" + ("" if first < cfg.run.steps else f"; this run already reached run.steps="
             f"{cfg.run.steps}: raise run.steps to continue, or start over in a new run.output_dir"))
     log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
-                  first, cfg.logging.log_every, cfg.logging.heatmap_every)
+                  cfg.logging.log_every, cfg.logging.heatmap_every)
     log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")  # as run: every default filled in
     if summary:  # the warm start and the evaluation before RL, at step 0
         log.metrics.log(0, {k.removesuffix("_before"): v for k, v in summary.items()}, advance=False)

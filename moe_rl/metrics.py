@@ -81,19 +81,15 @@ class Metrics:
     progress bar advanced every step."""
 
     def __init__(self, log_dir: str | Path, enabled: bool = True, total_steps: int = 0, progress: bool = True,
-                 start_step: int = 0, every: int = 1, heatmap_every: int = 0):
+                 every: int = 1, heatmap_every: int = 0):
         self.writer = None
         self.every, self.total, self.heatmap_every = every, total_steps, heatmap_every
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(log_dir))
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", unit="step", dynamic_ncols=True)
-
+        self.bar, self.progress = None, progress  # the bar starts after the first step: its one-time costs
+        # (engine warm-up, first compilations) stay out of the rate and the time left
     def log(self, step: int, values: dict[str, object], advance: bool = True) -> dict[str, float]:
         """Scalars (returned), plus `hist/TAG` values as histograms and `heatmap/TAG` [H, W] values as
         images (every `heatmap_every` steps) in TensorBoard."""
@@ -113,8 +109,15 @@ class Metrics:
                 elif k.startswith("heatmap/") and self.heatmap_every and step % self.heatmap_every == 0:
                     self.writer.add_image(k.removeprefix("heatmap/"), heatmap_pixels(v), step, dataformats="HW")
             self.writer.flush()
-        if self.bar is not None and advance:
-            self.bar.update(1)
+        if self.progress and advance:
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=step, desc="RL steps", unit="step", dynamic_ncols=True)
+            else:
+                self.bar.update(1)
+            if step >= self.total:  # the last step: what follows (evaluation, saving) is not a step
+                self.bar.close()
             self.bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
                                  len=f"{clean.get('rollout/length_mean', float('nan')):.0f}")
         return clean
@@ -191,9 +194,9 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
 class StepLog:
     """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, start_step: int,
-                 every: int, heatmap_every: int = 0):
-        self.metrics = Metrics(log_dir, enabled, total_steps, progress, start_step, every, heatmap_every)
+    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, every: int,
+                 heatmap_every: int = 0):
+        self.metrics = Metrics(log_dir, enabled, total_steps, progress, every, heatmap_every)
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = {}
 

@@ -72,8 +72,11 @@ class PolicyGroup(TrainerGroup):
 
     def warm_start(self, batches: list[Batch], lr: float) -> list[float]:
         """Supervised steps on demonstration batches at learning rate `lr`; the NLL of each."""
+        from tqdm import tqdm
+
         self.call("set_lr", lr)
-        nll = [self.train(b, SftLoss(), b.mask_BS.sum().double()).get("nll", float("nan")) for b in batches]
+        nll = [self.train(b, SftLoss(), b.mask_BS.sum().double()).get("nll", float("nan"))
+               for b in tqdm(batches, desc="warm start", unit="step", disable=not self.cfg.logging.progress_bar, leave=False)]
         self.call("set_lr", self.cfg.trainer.lr)
         return nll
 

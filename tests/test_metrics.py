@@ -53,3 +53,16 @@ def test_expert_load_reaches_tensorboard(tmp_path):
     assert (images[0].height, images[0].width) == (2 * 24, 4 * 24)  # layers x experts, 24-pixel cells
     hist = acc.Histograms("reward/score")
     assert [h.step for h in hist] == [1, 2] and hist[0].histogram_value.num == 3 and hist[0].histogram_value.sum == 2
+
+
+def test_progress_bar_starts_after_the_first_step_and_ends_with_the_last(tmp_path, capsys):
+    """The bar appears at step 1 already done (its one-time costs outside the rate and the time left)
+    and is closed at the last step (evaluation and saving are not steps)."""
+    m = Metrics(tmp_path, enabled=False, total_steps=3, progress=True)
+    m.log(1, {"reward/mean": 0.5})
+    assert m.bar.n == 1 and m.bar.format_dict["rate"] is None  # no rate from step 1's one-time costs
+    m.log(2, {"reward/mean": 0.5})
+    m.log(3, {"reward/mean": 0.5})
+    assert m.bar.n == 3 and m.bar.disable  # closed at the last step
+    err = capsys.readouterr().err
+    assert "RL steps" in err and "3/3" in err
