@@ -19,14 +19,12 @@ mkdir -p "$(dirname "$LOG")"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 cd "$REPO"
 source "$REPO/launch/retry.sh"
-resume=()
 for attempt in $(seq 0 "$RETRIES"); do
-  echo "[launch/local] $VENV/bin/moe-rl train $CONFIG $* ${resume[*]} (log: $LOG)" | tee -a "$LOG"
+  echo "[launch/local] $VENV/bin/moe-rl train $CONFIG $* (log: $LOG)" | tee -a "$LOG"
   set +e
-  "$VENV/bin/moe-rl" train "$CONFIG" "$@" "${resume[@]}" 2>&1 | tee -a "$LOG"
+  "$VENV/bin/moe-rl" train "$CONFIG" "$@" 2>&1 | tee -a "$LOG"
   code=${PIPESTATUS[0]}
   set -e
   retryable "$code" && (( attempt < RETRIES )) || exit "$code"
   echo "[launch/local] the run stopped with exit code $code; retry $((attempt + 1)) of $RETRIES from its last checkpoint" | tee -a "$LOG"
-  resume=(checkpoint.resume=auto)
 done

@@ -20,12 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_rl.cluster import last_line
 from moe_rl.config import RunConfig
 from moe_rl.rollouts import Collected
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
 LOOP_STATE = "loop_state.pt"
 IN_FLIGHT = "rollout_in_flight.pt"  # asynchronous runs: the rollout started before the checkpoint
+# set by launch/retry.sh (seconds since the epoch when the first try started): a retry resumes from the
+# newest checkpoint written since, and as checkpoint.resume says when there is none
+RESUME_SINCE = "MOE_RL_RESUME_SINCE"
 
 
 class Checkpoints:
@@ -70,6 +74,7 @@ class Checkpoints:
             return None
         print(f"[moe-rl] resuming from {path}", flush=True)
         st = check_resumable(path, list(self._groups()))  # first: a bad file fails before the weights are loaded
+        self.in_flight = read_in_flight(path)
         self.models.policy.init_anchor()  # its state comes back with the checkpoint
         for role, group in self._groups().items():
             group.call("load", str(path / role))
@@ -78,18 +83,28 @@ class Checkpoints:
         random.setstate(st["py_rng"])
         np.random.set_state(numpy_rng_state(st["np_rng"]))
         self.rollouts.sync(self.models.policy, st["version"])
-        if (path / IN_FLIGHT).is_file():
-            try:
-                self.in_flight = Collected.from_state(torch.load(path / IN_FLIGHT, weights_only=True))
-            except Exception as err:
-                raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused "
-                                      f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
         return st["step"]
+
+
+def read_in_flight(path: Path) -> Collected | None:
+    """The rollout an asynchronous run's checkpoint kept (weights_only: plain types and tensors), or None."""
+    if not (path / IN_FLIGHT).is_file():
+        return None
+    try:
+        return Collected.from_state(torch.load(path / IN_FLIGHT, weights_only=True))
+    except Exception as err:
+        raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused ({last_line(err)})") from None
 
 
 def resume_dir(cfg: RunConfig, root: Path) -> Path | None:
     """The checkpoint a run resumes from (checkpoint.resume: auto -> the newest complete one under
     `root`, never -> None, or a directory), or None."""
+    since = os.environ.get(RESUME_SINCE)
+    if since:  # a launcher's retry: this run's own newest checkpoint, if it wrote one
+        ours = sorted(p for p in root.glob("step_*") if (p / LOOP_STATE).is_file()
+                      and (p / LOOP_STATE).stat().st_mtime >= float(since))
+        if ours:
+            return ours[-1]
     r = cfg.checkpoint.resume
     if r == "never":
         return None
@@ -125,7 +140,7 @@ def read_loop_state(path: Path) -> dict:
     try:
         st = torch.load(path, weights_only=True)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... by cause
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = last_line(err)
         raise CheckpointError(f"{path} is not a loop state this program wrote, or would run code when loaded; "
                               f"refused ({first})") from None
     missing = {"step", "version", "data_pos", "torch_rng", "py_rng", "np_rng"} - set(st if isinstance(st, dict) else ())

@@ -50,6 +50,12 @@ class RemoteCallError(RuntimeError):
     """A remote call that did not answer in time, or whose actor died; the message names both."""
 
 
+def last_line(err: BaseException) -> str:
+    """An error's last non-empty line (a remote error's own message), or its type's name."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> list:
     """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
     died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a
@@ -73,10 +79,9 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
         except ray.exceptions.RayTaskError as err:  # the call itself raised (also when something it waited on died)
             if retry is None or (again := retry(i, err)) is None:
                 raise
-        except _LOST as err:
+        except LOST as err:
             what = "is unreachable" if isinstance(err, ray.exceptions.ActorUnavailableError) else "died"
-            why = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-            failure = RemoteCallError(f"{label}: the actor {what} ({why[-1]})")
+            failure = RemoteCallError(f"{label}: the actor {what} ({last_line(err)})")
             if retry is None or (again := retry(i, failure)) is None:
                 raise failure from err
         labels[again] = (i, label)
@@ -86,7 +91,7 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
 
 
 # a call's process gone (crashed, killed for memory, never started) or its result lost with a node
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.ActorUnschedulableError,
+LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.ActorUnschedulableError,
          ray.exceptions.RuntimeEnvSetupError, ray.exceptions.ObjectLostError)
 
 

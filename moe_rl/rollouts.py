@@ -10,7 +10,7 @@ Evaluation (held-out prompts) and the warm start's scripted-expert demonstration
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ import torch
 from moe_rl import settings
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
-from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather
+from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather, last_line
 from moe_rl.config import RunConfig
 from moe_rl.types import Outcome, trajectory_from_state, trajectory_state
 
@@ -48,24 +48,29 @@ class Call:
 
 @dataclass
 class Collected:
-    """A rollout's results [(trajectories, RolloutStats)] per engine, finished (see `Rollouts.finish`)."""
+    """A rollout's results [(trajectories, RolloutStats)] per engine, finished (see `Rollouts.finish`),
+    and how long the driver waited for them."""
 
     results: list
+    wait_s: float = 0.0
 
-    def state(self) -> list:
+    def state(self) -> dict:
         """In plain types and tensors: an asynchronous run's checkpoint keeps the rollout in flight."""
-        return [([trajectory_state(t) for t in trajs], {k: dict(v) if isinstance(v, dict) else v
-                                                        for k, v in dataclasses.asdict(stats).items()})
-                for trajs, stats in self.results]
+        return {"wait_s": self.wait_s, "results": [
+            ([trajectory_state(t) for t in trajs],
+             {"outcomes": dict(st.outcomes), "rejected": dict(st.rejected), "dropped_groups": st.dropped_groups,
+              "overlong_filtered": st.overlong_filtered, "tool_errors": st.tool_errors, "memory": dict(st.memory)})
+            for trajs, st in self.results]}
 
     @classmethod
-    def from_state(cls, state: list) -> Collected:
+    def from_state(cls, state: dict) -> Collected:
         from collections import Counter
 
         from moe_rl.rollout.agent import RolloutStats
 
-        return cls([([trajectory_from_state(t) for t in trajs], RolloutStats(**{
-            k: Counter(v) if k in ("outcomes", "rejected") else v for k, v in stats.items()})) for trajs, stats in state])
+        return cls([([trajectory_from_state(t) for t in trajs],
+                     RolloutStats(**{**st, "outcomes": Counter(st["outcomes"]), "rejected": Counter(st["rejected"])}))
+                    for trajs, st in state["results"]], state["wait_s"])
 
 
 def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
@@ -113,6 +118,7 @@ class Rollouts:
         self.policy = None  # where the engines' current weights come from, once a sync gave them any
         self.restarts = 0  # engines replaced in this run
         self.failures = [0] * len(self.engines)  # failures in a row, per engine
+        self._exports = itertools.count()
 
     def _start_engine(self, i: int):
         cfg = self.cfg
@@ -135,27 +141,31 @@ class Rollouts:
         call.ref = getattr(call.actor, call.method).remote(*call.args)
         return call
 
-    def _run(self, calls: list[Call]) -> list:
+    def _run(self, calls: list[Call], settle: bool = True) -> list:
         """The calls' results, in order. An engine that dies, or whose weight update fails (vLLM cannot
-        resume a half-finished one), is replaced and its call goes again: the same arguments, so a
-        rollout regenerates exactly the lost work (per-group seeds)."""
+        resume a half-finished one), is replaced (with the current weights) and its call goes again:
+        the same arguments, so a rollout regenerates exactly the lost work (per-group seeds). `settle`:
+        the calls' engines count as working again once they answer (not for a replacement's own load)."""
         def retry(k: int, err: Exception):
             call = calls[k]
-            if call.actor is not self.engines[call.engine]:  # its engine was replaced meanwhile
-                return self._submit(call).ref
-            if isinstance(err, RemoteCallError) or call.method == "update_weights":
+            if call.actor is self.engines[call.engine]:  # else: its engine was replaced meanwhile
+                if not (isinstance(err, RemoteCallError) or call.method == "update_weights"):
+                    return None  # the call's own error, not the engine's
                 self._replace(call.engine, err)
-                return self._submit(call).ref
-            return None
+            if call.method == "update_weights":  # the replacement holds the current weights already
+                return ray.put(0)
+            return self._submit(call).ref
 
         out = gather([(f"engine {c.engine} ({c.what})", c.ref) for c in calls], self.cfg.cluster.call_timeout_s, retry)
-        for c in calls:
-            self.failures[c.engine] = 0
+        if settle:
+            for c in calls:
+                self.failures[c.engine] = 0
         return out
 
     def _replace(self, i: int, err: Exception) -> None:
-        """Engine i failed: a new one on its resources, with the engines' current weights."""
-        limit, why = self.cfg.rollout.engine_restarts, str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        """Engine i failed: a new one on its resources, with the engines' current weights; past
+        rollout.max_engine_restarts failures of engine i in a row, EngineFailure."""
+        limit, why = self.cfg.rollout.engine_restarts, last_line(err)
         self.failures[i] += 1
         if self.failures[i] > limit:
             raise EngineFailure(f"engine {i} failed {self.failures[i]} time(s) in a row (rollout.max_engine_restarts={limit}"
@@ -166,9 +176,9 @@ class Rollouts:
         self.engines[i] = self._start_engine(i)
         self.nodes[i] = gather([(f"engine {i} (start)", self.engines[i].info.remote())],
                                self.cfg.cluster.call_timeout_s)[0]["node"]
-        if self.policy is not None:  # the weights of the last sync (a new engine holds the base model's)
-            self._load_weights(self.policy, [i])
         self.restarts += 1
+        if self.policy is not None:  # the weights of the last sync (a new engine holds the base model's)
+            self._load_weights(self.policy, [i], settle=False)
 
     # -- a step's rollout ---------------------------------------------------------------------------
 
@@ -189,7 +199,9 @@ class Rollouts:
 
     def finish(self, pending: list[Call]) -> Collected:
         """Wait for a rollout's results without building its batch (a checkpoint keeps them)."""
-        return Collected(self._run(pending))
+        t0 = time.perf_counter()
+        results = self._run(pending)
+        return Collected(results, time.perf_counter() - t0)
 
     def wait(self, pending: list[Call] | Collected) -> tuple[Batch, dict]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
@@ -197,9 +209,9 @@ class Rollouts:
         figures, merged over the engines."""
         from moe_rl.rollout.agent import RolloutStats
 
-        t0 = time.perf_counter()
+        done = pending if isinstance(pending, Collected) else self.finish(pending)
         trajs, st = [], RolloutStats()
-        for t, s in (pending if isinstance(pending, Collected) else self.finish(pending)).results:
+        for t, s in done.results:
             trajs.extend(t)
             st.outcomes.update(s.outcomes)
             st.rejected.update(s.rejected)
@@ -208,7 +220,7 @@ class Rollouts:
             st.tool_errors += s.tool_errors
             for k, v in s.memory.items():  # the largest engine
                 st.memory[k] = max(v, st.memory.get(k, 0.0))
-        wait_s = time.perf_counter() - t0
+        wait_s = done.wait_s
         if not trajs:
             raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}); "
                                "check the environment")
@@ -260,15 +272,15 @@ class Rollouts:
             return
         self._load_weights(policy, range(len(self.engines)))
 
-    def _load_weights(self, policy, engines) -> None:
+    def _load_weights(self, policy, engines, settle: bool = True) -> None:
         """The policy's weights, as files, into the given engines, as version `self.version`."""
         from moe_rl.weights.sync import shm_dir
 
-        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{self.version}_{self.restarts}_{len(engines)}")
+        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{next(self._exports)}")  # one directory per export
         exported = policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
         try:
             self._run([self._submit(Call(i, "update_weights", (policy.buckets_for(exported, self.nodes[i]), self.version),
-                                         "weight update")) for i in engines])
+                                         "weight update")) for i in engines], settle)
         finally:
             policy.drop_weights(d)
 

@@ -166,13 +166,13 @@ def trajectory_state(t: Trajectory) -> dict:
     state["outcome"] = t.outcome.value
     state["spans"] = [list(s) for s in t.spans]
     if t.routes is not None:
-        state["routes"] = (torch.from_numpy(t.routes.experts_PLK), torch.from_numpy(t.routes.computed_P))
+        state["routes"] = (torch.from_numpy(t.routes.experts_PLK.copy()), torch.from_numpy(t.routes.computed_P.copy()))
     return state
 
 
 def trajectory_from_state(state: dict) -> Trajectory:
     """`trajectory_state`'s inverse."""
-    routes = state["routes"] and RoutingRecord(*(x.numpy() for x in state["routes"]))
+    routes = None if state["routes"] is None else RoutingRecord(*(x.numpy() for x in state["routes"]))
     return Trajectory(**{**state, "outcome": Outcome(state["outcome"]), "spans": [tuple(s) for s in state["spans"]],
                          "routes": routes})
 

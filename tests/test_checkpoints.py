@@ -49,3 +49,39 @@ def test_a_crafted_pickle_is_refused_without_running(tmp_path, monkeypatch):
     torch.save({"step": 1}, tmp_path / "partial.pt")
     with pytest.raises(CheckpointError, match="lacks data_pos, np_rng, py_rng, torch_rng, version"):
         read_loop_state(tmp_path / "partial.pt")
+
+
+def test_a_kept_rollout_round_trips_through_a_safe_load(tmp_path):
+    """An asynchronous checkpoint's rollout in flight: every Trajectory field (routes in uint8 and
+    int16, per-token versions, info) and every RolloutStats count come back as they were, loaded with
+    weights_only=True."""
+    from collections import Counter
+
+    import numpy as np
+
+    from moe_rl.rollout.agent import RolloutStats
+    from moe_rl.rollouts import Collected
+    from moe_rl.types import Outcome, RoutingRecord, Trajectory
+
+    def traj(dtype, routes=True):
+        rec = RoutingRecord(np.arange(12, dtype=dtype).reshape(3, 2, 2) * 3, np.array([True, True, False]))
+        return Trajectory([1, 2, 3], [False, True, True], [0.0, -0.5, -0.25], [(1, 2)], [0.5], 1.0, Outcome.TRUNCATED_TURNS,
+                          3, 4, 1, rec if routes else None, group_id=7, sample_index=1, info={"turns": 1, "tool_errors": 0},
+                          versions=[4, 4, 5])
+
+    stats = RolloutStats(Counter({"completed": 5, "truncated_turns": 2}), Counter({"empty": 3}), 1, 2, 4,
+                         {"memory_rss_gib_max": 1.5})
+    kept = Collected([([traj(np.uint8), traj(np.int16, routes=False)], stats), ([traj(np.int16)], RolloutStats())], 2.5)
+    torch.save(kept.state(), tmp_path / "kept.pt")
+    back = Collected.from_state(torch.load(tmp_path / "kept.pt", weights_only=True))
+    assert back.wait_s == 2.5 and len(back.results) == 2
+    assert back.results[0][1] == stats and back.results[1][1] == RolloutStats()
+    for (a, _), (b, _) in zip(kept.results, back.results, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert (x.routes is None) == (y.routes is None)
+            if x.routes is not None:
+                assert y.routes.experts_PLK.dtype == x.routes.experts_PLK.dtype
+                assert np.array_equal(x.routes.experts_PLK, y.routes.experts_PLK)
+                assert np.array_equal(x.routes.computed_P, y.routes.computed_P)
+            x.routes = y.routes = None
+            assert x == y

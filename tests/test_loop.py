@@ -125,12 +125,15 @@ def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, 
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
-        saving, deadline = out / "checkpoints" / ".step_000003.partial", time.time() + 600
+        saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 600, None
+        while driver is None:  # found first: the kill must not wait for a process-tree walk
+            assert proc.poll() is None and time.time() < deadline, "the driver never started"
+            driver = next((p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())), None)
+            time.sleep(0.2)
         while not saving.exists():
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save"
             time.sleep(0.01)
-        driver = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                      if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline()))
         driver.kill()
         assert not (out / "checkpoints" / "step_000003").exists()  # killed mid-save
         log, _ = proc.communicate(timeout=900)
@@ -355,5 +358,5 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
     assert last.startswith("moe-rl: error: "), err[-3000:]
     if victim == "engine":
         assert "engine 0 failed 1 time(s) in a row (rollout.max_engine_restarts=0" in last and "last error: " in last
-    else:
-        assert " rank " in last and "the actor died" in last, err[-3000:]
+    else:  # the dead rank's own call, or a peer's call that failed with it
+        assert (" rank " in last and "the actor died" in last) or "a process it worked with died" in last, err[-3000:]

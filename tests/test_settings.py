@@ -32,7 +32,7 @@ from moe_rl.train.worker import OptimSettings
 CFG = RunConfig(
     run=RunSection(seed=4321),
     model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
-                       moe_dispatcher="allgather"),
+                       moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
     parallel=ParallelSection(distributed_optimizer=False),
     rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9, record_routes=False,
                            route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True,
@@ -62,7 +62,8 @@ CASES = {
     "model_spec": (lambda cfg: settings.model_spec(cfg, "ckpt/dir"), ModelSpec, {
         "dtype": at("model.dtype"), "layer_spec": at("model.layer_spec"), "fp8": at("model.fp8"),
         "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
-        "routing_replay": at("rollout.record_routes"),
+        "routing_replay": at("rollout.record_routes"), "moe_aux_loss_coeff": at("model.moe_aux_loss_coeff"),
+        "moe_z_loss_coeff": at("model.moe_z_loss_coeff"),
     }, {"hf_path"}),
     "optim_settings": (lambda cfg: settings.optim_settings(cfg, cfg.critic.lr), OptimSettings, {
         "lr": at("critic.lr"),  # the argument: trainer.lr for the policy, critic.lr for the critic

@@ -34,8 +34,8 @@ class ModelSpec:
     recompute: bool  # model.recompute
     moe_dispatcher: str  # model.moe_dispatcher: alltoall | allgather
     routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
-    moe_aux_loss_coeff: float = 0.0  # model.*: the switch load-balancing loss (0: off)
-    moe_z_loss_coeff: float = 0.0  # model.*: the router z-loss (0: off)
+    moe_aux_loss_coeff: float  # model.*: the switch load-balancing loss (0: off)
+    moe_z_loss_coeff: float  # model.*: the router z-loss (0: off)
 
     @property
     def torch_dtype(self) -> torch.dtype:

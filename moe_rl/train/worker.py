@@ -295,7 +295,8 @@ class TrainWorker:
         return self._host.offload(storages(self.model, self.optimizer, extra))
 
     def onload(self) -> None:
-        self._host.restore()
+        if self._host.offloaded:  # resident already (e.g. a resumed run's first step trains a kept rollout)
+            self._host.restore()
 
     @property
     def offloaded(self) -> bool:
