@@ -221,7 +221,8 @@ class RankActor:
             self.onload()
         try:
             named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
-            return [str(write_bucket(b, directory, i)) for i, b in enumerate(buckets(named, bucket_mb))]
+            mine = os.path.join(directory, f"rank{self.rank:05d}")  # ranks on one node share `directory`
+            return [str(write_bucket(b, mine, i)) for i, b in enumerate(buckets(named, bucket_mb))]
         finally:
             if offloaded:
                 self.offload()

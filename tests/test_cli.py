@@ -1,3 +1,4 @@
+import re
 import subprocess
 
 import pytest
@@ -144,6 +145,10 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
                                                                                      "--tp", "0"))
     assert one_line_error(run("convert", "hf-to-mcore", str(model), out, "--ep", "3")) == \
         "moe-rl: error: --ep 3 does not divide the 4 experts"
+    ok = run("convert", "hf-to-mcore", str(model), out)  # the progress bar's total is the count it ends with
+    total = re.search(r"HF -> Megatron \(rank 0\):\s+0%\|\s*\| 0/(\d+)", ok.stderr)
+    assert ok.returncode == 0 and total and f"from the {total.group(1)} Megatron parameters of rank 0" in ok.stdout, ok.stderr
+    assert "not installed" not in ok.stderr  # megatron's TE/apex notices stay quiet
     line = one_line_error(run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", f"model.path={model}",
                               "parallel.tp=4", "parallel.world_size=4"))
     assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"

@@ -50,6 +50,8 @@ class Converted:
     tensors: int
     bytes: int
     role: str
+    parameters: int = 0  # Megatron parameters rank 0 converted (its progress bar's total)
+    kind: str = "tensors"  # what `tensors` counts
 
 
 def _check_hf_dir(path: Path) -> None:
@@ -60,10 +62,20 @@ def _check_hf_dir(path: Path) -> None:
                                  "(pickles can run code when loaded, so they are never read here)")
 
 
-def _progress(items, desc: str, on: bool):
-    from tqdm import tqdm
+class _Progress:
+    """A bar over the Megatron parameters this rank converts (shown on rank 0); `count` is its total,
+    which `describe` repeats."""
 
-    return tqdm(items, desc=desc, unit="tensor", disable=not on, leave=False, mininterval=1.0)
+    def __init__(self, desc: str, on: bool):
+        self.desc, self.on, self.count = desc, on, 0
+
+    def __call__(self, items):
+        from tqdm import tqdm
+
+        items = list(items)
+        self.count = len(items)
+        return tqdm(items, desc=f"{self.desc} (rank 0)", unit="parameter", disable=not self.on, leave=False,
+                    mininterval=1.0)
 
 
 def _build(hf_config: str, dtype: str, role: str, layout: Layout):
@@ -92,8 +104,8 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     from moe_rl.train import checkpoint, hf_io
 
     bridge, module = _build(hf, dtype, role, layout)
-    used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic",
-                             progress=lambda it: _progress(it, "HF -> Megatron", rank == 0))
+    progress = _Progress("HF -> Megatron", rank == 0)
+    used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic", progress=progress)
     everyone: list[set[str]] = [set()] * world
     dist.all_gather_object(everyone, used)
     unused = sorted(HFReader(hf).names() - set().union(*everyone) - ({"lm_head.weight", VALUE_HEAD} if role == "critic" else set()))
@@ -103,11 +115,13 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     if role == "critic" and ps.is_pipeline_last_stage():
         hf_io.load_value_head(module, value_head_from or hf)
     checkpoint.save_model(module, out, extra={"role": role, "converted_from": str(hf)})
+    return progress.count
 
 
 def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layout: Layout, role: str,
-                      dtype: str, shard_mb: float) -> dict[str, tuple[str, int]]:
-    """Load this rank's shard, export the tensors it owns; returns {HF name: (file, bytes)}."""
+                      dtype: str, shard_mb: float) -> tuple[dict[str, tuple[str, int]], int]:
+    """Load this rank's shard, export the tensors it owns; returns {HF name: (file, bytes)} and the
+    parameters it went through."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.train import checkpoint, hf_io
@@ -116,11 +130,11 @@ def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str
     checkpoint.load_model(module, ckpt)
     # one copy of each tensor: TP rank 0 of the first data-parallel replica (expert tensors: of the
     # first expert-data-parallel replica)
-    mine = hf_io.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True,
-                               progress=lambda it: _progress(it, "Megatron -> HF", rank == 0))
+    progress = _Progress("Megatron -> HF", rank == 0)
+    mine = hf_io.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True, progress=progress)
     if role == "critic" and ps.is_pipeline_last_stage() and hf_io.owns_replica():
         mine = itertools.chain(mine, [(VALUE_HEAD, module.output_layer.weight.detach())])
-    return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb)
+    return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb), progress.count
 
 
 def _run(fn, world: int, args: tuple):
@@ -153,13 +167,13 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, r
         raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
     dtype = dtype or _stored_dtype(hf)
     try:
-        _run(_hf_to_mcore_rank, ranks_for(layout), (str(hf), str(out), layout, role, dtype, value_head_from))
+        counts = _run(_hf_to_mcore_rank, ranks_for(layout), (str(hf), str(out), layout, role, dtype, value_head_from))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     copy_hf_config(hf, out / HF_CONFIG_DIR)
     shapes = _tensor_bytes(out)
-    return Converted(out, len(shapes), sum(shapes.values()), role)
+    return Converted(out, len(shapes), sum(shapes.values()), role, counts[0], "checkpoint tensors (layers stacked)")
 
 
 def _stored_dtype(hf: Path) -> str:
@@ -217,7 +231,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         shutil.rmtree(out, ignore_errors=True)
         raise
     written: dict[str, tuple[str, int]] = {}
-    for part in parts:
+    for part, _ in parts:
         if written.keys() & part.keys():
             raise RuntimeError(f"two ranks exported {sorted(written.keys() & part.keys())[:3]} (ownership bug)")
         written.update(part)
@@ -225,7 +239,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     if role == "critic":
         _critic_config(out / "config.json")
     write_index(out, written)
-    return Converted(out, len(written), sum(size for _, size in written.values()), role)
+    return Converted(out, len(written), sum(size for _, size in written.values()), role, parts[0][1],
+                     "Hugging Face tensors")
 
 
 def _critic_config(path: Path) -> None:
@@ -238,6 +253,6 @@ def _critic_config(path: Path) -> None:
 
 
 def describe(result: Converted) -> str:
-    return (f"{result.role} checkpoint written to {result.out}: {result.tensors} tensors, "
-            f"{result.bytes / 2**20:.1f} MiB")
+    return (f"{result.role} checkpoint written to {result.out}: {result.tensors} {result.kind}, "
+            f"{result.bytes / 2**20:.1f} MiB, from the {result.parameters} Megatron parameters of rank 0")
 
