@@ -112,11 +112,9 @@ def _cmd_train(args) -> int:
     from moe_rl import config
 
     cfg = config.load_config(args.config, args.overrides)
-    from ray.exceptions import RayTaskError
-
     from moe_rl import loop
     from moe_rl.algos.checks import BatchCheckError
-    from moe_rl.cluster import LOST, PlacementError, RemoteCallError, last_line
+    from moe_rl.cluster import PlacementError, fault_line
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.rollouts import RolloutError
@@ -124,15 +122,14 @@ def _cmd_train(args) -> int:
 
     try:
         return loop.main(cfg)
-    except RemoteCallError as err:  # a process died or hung: retryable
-        return _fail(str(err), EXIT_FAULT)
-    except RayTaskError as err:  # a remote call that failed because another process died (a peer, an engine)
-        if not isinstance(getattr(err, "cause", None), LOST):
-            raise
-        return _fail(f"a remote call failed because a process it worked with died ({last_line(err.cause)})", EXIT_FAULT)
     except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
             RolloutError) as err:
         raise UserError(str(err)) from None
+    except Exception as err:  # a process died or hung (retryable: exit 3), or a bug
+        line = fault_line(err)
+        if line is None:
+            raise
+        return _fail(line, EXIT_FAULT)
 
 
 def _cmd_tiny(args) -> int:

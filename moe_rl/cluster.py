@@ -56,6 +56,17 @@ def last_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def fault_line(err: BaseException) -> str | None:
+    """One line for an error that means a process of the run died or hung: RemoteCallError, or a remote
+    call that failed because a process it worked with died (a peer rank, an engine); None otherwise."""
+    if isinstance(err, RemoteCallError):
+        return str(err)
+    cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, LOST):
+        return f"a remote call failed because a process it worked with died ({last_line(cause)})"
+    return None
+
+
 def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> list:
     """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
     died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a

@@ -66,3 +66,22 @@ def test_retry_replaces_a_failed_call_and_keeps_the_order(cluster):
     assert sorted(asked) == [(1, "RemoteCallError"), (2, "raised")]
     with pytest.raises(RemoteCallError, match=r"^engine 0 \(rollout\): the actor died"):
         gather([("engine 0 (rollout)", Rank.remote().work.remote(0, die=True))], 60, lambda i, err: None)
+
+
+def test_fault_line_tells_faults_from_bugs(cluster):
+    """What `moe-rl train` exits 3 for: a RemoteCallError, or a call that failed because an actor it
+    waited on died; anything else (a bug, a bad batch) is not a fault."""
+    from moe_rl.cluster import fault_line
+
+    @ray.remote(num_cpus=0)
+    def waits_on(ref_list):
+        return ray.get(ref_list[0])
+
+    dead = Rank.remote().work.remote(0, die=True)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(waits_on.remote([dead]), timeout=60)
+    assert fault_line(info.value).startswith("a remote call failed because a process it worked with died")
+    assert fault_line(RemoteCallError("engine 0 (rollout): the actor died (x)")) == "engine 0 (rollout): the actor died (x)"
+    with pytest.raises(KeyError) as bug:
+        gather([("critic rank 0 (load)", Rank.remote().work.remote(0, fail=True))], 30)
+    assert fault_line(bug.value) is None and fault_line(ValueError("x")) is None
