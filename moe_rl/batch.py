@@ -45,7 +45,8 @@ class Batch:
     boundary_len_B: torch.Tensor | None = None  # long: tokens of the boundary state
     prompt_len_B: torch.Tensor | None = None  # long: tokens before the first model turn
     version_B: torch.Tensor | None = None  # long: weight version at generation start
-    routes_filled: int = 0  # tail positions given placeholder routes (never computed; cannot matter)
+    routed_len_B: torch.Tensor | None = None  # long: leading positions whose routes the engine computed;
+    # the rest of a row's routes are placeholders (positions never computed; they cannot matter)
     # --- targets of an update (set by the policy and critic loops)
     adv_BS: torch.Tensor | None = None
     logp_old_BS: torch.Tensor | None = None  # pi_old, the PPO ratio's anchor
@@ -146,8 +147,7 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
     logp = torch.zeros(B, S)
     span_rewards = torch.zeros(B, S)
     excluded = torch.zeros(B, dtype=torch.bool)
-    routes = None
-    filled = 0
+    routes, routed = None, torch.zeros(B, dtype=torch.long)
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
         ids[i, :n] = torch.tensor(t.token_ids)
@@ -161,7 +161,7 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
             if routes is None:
                 routes = torch.zeros(B, S, r.shape[1], r.shape[2], dtype=r.dtype)
             routes[i, :n] = r
-            filled += tail
+            routed[i] = n - tail
     terminal = torch.tensor([t.terminal_reward for t in trajs])
     return Batch(
         input_ids_BS=ids, lengths_B=torch.tensor([len(t.token_ids) for t in trajs]), routes_BSLK=routes,
@@ -172,4 +172,4 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
         terminated_B=torch.tensor([t.terminated for t in trajs]),
         boundary_len_B=torch.tensor([t.boundary_len for t in trajs]),
         prompt_len_B=torch.tensor([t.prompt_len for t in trajs]),
-        version_B=torch.tensor([t.weight_version for t in trajs]), routes_filled=filled)
+        version_B=torch.tensor([t.weight_version for t in trajs]), routed_len_B=routed if routes is not None else None)

@@ -70,7 +70,8 @@ def _cmd_check_config(args) -> int:
 def _cmd_config_show(args) -> int:
     from moe_rl import config
 
-    print(config.dump_yaml(config.load_config(args.config, args.overrides)), end="")
+    cfg = config.load_config(args.config, args.overrides, cuda_available=True if args.assume_cuda else None)
+    print(config.dump_yaml(cfg), end="")
     return 0
 
 
@@ -137,9 +138,10 @@ def _cmd_tiny(args) -> int:
     from moe_rl.tiny import build_tiny_checkpoint
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise UserError(f"{out} {'is not empty' if out.is_dir() else 'is a file'}; give a new directory, or --overwrite "
-                        "to replace what is there")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file; give a new or empty directory")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"{out} is not empty; give a new directory, or --overwrite to replace the model there")
     path = build_tiny_checkpoint(out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True)
     print(f"tiny {args.arch} checkpoint written to {path}")
     return 0
@@ -209,7 +211,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help ends with its default, where it has one worth showing."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default == [] or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -276,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     gs = gsub.add_parser("show", **fmt, help="print the resolved config as YAML")
     gs.add_argument("config", help="YAML config file")
     gs.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
+    gs.add_argument("--assume-cuda", action="store_true", help="resolve as on a GPU machine (GPU recipes on a CPU box)")
     gs.set_defaults(fn=_cmd_config_show)
 
     b = sub.add_parser("bench", **fmt, help="run a benchmark from tools/bench (prints ratios and a JSON line)",
@@ -291,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(runs/NAME/checkpoints/step_N/policy or .../critic).",
                        epilog="e.g. moe-rl convert hf-to-mcore models/base ckpt/base --tp 2 --ep 2;  "
                        "moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf")
-    v.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    v.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"],
+                   help="hf-to-mcore: a Hugging Face model to a Megatron dist checkpoint; mcore-to-hf: back")
     v.add_argument("src", help="HF model directory (hf-to-mcore) or Megatron dist checkpoint (mcore-to-hf)")
     v.add_argument("out", help="output directory (must be new or empty)")
     for flag in ("tp", "pp", "ep"):

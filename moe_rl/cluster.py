@@ -206,6 +206,12 @@ class RankActor:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics | process_memory()
 
+    def memory(self) -> dict[str, float]:
+        """This rank's memory (metrics.process_memory); the train call reports it too."""
+        from moe_rl.metrics import process_memory
+
+        return process_memory()
+
     def offload(self) -> int:
         return self.worker.offload(list(self.anchor.params.values()) if self.anchor is not None else [])
 

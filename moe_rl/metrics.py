@@ -144,6 +144,7 @@ def expert_load_figures(name: str, load_LE: torch.Tensor) -> dict[str, object]:
     return {f"moe/{name}_load_imbalance_max": imbalance.max(), f"moe/{name}_load_imbalance_mean": imbalance.mean(),
             f"moe/{name}_usage_entropy_min": entropy.min(),
             **{f"moe/{name}_layer{i:02d}_load_imbalance": x for i, x in enumerate(imbalance)},
+            **{f"moe/{name}_layer{i:02d}_usage_entropy": x for i, x in enumerate(entropy)},
             f"heatmap/moe/{name}_expert_load": load_LE}
 
 
@@ -168,7 +169,6 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         "rollout/turns_mean": batch.turns_B.float().mean(),
         "policy/advantage_mean": (targets.adv_BS * valid).sum() / n_tok,
         "correction/logp_mismatch_mean": replayed.sum() / n_tok, "correction/logp_mismatch_max": replayed.max(),
-        "routing/filled_tail_positions_per_sample": batch.routes_filled / max(1, batch.size),
         **targets.metrics,
     }
     if scores.free_logp_BS is not None:
@@ -181,10 +181,12 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
     if targets.returns_BS is not None:
         out["critic/explained_variance"] = stats.explained_variance(targets.values_BS, targets.returns_BS, valid)
-    if num_experts and batch.routes_BSLK is not None:  # every position the engine computed (not the last token)
-        computed = torch.arange(batch.input_ids_BS.shape[1]) < (batch.lengths_B - 1).unsqueeze(1)
+    if batch.routes_BSLK is not None:
+        out["routing/filled_tail_positions_per_sample"] = (batch.lengths_B - batch.routed_len_B).float().mean()
+    if num_experts and batch.routes_BSLK is not None:  # the positions the engine computed (placeholders excluded)
+        computed = torch.arange(batch.input_ids_BS.shape[1]) < batch.routed_len_B.unsqueeze(1)
         out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts)))
-        if scores.free_routes_BSLK is not None:
+        if scores.free_routes_BSLK is not None:  # the trainer's own choices at the same positions
             out.update(expert_load_figures("trainer_free", stats.expert_load(scores.free_routes_BSLK, computed, num_experts)))
     out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/reward/score": batch.score_B,
                 "hist/policy/advantage": targets.adv_BS[valid]})

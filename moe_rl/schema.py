@@ -222,7 +222,7 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError("", f"config file '{path}' does not exist")
     try:
         data = load_unique_keys(path.read_text())
-        if data is None:
+        if not data:  # nothing, or `{}`: every default, which is rarely what was meant
             raise ConfigError("", f"config file '{path}' is empty; to run with every default, say so with one line "
                               "such as `run: {}`")
         return data

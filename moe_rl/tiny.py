@@ -100,6 +100,8 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, se
     if not overwrite and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    for stale in (*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")):  # another model's shards
+        stale.unlink()
     tok = build_tokenizer(out)
     cfg = hf_config(spec, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)

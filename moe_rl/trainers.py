@@ -149,6 +149,8 @@ class Models:
         out |= self.critic.fit(batch, t, step) if self.critic else {}
         if step >= self.cfg.critic.warmup_steps:
             out |= self.policy.fit(batch, t, step)
+        if self.reference:  # it only scores: its memory is asked for (the others report theirs with each update)
+            out |= role_figures("reference", self.reference.call("memory"))
         tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
         out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         return out

@@ -35,12 +35,30 @@ def test_misspelled_override_is_one_line_exit_2():
 
 
 def test_every_subcommand_has_help():
+    """Every subcommand answers --help, and every argument of every subcommand says what it is."""
+    import argparse
+
+    from moe_rl.cli import build_parser
+
     top = run("--help")
     assert top.returncode == 0
-    for cmd in ("check-config", "train", "tiny", "bench", "convert"):
+    for cmd in ("check-config", "plan", "train", "tiny", "config", "bench", "convert"):
         assert cmd in top.stdout
         sub = run(cmd, "--help")
         assert sub.returncode == 0 and f"usage: moe-rl {cmd}" in sub.stdout and len(sub.stdout) > 150, cmd
+        assert "(default: [])" not in sub.stdout, cmd
+
+    def parsers(p, name):
+        yield name, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub_name, sub in a.choices.items():
+                    yield from parsers(sub, f"{name} {sub_name}")
+
+    for name, p in parsers(build_parser(), "moe-rl"):
+        for a in p._actions:
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
+                assert a.help, f"{name}: {a.dest} has no help"
 
 
 def test_list_registered_methods():
@@ -93,6 +111,8 @@ def test_cli_conventions():
     shown = run("config", "show", "configs/quickstart.yaml", "run.steps=7")
     assert shown.returncode == 0 and "  steps: 7\n" in shown.stdout
     assert "max_engine_restarts: null" in shown.stdout  # a default the file does not set
+    recipe = run("config", "show", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda")  # a GPU recipe on this box
+    assert recipe.returncode == 0 and "weight_transfer: nccl" in recipe.stdout, recipe.stderr
 
 
 def one_line_error(out) -> str:
@@ -107,28 +127,42 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     import json
     import time
 
+    from moe_rl.checkpoints import write_loop_state
+
     (tmp_path / "file").write_text("x")
     (tmp_path / "empty.yaml").write_text("# nothing\n")
+    (tmp_path / "braces.yaml").write_text("{}\n")
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "no_config").mkdir()
     junk = tmp_path / "out" / "checkpoints" / "step_000001"
     junk.mkdir(parents=True)
     (junk / "loop_state.pt").write_text("not a checkpoint")
+    half = tmp_path / "half" / "step_000004"  # a loop state, but no policy checkpoint beside it
+    half.mkdir(parents=True)
+    write_loop_state(half / "loop_state.pt", {"step": 4, "version": 4, "data_pos": 64})
     q = ["configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}"]
     cases = {
         "is a directory; give a YAML file": ["train", str(tmp_path)],
+        "is a directory; give a YAML file ": ["check-config", str(tmp_path)],
         "is empty; to run with every default": ["train", str(tmp_path / "empty.yaml")],
+        "braces.yaml' is empty; to run with every default": ["train", str(tmp_path / "braces.yaml")],
         f"run.output_dir: '{tmp_path}/file' is a file": ["train", q[0], f"run.output_dir={tmp_path / 'file'}"],
         "model.path: '/nonexistent' does not exist": ["train", *q, "model.path=/nonexistent"],
+        f"model.path: '{tmp_path}/file' is not a directory": ["train", *q, f"model.path={tmp_path / 'file'}"],
+        "no_config' has no config.json": ["train", *q, f"model.path={tmp_path / 'no_config'}"],
         "is a 'llama' model; supported: mixtral, qwen2_moe, qwen3_moe": ["train", *q, f"model.path={tmp_path / 'llama'}"],
         "dataset '/nonexistent.jsonl' does not exist": ["train", *q, "environment.dataset=/nonexistent.jsonl"],
         "loop_state.pt is not a loop state this program wrote": ["train", q[0], f"run.output_dir={tmp_path / 'out'}"],
         "checkpoint.resume: /nonexistent is not a complete checkpoint": ["train", *q, "checkpoint.resume=/nonexistent"],
+        "step_000004 has no policy or critic checkpoint": ["train", *q, f"checkpoint.resume={half}"],
     }
     for expect, argv in cases.items():
         t = time.monotonic()
-        line = one_line_error(run(*argv))
-        assert expect in line and time.monotonic() - t < 30, (argv, line)
+        out = run(*argv)
+        line = one_line_error(out)
+        assert expect.strip() in line and time.monotonic() - t < 30, (argv, line)
+        assert "GAE kernel" not in out.stdout and "starting Ray" not in out.stdout  # nothing had started
 
 
 def test_tiny_and_convert_refuse_before_any_work(tmp_path):
@@ -139,12 +173,17 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     stamp = (model / "config.json").read_text()
     assert "is not empty; give a new directory, or --overwrite" in one_line_error(run("tiny", str(model), "--seed", "1"))
     assert (model / "config.json").read_text() == stamp
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"another model's shard")
     assert run("tiny", str(model), "--seed", "1", "--overwrite").returncode == 0
+    assert (model / "config.json").read_text() == stamp and not (model / "model-00001-of-00002.safetensors").exists()
+    assert "is a file; give a new or empty directory" in one_line_error(run("tiny", str(model / "config.json"),
+                                                                            "--overwrite"))
     out = str(tmp_path / "converted")
     assert "argument --tp: '0' is not a positive whole number" in one_line_error(run("convert", "hf-to-mcore", str(model), out,
                                                                                      "--tp", "0"))
-    assert one_line_error(run("convert", "hf-to-mcore", str(model), out, "--ep", "3")) == \
-        "moe-rl: error: --ep 3 does not divide the 4 experts"
+    for direction, src in (("hf-to-mcore", model), ("mcore-to-hf", tmp_path / "no_checkpoint_needed_yet")):
+        assert one_line_error(run("convert", direction, str(src), out, "--ep", "3", "--hf-config", str(model))) == \
+            "moe-rl: error: --ep 3 does not divide the 4 experts"
     ok = run("convert", "hf-to-mcore", str(model), out)  # the progress bar's total is the count it ends with
     total = re.search(r"HF -> Megatron \(rank 0\):\s+0%\|\s*\| 0/(\d+)", ok.stderr)
     assert ok.returncode == 0 and total and f"from the {total.group(1)} Megatron parameters of rank 0" in ok.stdout, ok.stderr

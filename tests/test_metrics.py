@@ -2,6 +2,7 @@
 event files and back: scalars, the heatmap image, histograms."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,11 +59,47 @@ def test_expert_load_reaches_tensorboard(tmp_path):
 def test_progress_bar_starts_after_the_first_step_and_ends_with_the_last(tmp_path, capsys):
     """The bar appears at step 1 already done (its one-time costs outside the rate and the time left)
     and is closed at the last step (evaluation and saving are not steps)."""
+    import time
+
     m = Metrics(tmp_path, enabled=False, total_steps=3, progress=True)
+    time.sleep(1.0)  # step 1's one-time costs (engine warm-up, first compilations)
     m.log(1, {"reward/mean": 0.5})
-    assert m.bar.n == 1 and m.bar.format_dict["rate"] is None  # no rate from step 1's one-time costs
+    assert m.bar.n == 1 and m.bar.format_dict["rate"] is None
     m.log(2, {"reward/mean": 0.5})
+    assert m.bar.format_dict["elapsed"] < 0.9  # the bar's clock (its rate, the time left) starts after step 1
     m.log(3, {"reward/mean": 0.5})
     assert m.bar.n == 3 and m.bar.disable  # closed at the last step
     err = capsys.readouterr().err
     assert "RL steps" in err and "3/3" in err
+
+
+def test_step_expert_load_counts_only_positions_the_engine_computed():
+    """A truncated episode ends with an observation the engine never computed: build_batch gives those
+    positions placeholder routes (experts 0..K-1), which the step's expert load must not count."""
+    import numpy as np
+
+    from moe_rl.batch import build_batch
+    from moe_rl.metrics import step_figures
+    from moe_rl.types import Outcome, RoutingRecord, Trajectory
+
+    def episode(n_obs_tail: int, expert: int) -> Trajectory:
+        # 2 prompt tokens, 2 model tokens, then n_obs_tail observation tokens; 1 layer, top-2 of 4 experts
+        ids = [1, 2, 5, 6] + [9] * n_obs_tail
+        mask = [False, False, True, True] + [False] * n_obs_tail
+        computed = 3  # the engine computed positions 0..2 (the last model token was sampled, never read)
+        experts = np.zeros((computed, 1, 2), dtype=np.uint8)
+        experts[..., 0], experts[..., 1] = expert, 3
+        t = Trajectory(ids, mask, [0.0] * len(ids), [(2, 3)], [0.0], 0.0, Outcome.TRUNCATED_TURNS, 4, 0, 2)
+        t.routes = RoutingRecord(experts, np.ones(computed, dtype=bool))
+        return t
+
+    b = build_batch([episode(4, 2), episode(0, 2)], top_k=2)
+    assert b.routed_len_B.tolist() == [3, 3] and b.routes_BSLK[0, 3:, 0].tolist() == [[0, 1]] * 5  # placeholders
+    scores = SimpleNamespace(logp_BS=b.logp_mu_BS, free_logp_BS=None, free_routes_BSLK=None)
+    tg = SimpleNamespace(adv_BS=torch.zeros(b.input_ids_BS.shape), metrics={}, returns_BS=None)
+    out = step_figures(b, scores, tg, num_experts=4)
+    # 6 computed positions x 2 slots: expert 2 six times, expert 3 six times; placeholders (0, 1) uncounted
+    assert out["heatmap/moe/rollout_expert_load"].tolist() == [[0.0, 0.0, 0.5, 0.5]]
+    assert float(out["moe/rollout_load_imbalance_max"]) == 2.0
+    assert float(out["moe/rollout_layer00_usage_entropy"]) == pytest.approx(0.5)
+    assert float(out["routing/filled_tail_positions_per_sample"]) == pytest.approx((5 + 1) / 2)
