@@ -16,13 +16,38 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import time
+from collections import Counter
 
 import ray
 import torch
 
 from moe_rl.config import RunConfig
+
+
+FAILPOINT = "MOE_RL_FAILPOINT"  # fault injection for tests: "<point>:<n>:<token file>" (see `failpoint`)
+_passed: Counter = Counter()
+
+
+def failpoint(point: str) -> None:
+    """A place where tests inject a real process death. With MOE_RL_FAILPOINT="<point>:<n>:<token file>",
+    the process that passes `point` for the n-th time and takes the token (deletes the file: one
+    process, once per run and its retries) kills itself with SIGKILL, in the middle of its work.
+    Points: "engine_update" (an engine, halfway through loading a weight update), "trainer_export" (a
+    trainer rank, between two weight buckets of a sync)."""
+    spec = os.environ.get(FAILPOINT)
+    if not spec or spec.split(":", 1)[0] != point:
+        return
+    _, n, token = spec.split(":", 2)
+    _passed[point] += 1
+    if _passed[point] == int(n):
+        try:
+            os.unlink(token)
+        except FileNotFoundError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def start_ray(cfg: RunConfig) -> None:
@@ -32,6 +57,8 @@ def start_ray(cfg: RunConfig) -> None:
     env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
                             [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}}
+    if os.environ.get(FAILPOINT):
+        env["env_vars"][FAILPOINT] = os.environ[FAILPOINT]
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
         ray.init(address=address, runtime_env=env, log_to_driver=False, _node_ip_address=node_ip)
@@ -89,6 +116,9 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
             continue
         except ray.exceptions.RayTaskError as err:  # the call itself raised (also when something it waited on died)
             if retry is None or (again := retry(i, err)) is None:
+                dead = _dead_peer(pending, labels)
+                if dead is not None:  # e.g. a rank's collective broke because its peer died: name the peer
+                    raise dead from err
                 raise
         except LOST as err:
             what = "is unreachable" if isinstance(err, ray.exceptions.ActorUnavailableError) else "died"
@@ -99,6 +129,21 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
         pending.append(again)
         deadline = max(deadline, time.monotonic() + timeout_s)
     return [results[i] for i in range(len(calls))]
+
+
+def _dead_peer(pending: list, labels: dict, grace_s: float = 5.0) -> RemoteCallError | None:
+    """After a call raised: whether one of the calls still pending lost its actor within `grace_s`
+    (Ray notices a death within about a second). A rank's error is often the consequence of a peer's
+    death (its collective broke): then the dead peer is the fault to report."""
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except LOST as err:
+            return RemoteCallError(f"{labels[ref][1]}: the actor died ({last_line(err)})")
+        except Exception:
+            continue
+    return None
 
 
 # a call's process gone (crashed, killed for memory, never started) or its result lost with a node
@@ -148,6 +193,7 @@ class Placement:
             if need > have.get(kind, 0) + 1e-9:
                 raise PlacementError(f"the run needs {need:g} {kind} for {len(bundles)} actors ({counts}), the Ray cluster "
                                    f"has {have.get(kind, 0):g}; use cluster.colocate=true or a larger cluster")
+        self.call_timeout_s = cfg.cluster.call_timeout_s
         self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -162,7 +208,8 @@ class Placement:
 
     def address(self, role: str) -> tuple[str, int]:
         """IP and a free port of the node holding the role's first bundle (its rank 0)."""
-        return ray.get(_node_address.options(**{**self.options(role, 0), "num_cpus": 0, "num_gpus": 0}).remote())
+        ref = _node_address.options(**{**self.options(role, 0), "num_cpus": 0, "num_gpus": 0}).remote()
+        return gather([(f"{role} rank 0's node (address)", ref)], self.call_timeout_s)[0]
 
 
 @ray.remote
@@ -202,7 +249,7 @@ class RankActor:
         from moe_rl.train.objectives import PolicyLoss
 
         metrics = self.worker.train_step(batch, loss, denominator)
-        if self.anchor is not None and isinstance(loss, PolicyLoss):
+        if self.anchor is not None and isinstance(loss, PolicyLoss) and not metrics["skipped_nonfinite"]:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics | process_memory()
 
@@ -239,7 +286,12 @@ class RankActor:
         try:
             named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
             mine = os.path.join(directory, f"rank{self.rank:05d}")  # ranks on one node share `directory`
-            return [str(write_bucket(b, mine, i)) for i, b in enumerate(buckets(named, bucket_mb))]
+            paths = []
+            for i, b in enumerate(buckets(named, bucket_mb)):
+                paths.append(str(write_bucket(b, mine, i)))
+                if i == 0:
+                    failpoint("trainer_export")  # once per export, after its first bucket
+            return paths
         finally:
             if offloaded:
                 self.offload()
@@ -472,7 +524,13 @@ class RolloutActor:
 
         sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
         if self.engine.settings.tensor_parallel_size == 1:  # the engine's one worker is this process
-            return self.engine.update_weights((t for s in sources for t in read_bucket(s, delete=False)), version)
+            def tensors():
+                for k, src in enumerate(sources):
+                    if k == len(sources) // 2:
+                        failpoint("engine_update")  # halfway: some layers new, the rest old
+                    yield from read_bucket(src, delete=False)
+
+            return self.engine.update_weights(tensors(), version)
         # tensor parallel: the engine's workers are processes of their own, and read files; bytes from
         # trainers on other nodes are written on this node first, and removed after the update
         from moe_rl.weights.sync import shm_dir

@@ -153,9 +153,8 @@ def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
     tr = cfg.trainer
     if tr.warm_start_steps:
         say(f"supervised warm start: {tr.warm_start_steps} steps on scripted-expert episodes")
-        nll = models.policy.warm_start(rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch), tr.warm_start_lr)
+        summary |= models.policy.warm_start(rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch), tr.warm_start_lr)
         rollouts.sync(models.policy, 0)
-        summary.update({"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll)})
     models.policy.init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
     if tr.eval_prompts:
         say(f"evaluating on {tr.eval_prompts} held-out prompts")

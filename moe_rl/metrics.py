@@ -188,7 +188,7 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts)))
         if scores.free_routes_BSLK is not None:  # the trainer's own choices at the same positions
             out.update(expert_load_figures("trainer_free", stats.expert_load(scores.free_routes_BSLK, computed, num_experts)))
-    out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/reward/score": batch.score_B,
+    out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/rollout/length": batch.lengths_B, "hist/reward/score": batch.score_B,
                 "hist/policy/advantage": targets.adv_BS[valid]})
     return out
 

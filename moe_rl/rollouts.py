@@ -224,6 +224,10 @@ class Rollouts:
         if not trajs:
             raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}); "
                                "check the environment")
+        if not self.cfg.rollout.async_mode and any(t.weight_version != self.version for t in trajs):
+            raise RuntimeError(f"a synchronous rollout generated with weight versions "
+                               f"{sorted({t.weight_version for t in trajs})}; every engine should hold version "
+                               f"{self.version}: an engine missed a weight sync")
         batch = build_batch(trajs, self.top_k if self.cfg.rollout.record_routes else None)
         keep, stale = correction.staleness(batch.version_B, self.version,
                                            self.cfg.rollout.max_staleness if self.cfg.rollout.async_mode else None)

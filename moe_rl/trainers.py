@@ -64,21 +64,23 @@ class PolicyGroup(TrainerGroup):
         out = role_figures("policy", updates)
         out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
-        out.update({"policy/skipped_minibatches": skipped, "policy/lr": cfg.trainer.lr,
-                    "timing/actor_train_s": time.perf_counter() - t0})
+        out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
         if gap is not None:
             out["policy/anchor_logp_gap"] = gap
         return out
 
-    def warm_start(self, batches: list[Batch], lr: float) -> list[float]:
-        """Supervised steps on demonstration batches at learning rate `lr`; the NLL of each."""
+    def warm_start(self, batches: list[Batch], lr: float) -> dict[str, float]:
+        """Supervised steps on demonstration batches at learning rate `lr`; their figures (warm_start/:
+        the first and last NLL, the steps, the learning rate the optimizer used)."""
         from tqdm import tqdm
 
         self.call("set_lr", lr)
-        nll = [self.train(b, SftLoss(), b.mask_BS.sum().double()).get("nll", float("nan"))
-               for b in tqdm(batches, desc="warm start", unit="step", disable=not self.cfg.logging.progress_bar, leave=False)]
+        updates = [self.train(b, SftLoss(), b.mask_BS.sum().double())
+                   for b in tqdm(batches, desc="warm start", unit="step", disable=not self.cfg.logging.progress_bar, leave=False)]
         self.call("set_lr", self.cfg.trainer.lr)
-        return nll
+        nll = [u.get("nll", float("nan")) for u in updates]
+        return {"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll),
+                "warm_start/lr": updates[-1]["lr"]}
 
     def init_anchor(self) -> None:
         """theta_bar_0 := theta_0 (PPO-EWMA), when the algorithm anchors to an EWMA of the policy."""
@@ -109,7 +111,7 @@ class CriticGroup(TrainerGroup):
                 updates.append(self.train(mb, self.loss, denominator))
         return role_figures("critic", updates) | {
             "critic/skipped_nonfinite": sum(u["skipped_nonfinite"] for u in updates),  # a count, not a mean
-            "critic/lr": cfg.critic.lr, "timing/critic_train_s": time.perf_counter() - t0}
+            "timing/critic_train_s": time.perf_counter() - t0}
 
 
 class Models:
@@ -144,8 +146,7 @@ class Models:
         policy's lr and skip count are figures of every step (0 for a model that did not train)."""
         t0 = time.perf_counter()
         out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
-               "policy/skipped_nonfinite": 0,
-               "policy/lr": self.cfg.trainer.lr}
+               "policy/skipped_nonfinite": 0}
         out |= self.critic.fit(batch, t, step) if self.critic else {}
         if step >= self.cfg.critic.warmup_steps:
             out |= self.policy.fit(batch, t, step)

@@ -7,9 +7,11 @@ past the limits stops the run naming it. An asynchronous run respects its stalen
 the rollout it had in flight."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +65,12 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
                 "rollout/outcome_env_error", "policy/skipped_nonfinite", "critic/skipped_nonfinite"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    import yaml  # the learning rates the optimizers used: the warm start's, then RL's (policy and critic)
+
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert acc.Scalars("warm_start/lr")[0].value == pytest.approx(cfg["trainer"]["warm_start_lr"])
+    assert [e.value for e in acc.Scalars("policy/lr")] == pytest.approx([cfg["trainer"]["lr"]] * 3)
+    assert [e.value for e in acc.Scalars("critic/lr")] == pytest.approx([cfg["critic"]["lr"]] * 3)
     # the free-routing diagnostic pass runs on the steps that are multiples of routing_diagnostics_every (3)
     assert [e.step for e in acc.Scalars("routing/agreement")] == [3]
     assert [e.step for e in acc.Scalars("correction/logp_mismatch_no_replay")] == [3]
@@ -82,7 +90,7 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
             "moe/rollout_usage_entropy_min"} <= tags  # the values, counted by hand: the asynchronous run's test
     assert [e.step for e in acc.Scalars("moe/trainer_free_load_imbalance_max")] == [3]
     assert {"moe/rollout_expert_load", "moe/trainer_free_expert_load"} <= set(acc.Tags()["images"])
-    assert {"reward/score", "policy/advantage", "rollout/model_tokens"} <= set(acc.Tags()["histograms"])
+    assert {"reward/score", "policy/advantage", "rollout/model_tokens", "rollout/length"} <= set(acc.Tags()["histograms"])
     for role in ("policy", "critic", "engine"):  # each role's largest process, not only the driver's
         assert 0.1 < acc.Scalars(f"memory/{role}_rss_gib_max")[-1].value < 20, role
     assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
@@ -102,6 +110,8 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf", str(step / role),
                                str(tmp_path / role)], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        total = re.search(r"Megatron -> HF \(rank 0\):\s+0%\|\s*\| 0/(\d+)", proc.stderr)  # the bar's total is
+        assert total and f"from the {total.group(1)} Megatron parameters of rank 0" in proc.stdout, proc.stderr  # the count
     base, policy = HFReader(out / "base_model"), HFReader(tmp_path / "policy")
     assert policy.names() == base.names()
     moved = [n for n in base.names() if not torch.equal(base.get(n), policy.get(n))]
@@ -133,7 +143,7 @@ def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, 
             driver = next((p for p in psutil.Process(proc.pid).children(recursive=True)
                            if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())), None)
             time.sleep(0.2)
-        while not saving.exists():
+        while not (saving / "policy").exists():  # the save has begun writing the policy's checkpoint
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save"
             time.sleep(0.01)
         driver.kill()
@@ -156,12 +166,14 @@ def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, 
 
 def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tmp_path):
     """Asynchronous: later batches are one version old. A checkpoint finishes the rollout in flight
-    and keeps it: a run resumed from the step-2 checkpoint trains step 3 on exactly the batch the
-    uninterrupted run trained on, and reproduces its step (nothing regenerated with other weights)."""
-    import shutil
+    and keeps it: a second run, killed with SIGKILL once its step-2 checkpoint exists and started
+    again (checkpoint.resume: auto), trains step 3 on exactly the batch the uninterrupted run trained
+    on, and reproduces its step (nothing regenerated with other weights)."""
+    import psutil
 
     out = tmp_path / "async"
-    run_train(out, "rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3")
+    async_run = ["rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3"]
+    run_train(out, *async_run)
     hist = torch.load(out / "history.pt", weights_only=False)
     lags = [h["correction/staleness_mean"] for h in hist]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
@@ -170,10 +182,22 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()  # last: none
     # step 3 trained on the kept rollout: its expert-load figures are the routes' counted by hand
     hand_counted_expert_load(hist[2], step2, num_experts=4)
-    resumed_out = tmp_path / "resumed"
-    shutil.copytree(step2, resumed_out / "checkpoints" / "step_000002")  # as if killed right after this save
-    run_train(resumed_out, "rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3")
-    resumed = torch.load(resumed_out / "history.pt", weights_only=False)
+    killed_out = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(killed_out, *async_run), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (killed_out / "checkpoints" / "step_000002").exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
+            time.sleep(0.05)
+        psutil.Process(proc.pid).kill()  # the driver, right after its save; Ray's processes follow it
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (killed_out / "checkpoints" / "step_000003").exists()
+    run_train(killed_out, *async_run)
+    resumed = torch.load(killed_out / "history.pt", weights_only=False)
     assert len(resumed) == 1
     for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean", "policy/loss",
                 "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
@@ -237,6 +261,54 @@ def test_two_engines_share_the_steps_and_a_dead_engine_is_replaced(reference, tm
     for h, r in zip(hist, ref, strict=True):
         assert h["rollout/samples"] == r["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
         for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss"):
+            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
+
+
+def test_an_engine_killed_halfway_through_a_weight_update_is_replaced(reference, tmp_path):
+    """The engine kills itself (SIGKILL, cluster.failpoint) halfway through loading step 1's weights
+    (small buckets: some layers new, the rest old). Nothing generates with those half-updated weights:
+    a replacement starts on its resources, loads the current weights whole, and every step equals the
+    undisturbed reference."""
+    ref_out, _ = reference
+    out, token = tmp_path / "update_dies", tmp_path / "token"
+    token.touch()
+    proc = subprocess.run(train_cmd(out, "rollout.weight_sync_bucket_mb=0.5"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                       "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not token.exists()  # the failpoint fired (update 1: after the warm start; update 2: step 1's)
+    assert "engine 0 failed" in proc.stdout and "(weight update)" in proc.stdout
+    hist = torch.load(out / "history.pt", weights_only=False)
+    ref = torch.load(ref_out / "history.pt", weights_only=False)
+    assert [h["rollout/engine_restarts"] for h in hist] == [0, 1, 1]  # replaced during step 1's sync
+    for h, r in zip(hist, ref, strict=True):
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss", "correction/logp_mismatch_mean"):
+            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
+
+
+def test_a_trainer_rank_killed_mid_sync_stops_the_run_and_the_retry_equals_the_uninterrupted_run(reference, tmp_path):
+    """The policy's rank kills itself (SIGKILL, cluster.failpoint) between two weight buckets of step 2's
+    sync: the run stops with exit code 3 naming the rank and the call; launch/local.sh's retry resumes
+    from the step-1 checkpoint and its steps 2 and 3 equal the uninterrupted run's."""
+    ref_out, _ = reference
+    out, token = tmp_path / "rank_dies", tmp_path / "token"
+    token.touch()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "1", "MOE_RL_VENV": sys.prefix,
+           "MOE_RL_LOG": str(tmp_path / "launch.log"), "MOE_RL_FAILPOINT": f"trainer_export:3:{token}"}
+    proc = subprocess.run(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL,
+                           "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                          env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert not token.exists()  # exports 1 (warm start) and 2 (step 1) passed, the third killed the rank
+    assert re.search(r"moe-rl: error: policy rank 0 \(export_weights\): the actor died", log), log[-5000:]
+    assert "the run stopped with exit code 3; retry 1 of 1" in log
+    assert f"resuming from {out / 'checkpoints' / 'step_000001'}" in log
+    resumed = torch.load(out / "history.pt", weights_only=False)
+    ref = torch.load(ref_out / "history.pt", weights_only=False)
+    assert len(resumed) == 2
+    for h, r in zip(resumed, ref[1:], strict=True):
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss"):
             assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
 
 
@@ -328,13 +400,17 @@ def test_critic_starts_from_another_checkpoint(tmp_path):
 def test_synchronous_check_runs_before_the_update(tmp_path):
     """The pre-update checklist verifies mu = pi_old in a synchronous step whose objective has no
     off-policy correction. bf16 trainer and vLLM kernels differ (by ~3e-3 here, above the 1e-3
-    tolerance): refused in one line, exit 2; with token TIS the same run trains."""
+    tolerance): refused in one line, exit 2; with token TIS the same run trains (here with megatron's
+    load-balancing and z-loss on, whose values are logged)."""
     bf16 = ["model.dtype=bfloat16", "run.steps=1", "checkpoint.every=0", "trainer.warm_start_steps=0"]
     proc = subprocess.run(train_cmd(tmp_path / "none", *bf16), cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "batch check 'sync_roles' failed" in proc.stderr and "Traceback" not in proc.stderr
-    run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token")
+    run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token", "model.moe_aux_loss_coeff=0.01",
+              "model.moe_z_loss_coeff=0.001")
+    figures = torch.load(tmp_path / "tis" / "history.pt", weights_only=False)[0]
+    assert figures["policy/moe_aux_loss"] > 0 and figures["policy/moe_z_loss"] > 0
 
 
 def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
@@ -353,16 +429,19 @@ def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
         assert h["memory/offloaded_gib"] > 0 and h["timing/offload_s"] > 0 and h["timing/onload_s"] > 0
 
 
-@pytest.mark.parametrize("victim", ["trainer rank", "engine"])
+@pytest.mark.parametrize("victim", ["trainer rank", "engine", "stopped engine"])
 def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
-    """kill -9 of a trainer rank (policy or critic), or of an engine with rollout.max_engine_restarts=0:
+    """kill -9 of a trainer rank (policy or critic, of two), or of an engine with rollout.max_engine_restarts=0:
     the driver stops within a bounded time (no hang on a collective or a Ray wait), exit code 3 (a
-    launcher may retry), one line naming the process and what it was doing."""
+    launcher may retry), one line naming the process and what it was doing. An engine that hangs
+    (SIGSTOP) is named once cluster.call_timeout_s has passed."""
     import psutil
 
     out = tmp_path / "dies"
-    extra = ["rollout.max_engine_restarts=0"] if victim == "engine" else []
-    proc = subprocess.Popen(train_cmd(out, "run.steps=6", "cluster.call_timeout_s=120", *extra), cwd=ROOT,
+    timeout = 60 if victim == "stopped engine" else 120
+    # two ranks per trainer group: a killed rank's peer may be blocked in a collective with it, or fail in it
+    extra = ["parallel.tp=2", "parallel.world_size=2"] if victim == "trainer rank" else ["rollout.max_engine_restarts=0"]
+    proc = subprocess.Popen(train_cmd(out, "run.steps=6", f"cluster.call_timeout_s={timeout}", *extra), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
@@ -370,21 +449,34 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
         while not (out / "checkpoints" / "step_000001").exists():
             assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
             time.sleep(0.2)
-        if victim == "engine":
-            victims = engine_processes(proc.pid)
-        else:
+        if victim == "trainer rank":
             victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RankActor" in " ".join(p.cmdline())]
+        else:
+            victims = engine_processes(proc.pid)
         assert victims, f"no {victim} process found"
-        victims[0].kill()
         killed_at = time.time()
-        _, err = proc.communicate(timeout=180)
+        if victim == "stopped engine":  # let it go on well after the timeout (a stopped process would outlive Ray)
+            victims[0].suspend()
+            wake = threading.Timer(timeout + 20, lambda: victims[0].is_running() and victims[0].resume())
+            wake.daemon = True
+            wake.start()
+        else:
+            victims[0].kill()
+        _, err = proc.communicate(timeout=timeout + 120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 3 and time.time() - killed_at < 120, err[-3000:]
+    took = time.time() - killed_at
+    assert proc.returncode == 3, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("moe-rl: error: "), err[-3000:]
+    if victim == "stopped engine":  # silent past the timeout: named with the call it was answering
+        assert timeout - 5 < took, took
+        assert re.search(rf"no answer within cluster.call_timeout_s={timeout} s from engine 0 \((rollout of step \d+|"
+                         r"weight update)\)", last), err[-3000:]
+        return
+    assert took < timeout, err[-3000:]  # noticed at once, not by the timeout
     if victim == "engine":
         assert "engine 0 failed 1 time(s) in a row (rollout.max_engine_restarts=0" in last and "last error: " in last
-    else:  # the dead rank's own call, or a peer's call that failed with it
-        assert (" rank " in last and "the actor died" in last) or "a process it worked with died" in last, err[-3000:]
+    else:  # the dead rank is named, also where a peer's call failed first because of it
+        assert re.search(r"(policy|critic) rank [01] \(\w+\): the actor died", last), err[-3000:]

@@ -23,11 +23,11 @@ def cluster():
 @ray.remote(num_cpus=0)
 class Rank:
     def work(self, seconds: float, die: bool = False, fail: bool = False):
+        time.sleep(seconds)
         if die:
             os._exit(1)
         if fail:
             raise KeyError("a bad batch")
-        time.sleep(seconds)
         return seconds
 
 
@@ -85,3 +85,12 @@ def test_fault_line_tells_faults_from_bugs(cluster):
     with pytest.raises(KeyError) as bug:
         gather([("critic rank 0 (load)", Rank.remote().work.remote(0, fail=True))], 30)
     assert fault_line(bug.value) is None and fault_line(ValueError("x")) is None
+
+
+def test_a_peer_error_caused_by_a_dead_rank_names_the_dead_rank(cluster):
+    """Rank 0's call fails first (its collective broke: here it raises at once) while rank 1's process
+    is dying: the wait names rank 1's death, the fault, not rank 0's consequence."""
+    a, b = Rank.remote(), Rank.remote()
+    with pytest.raises(RemoteCallError, match=r"^policy rank 1 \(train\): the actor died"):
+        gather([("policy rank 0 (train)", a.work.remote(0, fail=True)), ("policy rank 1 (train)", b.work.remote(0.5, die=True))],
+               120)

@@ -386,6 +386,7 @@ class TrainWorker:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(ok))
         metrics["skipped_nonfinite"] = float(not finite)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])  # what the update used
         return metrics | router_losses(len(mbs))
 
     def _finite(self, losses: list[dict]) -> bool:

@@ -35,10 +35,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0):
+def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0, env_extra: dict | None = None):
     logs = tmp / "logs"
     env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(_port()), "OMP_NUM_THREADS": "1",
-           "MOE_RL_RETRIES": str(retries)}
+           "MOE_RL_RETRIES": str(retries), **(env_extra or {})}
     argv = ["sbatch", "--parsable", f"--output={tmp / 'job.out'}", *(["--wait"] if wait else []),
             str(SCRIPT), "configs/quickstart.yaml", f"run.output_dir={tmp / 'run'}", *SHORT, *overrides]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -57,10 +57,16 @@ def explain(slurm, tmp: Path) -> str:
     return "\n".join(texts) + slurm.logs()[-3000:]
 
 
-def test_quickstart_runs_across_both_nodes(slurm, tmp_path):
+@pytest.fixture(scope="module")
+def quickstart(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quickstart")
+    return submit(slurm, tmp), tmp
+
+
+def test_quickstart_runs_across_both_nodes(slurm, quickstart):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc, job, logs = submit(slurm, tmp_path)
+    (proc, job, logs), tmp_path = quickstart
     assert proc.returncode == 0, explain(slurm, tmp_path)
     driver = (logs / f"driver-{list(NODES)[0]}.log").read_text()
     placement = next(line for line in driver.splitlines() if "placement:" in line)
@@ -77,6 +83,34 @@ def test_quickstart_runs_across_both_nodes(slurm, tmp_path):
     assert "driver exited with 0" in (logs / "driver.log").read_text()
     time.sleep(1)
     assert job_processes(job) == []
+
+
+def test_a_rank_killed_mid_run_is_retried_from_its_checkpoint_on_the_same_cluster(slurm, quickstart, tmp_path):
+    """MOE_RL_RETRIES=1: a policy rank kills itself (cluster.failpoint) in step 2's weight sync; the
+    driver exits 3 and runs once more on the same Ray cluster, resuming from the step-1 checkpoint, and
+    its steps 2 and 3 equal the uninterrupted quickstart's."""
+    import torch
+
+    (ref_proc, _, _), ref_tmp = quickstart
+    assert ref_proc.returncode == 0, explain(slurm, ref_tmp)
+    token = tmp_path / "token"
+    token.touch()
+    proc, job, logs = submit(slurm, tmp_path, "checkpoint.every=1", "rollout.weight_sync_bucket_mb=0.5", retries=1,
+                             env_extra={"MOE_RL_FAILPOINT": f"trainer_export:3:{token}"})
+    assert proc.returncode == 0, explain(slurm, tmp_path)
+    script, driver = (logs / "driver.log").read_text(), (logs / f"driver-{list(NODES)[0]}.log").read_text()
+    assert not token.exists() and "driver exited with 3" in script and "driver exited with 0" in script
+    assert "retry 1 of 1 from the last checkpoint (the Ray cluster stays up)" in script
+    assert "policy rank" in driver and "(export_weights): the actor died" in driver
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_000001'}" in driver
+    resumed = torch.load(tmp_path / "run" / "history.pt", weights_only=False)
+    ref = torch.load(ref_tmp / "run" / "history.pt", weights_only=False)
+    assert len(resumed) == 2
+    for h, r in zip(resumed, ref[1:], strict=True):
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss"):
+            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
+    time.sleep(1)
+    assert job_processes(job) == [], explain(slurm, tmp_path)
 
 
 @pytest.mark.parametrize("override, code, tries", [("algorithm.no_such_knob=1", 2, 1), ("cluster.call_timeout_s=0.001", 3, 2)])

@@ -168,8 +168,18 @@ def test_sandbox_limits_and_no_network():
     assert not r.ok and r.reason == "timeout"
     r = run(run_python("x = bytearray(2**30)", memory_mb=128))
     assert not r.ok and "MemoryError" in r.stderr
-    r = run(run_python("import socket; s = socket.create_connection(('127.0.0.1', 22), timeout=1)"))
-    assert not r.ok and ("unreachable" in r.stderr or "refused" in r.stderr or "OSError" in r.stderr)
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a server on this host's loopback, listening
+        port = server.getsockname()[1]
+        here = socket.create_connection(("127.0.0.1", port), timeout=1)  # reachable from outside the sandbox
+        here.close()
+        probe = (f"import socket\nfor host in ('127.0.0.1', {socket.gethostname()!r}):\n    try:\n"
+                 f"        socket.create_connection((host, {port}), timeout=2); print('reached', host)\n"
+                 f"    except OSError as e:\n        print('refused', host, type(e).__name__)")
+        r = run(run_python(probe))
+    # its own network namespace: the host's loopback (and its name) are not there; only refusals
+    assert r.ok and r.stdout.count("refused") == 2 and "reached" not in r.stdout, r.stdout + r.stderr
     r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass", timeout_s=10, cpu_s=1))
     assert not r.ok and r.reason.startswith("killed")
     assert run(run_python("print(6*7)")).stdout.strip() == "42"
