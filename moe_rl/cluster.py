@@ -56,7 +56,10 @@ def start_ray(cfg: RunConfig) -> None:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
-                            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}}
+                            # the project, and the driver's directory: a user's environment module
+                            # (environment.name: my_pkg.envs:Task) imports there as it does for the driver
+                            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd(),
+                             os.environ.get("PYTHONPATH", "")])}}
     if os.environ.get(FAILPOINT):
         env["env_vars"][FAILPOINT] = os.environ[FAILPOINT]
     if address:
@@ -481,23 +484,25 @@ class RolloutActor:
     update arriving meanwhile runs between engine steps (in-flight conversations pause, then resume
     with the new weights; each trajectory keeps the version it started with)."""
 
-    def __init__(self, settings, agent_settings, env_name: str, env_options: dict):
+    def __init__(self, settings, agent_settings, env):
         from transformers import AutoTokenizer
 
         from moe_rl.rollout.agent import Agent
         from moe_rl.rollout.engine import RolloutEngine
-        from moe_rl.rollout.envs import get_env
 
         self.engine = RolloutEngine(settings)
         tok = AutoTokenizer.from_pretrained(settings.model_path)
-        self.agent = Agent(self.engine, tok, get_env(env_name), env_options, agent_settings)
+        self.agent = Agent(self.engine, tok, env, agent_settings)  # env: rollout.envs.EnvSpec
         self.top_k = self.engine.top_k
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,
                       first_group_id: int = 0):
+        import copy
+
         from moe_rl.rollout.agent import RolloutStats
 
-        self.agent.stats = RolloutStats()
+        agent = copy.copy(self.agent)  # statistics of this call only: an evaluation may run beside a rollout
+        agent.stats = RolloutStats()
         if dynamic:
             pool = list(prompts)
 
@@ -506,14 +511,14 @@ class RolloutActor:
                 del pool[:k]
                 return out
 
-            groups = await self.agent.dynamic_sampling(next_prompts, len(prompts) // (dynamic + 1) or 1,
-                                                       samples_per_prompt, dynamic, seed, first_group_id)
+            groups = await agent.dynamic_sampling(next_prompts, len(prompts) // (dynamic + 1) or 1,
+                                                  samples_per_prompt, dynamic, seed, first_group_id)
         else:
-            groups = await self.agent.run_groups(prompts, samples_per_prompt, seed, first_group_id)
+            groups = await agent.run_groups(prompts, samples_per_prompt, seed, first_group_id)
         from moe_rl.metrics import process_memory
 
-        self.agent.stats.memory = process_memory()
-        return [t for g in groups for t in g], self.agent.stats
+        agent.stats.memory = process_memory()
+        return [t for g in groups for t in g], agent.stats
 
     async def update_weights(self, buckets: list, version: int) -> int:
         """Load weight buckets: paths on this node (files stay for the other engines; the trainers

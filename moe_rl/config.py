@@ -24,7 +24,6 @@ from moe_rl.schema import (
     ConfigError,
     build,
     check_tree,
-    coerce_option,
     did_you_mean,
     in_range,
     parse_overrides,
@@ -224,8 +223,13 @@ class RolloutSection:
 
 @dataclass(frozen=True)
 class EnvironmentSection:
+    # a built-in environment (`moe-rl check-config --list`) or yours by import path:
+    # package.module:Class or path/to/file.py:Class (docs/environments.md)
     name: str = "guess_number"
     dataset: str = ""  # JSONL or Parquet prompts; empty: the environment generates its own
+    # the single_turn environment's scorer: package.module:function or path/to/file.py:function,
+    # called with (row, response), returning a float or a dict with a `reward`
+    reward_fn: str = ""
     max_turns: int = 4
     # model + observation tokens per episode (everything after the prompt); also the length the overlong
     # penalty (algorithm.overlong_buffer) measures episodes against
@@ -234,45 +238,39 @@ class EnvironmentSection:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, keep sampling
     max_resample_rounds: int = 4
     overlong_filter: bool = False
-    # the environment's own options, as it declares them (Environment.options_schema); tool_timeout_s
-    # above is passed to it as well
+    # the environment's own options, as its Options dataclass declares them
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        from moe_rl.rollout.envs import env_names
+        from moe_rl.rollout.envs import EnvContext, EnvImportError, build_options, env_names, get_env
 
-        if self.name not in env_names():
+        try:
+            env = get_env(self.name)
+        except EnvImportError as err:
+            raise ConfigError("environment.name", str(err)) from None
+        except KeyError:
             raise ConfigError("environment.name", f"unknown environment '{self.name}'{did_you_mean(self.name, env_names())}; "
-                              f"choose one of {', '.join(env_names())}")
+                              f"choose one of {', '.join(env_names())}, or give an import path "
+                              "(package.module:Class or path/to/file.py:Class)") from None
         positive("environment.max_turns", self.max_turns)
         positive("environment.token_budget", self.token_budget)
         in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
         in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
-        self.check_options()
-
-    def check_options(self) -> None:
-        """`options` against the environment's declaration: known keys, types, the environment's rules."""
-        from moe_rl.rollout.envs import get_env
-
-        env = get_env(self.name)
         if "tool_timeout_s" in self.options:
-            raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s (passed to the "
-                              "environment with its options); move it there")
-        schema = env.options_schema
-        if schema is None:  # undeclared: the environment takes any options
-            return
-        values = {}
-        for key, value in self.options.items():
-            path = f"environment.options.{key}"
-            if key not in schema:
-                allowed = ", ".join(schema) or "none"
-                raise ConfigError(path, f"unknown option of environment '{self.name}'{did_you_mean(str(key), schema)}; "
-                                  f"allowed: {allowed}")
-            values[key] = coerce_option(schema[key], value, path)
+            raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s (every "
+                              "environment may read it); move it there")
+        build_options(env, self.options)
+        if self.reward_fn and self.name != "single_turn":
+            raise ConfigError("environment.reward_fn", f"only the single_turn environment calls a reward function; "
+                              f"'{self.name}' computes its own rewards (set environment.name: single_turn)")
         try:
-            env.check_options({**env.option_defaults, **values})
-        except ValueError as err:
-            raise ConfigError("environment.options", f"{err} (environment '{self.name}')") from None
+            env.check_context(EnvContext(self.tool_timeout_s, self.reward_fn))
+        except (ValueError, EnvImportError) as err:
+            raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or self.reward_fn else "environment",
+                              str(err)) from None
+        if not self.dataset and not env.generates_prompts():
+            raise ConfigError("environment.dataset", f"environment '{self.name}' makes no prompts of its own: give a "
+                              "JSONL or Parquet file of rows")
 
 
 @dataclass(frozen=True)
@@ -363,7 +361,12 @@ class TrainerSection:
     warm_start_steps: int = 0
     warm_start_lr: float = 1e-3
     warm_start_batch: int = 16
-    eval_prompts: int = 0  # held-out prompts scored before the first and after the last RL step
+    # held-out prompts scored before the first and after the last RL step (0: no evaluation); from
+    # eval_dataset's first rows, or made by the environment with a seed training never uses
+    eval_prompts: int = 0
+    eval_dataset: str = ""  # JSONL or Parquet rows, as environment.dataset
+    eval_every: int = 0  # also every this many steps (0: before and after only)
+    eval_samples: int = 1  # samples per prompt: pass@k for k = 1, 2, 4, ... up to it, and mean@eval_samples
 
     def check(self) -> None:
         in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
@@ -371,6 +374,8 @@ class TrainerSection:
         in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
         positive("trainer.warm_start_batch", self.warm_start_batch)
         in_range("trainer.eval_prompts", self.eval_prompts, 0, None)
+        in_range("trainer.eval_every", self.eval_every, 0, None)
+        positive("trainer.eval_samples", self.eval_samples)
         in_range("trainer.weight_decay", self.weight_decay, 0.0, None)
         in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
         in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)

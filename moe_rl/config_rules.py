@@ -100,12 +100,18 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
         raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
                           f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
-    if cfg.trainer.warm_start_steps:
-        from moe_rl.rollout.envs import get_env
+    from moe_rl.rollout.envs import get_env
 
-        if not get_env(cfg.environment.name).has_expert():
-            raise ConfigError("trainer.warm_start_steps", f"{cfg.trainer.warm_start_steps} needs a scripted expert, and "
-                              f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
+    env, tr = get_env(cfg.environment.name), cfg.trainer
+    if tr.warm_start_steps and not env.has_expert():
+        raise ConfigError("trainer.warm_start_steps", f"{tr.warm_start_steps} needs a scripted expert, and "
+                          f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
+    if tr.eval_prompts and not tr.eval_dataset and not env.generates_prompts():
+        raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) needs held-out "
+                          f"rows: environment '{cfg.environment.name}' makes no prompts of its own")
+    if (tr.eval_every or tr.eval_dataset or tr.eval_samples > 1) and not tr.eval_prompts:
+        field = "eval_every" if tr.eval_every else "eval_dataset" if tr.eval_dataset else "eval_samples"
+        raise ConfigError(f"trainer.{field}", "has no effect without evaluation: set trainer.eval_prompts")
 
 
 def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers: int) -> None:

@@ -35,11 +35,11 @@ def say(msg: str) -> None:
 
 
 def main(cfg: RunConfig) -> int:
-    out = Path(cfg.run.output_dir)
-    prompts = preflight(cfg, out)
-    models, rollouts = start(cfg, out, prompts)
+    out, tr = Path(cfg.run.output_dir), cfg.trainer
+    prompts, eval_prompts = preflight(cfg, out)
+    models, rollouts = start(cfg, out, prompts, eval_prompts)
     checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
-    first, summary = checkpoints.resume(), {}
+    first, summary, evals = checkpoints.resume(), {}, {}
     if first is None:
         first, summary = 0, prepare(cfg, models, rollouts)
     else:
@@ -48,9 +48,17 @@ def main(cfg: RunConfig) -> int:
     log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
                   cfg.logging.log_every, cfg.logging.heatmap_every)
     log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")  # as run: every default filled in
-    if summary:  # the warm start and the evaluation before RL, at step 0
-        log.metrics.log(0, {k.removesuffix("_before"): v for k, v in summary.items()}, advance=False)
+    if summary:  # the warm start, at step 0
+        log.metrics.log(0, summary, advance=False)
     diag = cfg.logging.routing_diagnostics_every
+
+    def evaluate(step: int) -> None:  # the held-out prompts with the weights of `step`: eval/ in TensorBoard
+        say(f"evaluating on {tr.eval_prompts} held-out prompts x {tr.eval_samples} (step {step})")
+        evals[step] = rollouts.evaluate()
+        log.metrics.log(step, evals[step], advance=False)
+
+    if first == 0 and tr.eval_prompts:  # before RL
+        evaluate(0)
 
     def rollout(step: int) -> list:  # colocated: the trainer steps aside, the engines wake, they generate
         with log.timer("offload"):
@@ -84,39 +92,40 @@ def main(cfg: RunConfig) -> int:
                 checkpoints.save(step + 1, pending)
             if not cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                 pending = rollout(step + 1)
+            if tr.eval_every and (step + 1) % tr.eval_every == 0 and step + 1 < cfg.run.steps:
+                evaluate(step + 1)  # on engine 0, beside the next rollout (which samples with the same weights)
         last = max(first, cfg.run.steps)
-        if cfg.trainer.eval_prompts:
+        if tr.eval_prompts:  # after RL
             rollouts.wake()
-            after = rollouts.evaluate()
-            summary.update({f"{k}_after": v for k, v in after.items()})
-            log.metrics.log(last, after, advance=False)
+            evaluate(last)
     finally:
         log.close()
     torch.save(log.history, out / "history.pt")
-    report(out, summary, log.history, last)
+    report(out, summary, evals, log.history, last)
     return 0
 
 
-def preflight(cfg: RunConfig, out: Path) -> list[dict]:
+def preflight(cfg: RunConfig, out: Path) -> tuple[list[dict], list[dict]]:
     """What a user can get wrong in files, checked before Ray and vLLM start (which takes 20-45 s): the
-    output directory, the model, the prompts (returned), the checkpoint to resume from."""
+    output directory, the model, the training and held-out prompts (returned), the checkpoint to resume
+    from."""
     from moe_rl.checkpoints import check_resumable, resume_dir
     from moe_rl.config_rules import check_layout_fits_hf_config
-    from moe_rl.rollouts import training_prompts
+    from moe_rl.rollouts import evaluation_prompts, training_prompts
     from moe_rl.weights.hf import CheckpointError, check_model_dir
 
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"run.output_dir: '{out}' is a file, not a directory")
     if cfg.model.path:
         check_layout_fits_hf_config(cfg.parallel, check_model_dir(cfg.model.path))
-    prompts = training_prompts(cfg)
+    prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
     resume = resume_dir(cfg, out / "checkpoints")
     if resume is not None:
         check_resumable(resume, ["policy", "critic"] if cfg.critic_enabled else ["policy"])
-    return prompts
+    return prompts, eval_prompts
 
 
-def start(cfg: RunConfig, out: Path, prompts: list[dict]):
+def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]):
     """Ray, the placement, the trainer groups and the engines, on the run's model."""
     from moe_rl import cluster
     from moe_rl.algos.gae import prepare_kernel
@@ -139,7 +148,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict]):
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     cluster.start_ray(cfg)
     place = cluster.Placement(cfg, cfg.actors)
-    models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts)
+    models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)}"]))
     rollouts.connect(models.policy)
@@ -148,7 +157,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict]):
 
 
 def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
-    """A fresh run before RL: the supervised warm start, the EWMA anchor, the evaluation before."""
+    """A fresh run before RL: the supervised warm start (its figures returned), the EWMA anchor."""
     summary = {}
     tr = cfg.trainer
     if tr.warm_start_steps:
@@ -156,15 +165,25 @@ def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
         summary |= models.policy.warm_start(rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch), tr.warm_start_lr)
         rollouts.sync(models.policy, 0)
     models.policy.init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
-    if tr.eval_prompts:
-        say(f"evaluating on {tr.eval_prompts} held-out prompts")
-        summary.update({f"{k}_before": v for k, v in rollouts.evaluate().items()})
     return summary
 
 
-def report(out: Path, summary: dict, history: list[dict], steps: int) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int) -> None:
+    """summary.json (the warm start's figures, every evaluation by step, the first's and the last's as
+    eval/KEY_before and _after, the best step) and the closing lines."""
     lines = [f"run finished: {steps} steps, output in {out}"]
+    if evals:
+        first, last = min(evals), max(evals)
+        summary |= {f"{k}_before": v for k, v in evals[first].items()} if first == 0 else {}
+        summary |= {f"{k}_after": v for k, v in evals[last].items()}
+        summary["evaluations"] = {str(k): v for k, v in sorted(evals.items())}
+        best = max((k for k in evals if k > 0), key=lambda k: evals[k]["eval/reward_mean"], default=None)
+        if best is not None:
+            summary["best_eval_step"] = best
+            ckpt = out / "checkpoints" / f"step_{best:06d}"
+            lines.append(f"best evaluation: step {best} (held-out reward {evals[best]['eval/reward_mean']:.3f}; "
+                         f"checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
         lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
                      f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")

@@ -88,31 +88,72 @@ def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
             "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
 
 
-def training_prompts(cfg: RunConfig) -> list[dict]:
-    """The prompt stream: environment.dataset's rows, or prompts the environment generates."""
+def dataset_rows(cfg: RunConfig, path: str) -> list[dict]:
+    """A JSONL or Parquet file's rows, each checked for what the run's environment reads (its required
+    fields and `check_row`): DatasetError naming the file, line and field otherwise."""
+    from moe_rl.rollout.data import load_prompts
     from moe_rl.rollout.envs import get_env
 
-    env = cfg.environment
-    if env.dataset:
-        from moe_rl.rollout.data import load_prompts
+    env_cls = get_env(cfg.environment.name)
+    return load_prompts(path, env_cls.required_fields, env_cls.check_row)
 
-        return load_prompts(env.dataset)
-    return get_env(env.name).generate_prompts(100_000, seed=cfg.run.seed, **env.options)
+
+def generated_prompts(cfg: RunConfig, n: int, seed: int) -> list[dict]:
+    """n prompts the environment makes itself, from `seed`."""
+    spec = settings.env_spec(cfg)
+    return spec.env_cls.generate_prompts(n, seed=seed, options=spec.built_options())
+
+
+def training_prompts(cfg: RunConfig) -> list[dict]:
+    """The prompt stream: environment.dataset's rows, or prompts the environment generates."""
+    env = cfg.environment
+    return dataset_rows(cfg, env.dataset) if env.dataset else generated_prompts(cfg, 100_000, cfg.run.seed)
+
+
+def evaluation_prompts(cfg: RunConfig) -> list[dict]:
+    """The held-out prompts (trainer.eval_prompts of them): trainer.eval_dataset's first rows, or
+    prompts the environment makes from a seed the training stream never uses."""
+    tr = cfg.trainer
+    if not tr.eval_prompts:
+        return []
+    if tr.eval_dataset:
+        return dataset_rows(cfg, tr.eval_dataset)[:tr.eval_prompts]
+    return generated_prompts(cfg, tr.eval_prompts, cfg.run.seed + 424242)
+
+
+def evaluation_figures(trajectories: list, samples: int) -> dict[str, float]:
+    """eval/ figures of `samples` samples per held-out prompt: the mean reward, the success rate
+    (mean@samples: an episode's `success` figure, else a terminal reward > 0) and pass@k for k = 1,
+    2, 4, ... up to `samples` (and `samples` itself)."""
+    from moe_rl.algos.stats import pass_at_k
+
+    groups: dict[int, list[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t.info.get("figures", {}).get("success", float(t.terminal_reward > 0)))
+    full = [g for g in groups.values() if len(g) == samples]  # prompts that lost a sample (env_error) are left out
+    out = {"eval/reward_mean": float(torch.tensor([t.total_reward for t in trajectories]).mean()),
+           "eval/success_rate": float(torch.tensor([s for g in groups.values() for s in g]).mean()),
+           "eval/samples": len(trajectories), "eval/prompts": len(groups)}
+    if full:
+        success = torch.tensor(full) > 0.5
+        ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
+        out |= {f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}
+        out[f"eval/mean@{samples}"] = float(success.double().mean())
+    return out
 
 
 class Rollouts:
-    def __init__(self, cfg: RunConfig, place: Placement, model_path: str, prompts: list[dict]):
-        from moe_rl.rollout.envs import get_env
-
+    def __init__(self, cfg: RunConfig, place: Placement, model_path: str, prompts: list[dict],
+                 eval_prompts: list[dict] | None = None):
         self.cfg, self.model_path, self.transfer = cfg, model_path, cfg.rollout.weight_transfer
-        self.env_cls = get_env(cfg.environment.name)
+        self.env = settings.env_spec(cfg)
         self.agent_settings = settings.agent_settings(cfg)
         self.place = place
         self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]
         infos = self._gather("info", [e.info.remote() for e in self.engines])
         self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
         self.workers = [i["workers"] for i in infos]
-        self.prompts = prompts
+        self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.data_pos = 0  # prompts consumed (saved with checkpoints)
         self.version = 0  # weight version the engines hold
         self.policy = None  # where the engines' current weights come from, once a sync gave them any
@@ -123,8 +164,7 @@ class Rollouts:
     def _start_engine(self, i: int):
         cfg = self.cfg
         return RolloutActor.options(**self.place.options("engine", i)).remote(
-            settings.engine_settings(cfg, self.model_path), self.agent_settings, cfg.environment.name,
-            settings.env_options(cfg))
+            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env)
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""
@@ -210,7 +250,7 @@ class Rollouts:
         from moe_rl.rollout.agent import RolloutStats
 
         done = pending if isinstance(pending, Collected) else self.finish(pending)
-        trajs, st = [], RolloutStats()
+        trajs, st, figures = [], RolloutStats(), {}
         for t, s in done.results:
             trajs.extend(t)
             st.outcomes.update(s.outcomes)
@@ -238,7 +278,11 @@ class Rollouts:
             raise RolloutError(f"{batch.size} trajectories left this step ({int(stale['stale_dropped'])} too stale), "
                                f"fewer than the {dp} data-parallel replicas; raise rollout.prompts_per_step")
         total = max(1, sum(st.outcomes.values()))
+        for t in trajs:  # what the environment reported of each episode, as means over the step's (env/KEY)
+            for k, v in t.info.get("figures", {}).items():
+                figures.setdefault(f"env/{k}", []).append(v)
         return batch, {
+            **{k: sum(v) / len(v) for k, v in figures.items()},
             **token_version_figures(trajs, self.version),
             "timing/generate_wait_s": wait_s,
             "perf/generate_tokens_per_s": sum(sum(t.response_mask) for t in trajs) / max(wait_s, 1e-9),
@@ -291,20 +335,18 @@ class Rollouts:
     # -- evaluation and demonstrations ---------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward on held-out prompts (a seed the training prompts never use), one sample each,
-        on engine 0."""
-        env = self.cfg.environment
-        prompts = self.env_cls.generate_prompts(self.cfg.trainer.eval_prompts, seed=self.cfg.run.seed + 424242,
-                                                **env.options)
-        trajs, _ = self._run([self._submit(Call(0, "collect", (prompts, 1, 99991, 0), "evaluation"))])[0]
-        return {"eval/reward_mean": float(torch.tensor([t.total_reward for t in trajs]).mean()),
-                "eval/success_rate": float(torch.tensor([float(t.terminal_reward > 0) for t in trajs]).mean()),
-                "eval/samples": len(trajs)}
+        """The held-out prompts, trainer.eval_samples samples each (seeded apart from training), on
+        engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
+        n = self.cfg.trainer.eval_samples
+        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, 99991, 0), "evaluation"))])[0]
+        return evaluation_figures(trajs, n)
 
     def demonstrations(self, steps: int, rows: int) -> list[Batch]:
         """`steps` batches of `rows` episodes played by the environment's scripted expert through the
-        same agent loop (same chat template, observations and masks as RL), run in this process."""
+        same agent loop (same chat template, observations and masks as RL), run in this process; on
+        prompts the environment makes (a seed of their own), or the training rows."""
         import asyncio
+        import random
 
         from transformers import AutoTokenizer
 
@@ -313,8 +355,11 @@ class Rollouts:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(self.model_path)
-        agent = Agent(ExpertPolicy(tok, self.env_cls, cfg.run.seed), tok, self.env_cls, dict(cfg.environment.options),
-                      self.agent_settings)
-        prompts = self.env_cls.generate_prompts(steps * rows, seed=cfg.run.seed + 31337, **cfg.environment.options)
+        agent = Agent(ExpertPolicy(tok, self.env.env_cls, cfg.run.seed), tok, self.env, self.agent_settings)
+        if self.env.env_cls.generates_prompts():
+            prompts = generated_prompts(cfg, steps * rows, cfg.run.seed + 31337)
+        else:
+            rng = random.Random(cfg.run.seed + 31337)
+            prompts = [self.prompts[rng.randrange(len(self.prompts))] for _ in range(steps * rows)]
         return [build_batch([t for g in asyncio.run(agent.run_groups(prompts[i * rows:(i + 1) * rows], 1)) for t in g], None)
                 for i in range(steps)]

@@ -97,6 +97,11 @@ def coerce(tp, value: Any, path: str, removed: dict[str, str] | None = None):
         if not isinstance(value, dict):
             raise ConfigError(path, f"expected a mapping, got {value!r}")
         return dict(value)
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list, got {value!r} ({type(value).__name__})")
+        args = typing.get_args(tp)
+        return [coerce(args[0], v, f"{path}[{i}]", removed) for i, v in enumerate(value)] if args else list(value)
     if tp is Any:
         return value
     if tp is bool:
@@ -114,16 +119,6 @@ def coerce(tp, value: Any, path: str, removed: dict[str, str] | None = None):
         if isinstance(value, str):
             return value
     raise ConfigError(path, f"expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def coerce_option(tp, value: Any, path: str):
-    """An environment option: the config's own types (int, float, str, bool, unions, ...) as for fields;
-    any other class by isinstance."""
-    if isinstance(tp, type) and tp not in (bool, int, float, str, dict) and not dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise ConfigError(path, f"expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
-        return value
-    return coerce(tp, value, path)
 
 
 def type_name(tp) -> str:

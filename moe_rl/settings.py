@@ -45,9 +45,13 @@ def agent_settings(cfg: RunConfig):
                          overlong_filter=env.overlong_filter)
 
 
-def env_options(cfg: RunConfig) -> dict:
-    """The environment's options as its constructor takes them (tool_timeout_s included)."""
-    return {**cfg.environment.options, "tool_timeout_s": cfg.environment.tool_timeout_s}
+def env_spec(cfg: RunConfig):
+    """The run's environments as any process can make them (rollout.envs.EnvSpec): the name (a file
+    path made absolute), the options as data, the run-level settings environments read."""
+    from moe_rl.rollout.envs import EnvContext, EnvSpec, absolute_name
+
+    e = cfg.environment
+    return EnvSpec(absolute_name(e.name), dict(e.options), EnvContext(e.tool_timeout_s, e.reward_fn))
 
 
 def policy_loss(cfg: RunConfig):

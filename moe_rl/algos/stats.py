@@ -47,3 +47,20 @@ def usage_entropy(load_LE: torch.Tensor) -> torch.Tensor:
     """The entropy of expert usage per layer over its maximum, log E (1: even; 0: one expert). [L, E] -> [L]."""
     p = load_LE.clamp(min=0)
     return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1) / math.log(max(2, load_LE.shape[-1]))
+
+
+def pass_at_k(success_PN: torch.Tensor, k: int) -> torch.Tensor:
+    """The unbiased pass@k estimate over prompts (Chen et al., 2021): with n samples of a prompt of
+    which c succeed,
+
+        pass@k = 1 - C(n - c, k) / C(n, k),   averaged over prompts
+
+    success_PN: [P, N] bool, N >= k samples per prompt. Returns a 0-dim float64 tensor."""
+    n = success_PN.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= {n} samples per prompt")
+    c = success_PN.to(torch.float64).sum(1)
+    # C(n - c, k) / C(n, k) = prod_{i=0}^{k-1} (n - c - i) / (n - i), 0 once n - c < k
+    i = torch.arange(k, dtype=torch.float64)
+    fail_all = ((n - c.unsqueeze(1) - i) / (n - i)).clamp(min=0).prod(1)
+    return (1 - fail_all).mean()

@@ -1,6 +1,6 @@
 """The agent loop: multi-turn episodes against an environment, token-in / token-out.
 
-    agent = Agent(engine, tokenizer, get_env("guess_number"), {"low": 1, "high": 9}, settings.agent_settings(cfg))
+    agent = Agent(engine, tokenizer, EnvSpec("guess_number", {"low": 1, "high": 9}), settings.agent_settings(cfg))
     trajectories = await agent.run_groups(prompts, samples_per_prompt=4)
 
 One episode: the chat template is applied once to the environment's opening messages; each model turn
@@ -21,9 +21,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moe_rl.rollout.engine import Sampling
+from moe_rl.rollout.envs import EnvSpec
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
 
 log = logging.getLogger(__name__)
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends a model turn: ChatML's <|im_end|> where the vocabulary has it, else EOS."""
+    return tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
 
 
 @dataclass(frozen=True)
@@ -53,10 +59,12 @@ class RolloutStats:
 
 
 class Agent:
-    def __init__(self, engine, tokenizer, env_cls, env_options: dict, settings: AgentSettings):
-        self.engine, self.tok, self.env_cls, self.env_options, self.s = engine, tokenizer, env_cls, env_options, settings
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSettings):
+        self.engine, self.tok, self.env, self.s = engine, tokenizer, env, settings
+        self.env_options = env.built_options()  # checked once; every episode's environment shares them
+        self.eos = end_of_turn_id(tokenizer)
         self.stats = RolloutStats()
+        self._observation_text(env.env_cls.role_for_observations, "")  # a template that cannot render turns fails here
 
     # -- tokenisation of non-model content ------------------------------------------------------
 
@@ -64,18 +72,34 @@ class Agent:
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    def _observation_text(self, role: str, text: str) -> tuple[str, str]:
+        """(what closes a model turn, the observation message with the next assistant header) as the
+        tokenizer's chat template renders them: its output for a stand-in conversation with and without
+        the message. The episode's own tokens are never rendered again."""
+        probe = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
+        before = self.tok.apply_chat_template(probe, tokenize=False)
+        after = self.tok.apply_chat_template(probe + [{"role": role, "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        if not after.startswith(before) or "\x00a" not in before:
+            raise ValueError(f"the tokenizer's chat template does not render a '{role}' message after an assistant "
+                             "turn by appending to it; observations cannot be added token by token")
+        return before[before.rindex("\x00a") + 2:], after[len(before):]
+
     def _observation_ids(self, role: str, text: str, closed: bool) -> list[int]:
-        """Tokens after a model turn: close the turn if the model did not, then the observation message
-        and the next assistant header (all template/environment tokens, response mask 0)."""
-        prefix = "" if closed else "<|im_end|>"
-        return self.tok.encode(f"{prefix}\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n",
-                               add_special_tokens=False)
+        """Tokens after a model turn: the end of the turn (its end-of-turn token only if the model did
+        not sample it), then the observation message and the next assistant header, as the chat
+        template renders them (all template/environment tokens, response mask 0)."""
+        close, message = self._observation_text(role, text)
+        end = self.tok.decode([self.eos])
+        if closed and close.startswith(end):
+            close = close[len(end):]
+        return self.tok.encode(close + message, add_special_tokens=False)
 
     # -- one episode ----------------------------------------------------------------------------
 
     async def run_episode(self, prompt: dict, group_id: int = 0, sample_index: int = 0, seed: int | None = None) -> Trajectory:
         s = self.s
-        env = self.env_cls(**self.env_options)
+        env = self.env.make(self.env_options)
         try:
             messages = await asyncio.wait_for(env.reset(prompt), s.env_timeout_s)
         except Exception as err:
@@ -85,7 +109,7 @@ class Agent:
         mask = [False] * prompt_len
         logps = [0.0] * prompt_len
         spans, turn_rewards, versions = [], [], []
-        terminal, outcome, version, routes = 0.0, None, None, None
+        terminal, outcome, version, routes, figures = 0.0, None, None, None, {}
         last_texts: list[str] = []
         tool_errors = 0
         for turn in range(s.max_turns):
@@ -127,6 +151,7 @@ class Agent:
             tool_errors += int(step.tool_error)
             if step.done:
                 terminal = float(step.final_reward or 0.0)
+                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED
                 break
             last_texts = (last_texts + [text])[-s.repetition_limit:]
@@ -151,7 +176,7 @@ class Agent:
             token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
             terminal_reward=terminal, outcome=outcome, boundary_len=len(ids),
             weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
-            info={"tool_errors": tool_errors, "turns": len(spans)}, versions=versions)
+            info={"tool_errors": tool_errors, "turns": len(spans), "figures": figures}, versions=versions)
 
     def _failed(self, prompt, group_id, sample_index, reason) -> Trajectory:
         log.warning("episode failed before the first turn: %s", reason)

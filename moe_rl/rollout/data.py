@@ -1,11 +1,13 @@
 """Prompt datasets: JSONL or Parquet files of rows (dicts) handed to `Environment.reset`.
 
-A malformed row is a `DatasetError` naming the file, the row number and what is wrong.
+A malformed row is a `DatasetError` naming the file, the row number (a JSONL file's line) and what is
+wrong: checked when the file loads, before Ray or vLLM start.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -13,7 +15,10 @@ class DatasetError(ValueError):
     pass
 
 
-def load_prompts(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]:
+def load_prompts(path: str | Path, required: tuple[str, ...] = (),
+                 check: Callable[[dict], str | None] | None = None) -> list[dict]:
+    """The rows of `path`; each must carry the `required` fields and pass `check` (None: fine, else what
+    is wrong)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset '{path}' does not exist")
@@ -43,7 +48,11 @@ def load_prompts(path: str | Path, required: tuple[str, ...] = ()) -> list[dict]
             raise DatasetError(f"{path}:{i}: a row must be an object, got {type(row).__name__}")
         missing = [k for k in required if k not in row]
         if missing:
-            raise DatasetError(f"{path}:{i}: missing field(s) {', '.join(missing)}")
+            raise DatasetError(f"{path}:{i}: missing field(s) {', '.join(missing)} (the environment reads "
+                               f"{', '.join(required)}; the row has {', '.join(map(str, row)) or 'none'})")
+        problem = check(row) if check is not None else None
+        if problem:
+            raise DatasetError(f"{path}:{i}: {problem}")
         out.append(row)
     if not out:
         raise DatasetError(f"{path}: no rows")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+from moe_rl.rollout.agent import end_of_turn_id
 from moe_rl.rollout.engine import GenerationResult
 
 
@@ -19,7 +20,7 @@ class ExpertPolicy:
 
     def __init__(self, tokenizer, env_cls, seed: int):
         self.tok, self.env_cls, self.rng = tokenizer, env_cls, random.Random(seed)
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.eos = end_of_turn_id(tokenizer)
         self.version = 0
 
     async def agenerate(self, ids, sampling):

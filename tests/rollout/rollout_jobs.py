@@ -98,7 +98,7 @@ def agent_vllm_job(rank, world, model_path):
 
     from moe_rl.rollout.agent import Agent
     from moe_rl.rollout.engine import RolloutEngine
-    from moe_rl.rollout.envs import get_env
+    from moe_rl.rollout.envs import EnvSpec, get_env
     from moe_rl.weights.hf import HFReader
 
     engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
@@ -116,8 +116,8 @@ def agent_vllm_job(rank, world, model_path):
 
     engine.agenerate = logged
     tok = AutoTokenizer.from_pretrained(model_path)
-    agent = Agent(engine, tok, get_env("guess_number"), {}, agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
-    prompts = get_env("guess_number").generate_prompts(4, seed=0)
+    agent = Agent(engine, tok, EnvSpec("guess_number"), agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
+    prompts = get_env("guess_number").generate_prompts(4, seed=0, options=get_env("guess_number").Options())
     groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from moe_rl.rollout.agent import Agent
 from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
-from moe_rl.rollout.envs import Environment, env_names, get_env
+from moe_rl.rollout.envs import EnvContext, Environment, EnvSpec, env_names, get_env
 from moe_rl.types import Outcome, RoutingRecord, validate_trajectory
 
 
@@ -45,7 +45,7 @@ def run(coro):
 
 def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
     policy = ScriptedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     assert t.outcome is Outcome.COMPLETED and t.terminated
     text = tok.decode(t.token_ids)
@@ -67,7 +67,7 @@ def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
 
 def test_truncation_keeps_the_boundary_observation(tok):
     policy = ScriptedPolicy(tok, ["1", "2"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=2, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=2, token_budget=200))
     t = run(agent.run_episode({"secret": 9}))
     assert t.outcome is Outcome.TRUNCATED_TURNS and not t.terminated
     # the boundary state includes the observation returned after the last model token
@@ -77,19 +77,19 @@ def test_truncation_keeps_the_boundary_observation(tok):
 
 
 def test_budget_and_context_limits(tok):
-    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, EnvSpec("guess_number"),
                   agent_settings(max_turns=5, token_budget=30, max_tokens_per_turn=16))
     t = run(agent.run_episode({"secret": 3}))
     # no turn starts once the budget is spent; the boundary observation itself may overshoot it
     assert t.outcome is Outcome.TRUNCATED_BUDGET and len(t.spans) == 1 and t.spans[0][1] - t.prompt_len < 30
-    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, get_env("guess_number"), {},
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, EnvSpec("guess_number"),
                   agent_settings(max_turns=5, token_budget=500, max_model_len=60))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.TRUNCATED_CONTEXT and len(t.token_ids) <= 60
 
 
 def test_repetition_outcome(tok):
-    agent = Agent(ScriptedPolicy(tok, ["hmm"] * 5), tok, get_env("guess_number"), {},
+    agent = Agent(ScriptedPolicy(tok, ["hmm"] * 5), tok, EnvSpec("guess_number"),
                   agent_settings(max_turns=5, token_budget=500, repetition_limit=3))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.REPETITION and len(t.spans) == 3 and t.turn_rewards == [-0.1] * 3
@@ -110,14 +110,14 @@ class Sleepy(Exploding):
 
 def test_environment_failures_are_counted_not_trained(tok):
     for env, settings in ((Exploding, agent_settings()), (Sleepy, agent_settings(env_timeout_s=0.2))):
-        agent = Agent(ScriptedPolicy(tok, ["x"]), tok, env, {}, settings)
+        agent = Agent(ScriptedPolicy(tok, ["x"]), tok, EnvSpec(env), settings)
         t = run(agent.run_episode({}))
         assert t.outcome is Outcome.ENV_ERROR
         assert agent.accept([t]) == [] and agent.stats.rejected["env_error"] == 1
 
 
 def test_calculator_tool_call_result_and_verified_answer(tok):
-    agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok, get_env("calculator"), {},
+    agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok, EnvSpec("calculator"),
                   agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "What is 12*7+3?", "answer": 87}))
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0
@@ -132,9 +132,9 @@ def test_calculator_expert_calls_the_tool_then_answers(tok):
     from moe_rl.rollout.demos import ExpertPolicy
 
     env = get_env("calculator")
-    agent = Agent(ExpertPolicy(tok, env, 0), tok, env, {}, agent_settings(max_turns=3, token_budget=300,
-                                                                        max_tokens_per_turn=32))
-    prompt = env.generate_prompts(1, seed=3)[0]
+    agent = Agent(ExpertPolicy(tok, env, 0), tok, EnvSpec(env), agent_settings(max_turns=3, token_budget=300,
+                                                                              max_tokens_per_turn=32))
+    prompt = env.generate_prompts(1, seed=3, options=env.Options())[0]
     t = run(agent.run_episode(prompt))
     text = tok.decode(t.token_ids)
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0 and len(t.spans) == 2
@@ -148,14 +148,14 @@ def test_calculator_expert_calls_the_tool_then_answers(tok):
     ("1/0", "tool_error: exit code 1: ZeroDivisionError"),
 ])
 def test_calculator_failures_become_tool_error_observations(expr, expect):
-    env = get_env("calculator")(tool_timeout_s=2)
+    env = get_env("calculator")(context=EnvContext(tool_timeout_s=2))
     run(env.reset({"question": "q", "answer": 1}))
     out = run(env.step(f"<calc>{expr}</calc>"))
     assert out.tool_error and out.observation.startswith("<result>" + expect)
 
 
 def test_repeated_tool_errors_end_the_episode(tok):
-    agent = Agent(ScriptedPolicy(tok, ["<calc>1/0</calc>"] * 3), tok, get_env("calculator"), {},
+    agent = Agent(ScriptedPolicy(tok, ["<calc>1/0</calc>"] * 3), tok, EnvSpec("calculator"),
                   agent_settings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "q", "answer": 1}))
     assert t.outcome is Outcome.TOOL_ERROR and t.info["tool_errors"] == 3 and t.terminated
@@ -217,7 +217,7 @@ def test_group_sampling_and_dynamic_sampling(tok):
             self.turns = ["5"]
             return await super().agenerate(ids, sampling)
 
-    agent = Agent(Always(tok, []), tok, get_env("arithmetic"), {}, agent_settings(max_turns=1))
+    agent = Agent(Always(tok, []), tok, EnvSpec("arithmetic"), agent_settings(max_turns=1))
     prompts = [{"question": "2+3?", "answer": 5}, {"question": "1+1?", "answer": 2}]
     groups = run(agent.run_groups(prompts, samples_per_prompt=3))
     assert [len(g) for g in groups] == [3, 3] and [t.group_id for t in groups[1]] == [1, 1, 1]
@@ -227,10 +227,10 @@ def test_group_sampling_and_dynamic_sampling(tok):
 
 
 def test_overlong_filter_marks_length_cuts_only(tok):
-    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, get_env("guess_number"), {},
+    agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, EnvSpec("guess_number"),
                   agent_settings(max_turns=5, token_budget=10))
     cut = run(agent.run_episode({"secret": 3}))
-    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, get_env("guess_number"), {}, agent_settings(max_turns=2))
+    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, EnvSpec("guess_number"), agent_settings(max_turns=2))
     out_of_turns = run(agent.run_episode({"secret": 9}))
     assert (cut.outcome, out_of_turns.outcome) == (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_TURNS)
     agent.overlong_filter([cut, out_of_turns])
@@ -277,7 +277,7 @@ class RoutedPolicy(ScriptedPolicy):
 
 def test_routes_across_turns_come_from_the_turn_that_computed_them(tok):
     policy = RoutedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, get_env("guess_number"), {}, agent_settings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     ends = [len(c) + 1 for c in policy.calls]  # computed positions per call: prompt + first sampled token
     assert policy.starts == [0] + ends[:-1]  # each turn asks from where the record ended
@@ -286,3 +286,32 @@ def test_routes_across_turns_come_from_the_turn_that_computed_them(tok):
     for p in range(len(t.token_ids) - 1):
         c = next(i for i, e in enumerate(ends) if p < e)  # the first call that computed position p
         assert routes[p].tolist() == [[c, p % 7]] * 2
+
+
+def test_observations_are_rendered_by_the_chat_template(tok):
+    """What follows a model turn is the chat template's own rendering (the end of the turn, the
+    observation message, the next assistant header), appended as tokens: ChatML for the tiny model,
+    and another template's markup for another template, never a hard-coded format."""
+    import copy
+
+    agent = Agent(ScriptedPolicy(tok, []), tok, EnvSpec("guess_number"), agent_settings())
+
+    def chatml(prefix):
+        return tok.encode(f"{prefix}\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+    assert agent._observation_ids("user", "higher", closed=True) == chatml("")  # the model sampled <|im_end|>
+    assert agent._observation_ids("user", "higher", closed=False) == chatml("<|im_end|>")  # cut off: closed for it
+    inst = copy.deepcopy(tok)
+    inst.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
+    other = Agent(ScriptedPolicy(inst, ["3", "7"]), inst, EnvSpec("guess_number"), agent_settings(max_turns=2))
+    assert other._observation_ids("user", "higher", closed=True) == inst.encode("[INST] higher [/INST]", add_special_tokens=False)
+    assert other._observation_ids("user", "higher", closed=False) == inst.encode("<|im_end|>[INST] higher [/INST]",
+                                                                                 add_special_tokens=False)
+    episode = run(other.run_episode({"secret": 5, "low": 1, "high": 9}))  # a whole episode in that format
+    text = inst.decode(episode.token_ids)
+    assert text.startswith("[INST] Guess my number from 1 to 9. [/INST]3") and "[INST] higher [/INST]7" in text, text
+    broken = copy.deepcopy(tok)
+    broken.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
+    with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn"):
+        Agent(ScriptedPolicy(broken, []), broken, EnvSpec("guess_number"), agent_settings())

@@ -1,32 +1,30 @@
-"""Environments: one instance per conversation, asynchronous reset/step, registered by name.
+"""Environments: one instance per conversation, asynchronous reset/step; built in by name, or yours
+by import path. The whole interface, the token and mask rules and two examples: docs/environments.md.
 
-Plug in your own:
+    from dataclasses import dataclass
+    from moe_rl.rollout.envs import Environment, StepResult
 
-    from moe_rl.rollout.envs import Environment, StepResult, register_env
-
-    @register_env("my_task")
     class MyTask(Environment):
-        async def reset(self, prompt: dict) -> list[dict]:      # chat messages that open the episode
+        @dataclass(frozen=True)
+        class Options:                                          # environment.options, checked at load
+            max_len: int = 32
+
+            def check(self):
+                if self.max_len <= 0:
+                    raise ValueError(f"max_len={self.max_len} must be positive")
+
+        required_fields = ("prompt", "answer")                 # dataset rows must carry these
+
+        async def reset(self, row: dict) -> list[dict]:       # chat messages that open the episode
             ...
         async def step(self, action_text: str) -> StepResult:  # the model's turn, decoded
             ...
 
-then `environment.name: my_task` in the config. `prompt` is one dataset row (a dict); `options` come
-from `environment.options` (plus `tool_timeout_s`, from `environment.tool_timeout_s`). Environments must
-not block the event loop for long: run heavy work in a thread or use `moe_rl.rollout.sandbox` for
-untrusted code.
-
-Declare the options your environment reads and `moe-rl check-config` checks them (unknown keys, types,
-your own rules) when the config loads; without a declaration any options are accepted:
-
-    class MyTask(Environment):
-        options_schema = {"max_len": int, "hint": str}      # name -> int, float, str or bool
-        option_defaults = {"max_len": 32, "hint": ""}
-
-        @classmethod
-        def check_options(cls, options: dict) -> None:       # declared defaults filled in
-            if options["max_len"] <= 0:
-                raise ValueError(f"max_len={options['max_len']} must be positive")
+then `environment.name: my_pkg.tasks:MyTask` (an importable module) or `path/to/tasks.py:MyTask` (a
+file) in the config; the built-in ones are named (`moe-rl check-config --list`). A plain reward
+function needs no class: `environment.name: single_turn` with `environment.reward_fn:
+my_pkg.rewards:score`. Environments must not block the event loop for long: run heavy work in a thread,
+or untrusted code through `moe_rl.rollout.sandbox`.
 
 A supervised warm start (`trainer.warm_start_steps`) needs a scripted expert: override `expert_turn`.
 """
@@ -34,7 +32,14 @@ A supervised warm start (`trainer.warm_start_steps`) needs a scripted expert: ov
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 _ENVS: dict[str, type] = {}
@@ -47,36 +52,55 @@ class StepResult:
     done: bool = False  # the episode ended (true termination)
     final_reward: float | None = None  # R(tau) when done (defaults to 0)
     tool_error: bool = False  # this step's tool call failed (timeout, crash, bad call)
+    # numbers to log (their mean over a step's episodes, as env/KEY); `success` (0/1) is what evaluation
+    # counts for pass@k (without it: a terminal reward > 0)
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """Run-level settings an environment may read, from the config (not its own options)."""
+
+    tool_timeout_s: float = 5.0  # environment.tool_timeout_s
+    reward_fn: str = ""  # environment.reward_fn: an import path (single_turn)
 
 
 class Environment:
     """Base class. Subclasses implement reset and step; one instance serves one conversation."""
 
+    @dataclass(frozen=True)
+    class Options:
+        """The environment's `environment.options`: override with a frozen dataclass of its own (typed
+        fields with defaults, and a `check()` raising ValueError); built and checked when the config
+        loads. This one takes none."""
+
     role_for_observations = "user"  # chat role under which observations are appended
     max_tool_errors = 3  # after this many failed tool calls the episode ends with outcome tool_error
-    # The options read from `environment.options`: name -> type (int, float, str or bool), and their
-    # defaults. None: undeclared, any options are accepted. `tool_timeout_s` is never declared here: it
-    # comes from `environment.tool_timeout_s` and is always passed.
-    options_schema: ClassVar[dict[str, type] | None] = None
-    option_defaults: ClassVar[dict[str, Any]] = {}
+    required_fields: ClassVar[tuple[str, ...]] = ()  # fields every dataset row must carry
 
-    def __init__(self, **options):
-        self.options = options
-
-    def option(self, name: str) -> Any:
-        """`environment.options[name]`, or the declared default."""
-        return self.options.get(name, self.option_defaults.get(name))
+    def __init__(self, options: Any = None, context: EnvContext | None = None):
+        self.options = options if options is not None else type(self).Options()
+        self.context = context or EnvContext()
 
     @classmethod
-    def check_options(cls, options: dict[str, Any]) -> None:
-        """The environment's own rules over its options (declared defaults filled in, types already
-        checked), run when the config loads. Raise ValueError with a one-line message. Default: none."""
+    def check_row(cls, row: dict) -> str | None:
+        """What is wrong with a dataset row beyond its required fields (checked when the file loads,
+        before anything starts), or None. Default: nothing."""
+        return None
+
+    @classmethod
+    def check_context(cls, context: EnvContext) -> None:
+        """The environment's rules over the run-level settings it reads; ValueError (one line) if not met."""
 
     @classmethod
     def has_expert(cls) -> bool:
         """Whether the class has a scripted expert (overrides `expert_turn`) for supervised warm starts."""
         return getattr(cls.expert_turn, "__func__", None) is not Environment.expert_turn.__func__
+
+    @classmethod
+    def generates_prompts(cls) -> bool:
+        """Whether the class makes its own prompts (else it needs environment.dataset)."""
+        return getattr(cls.generate_prompts, "__func__", None) is not Environment.generate_prompts.__func__
 
     async def reset(self, prompt: dict) -> list[dict]:
         raise NotImplementedError
@@ -90,7 +114,7 @@ class Environment:
         raise NotImplementedError(f"{cls.__name__} has no scripted expert")
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
+    def generate_prompts(cls, n: int, seed: int, options: Any) -> list[dict]:
         """Prompts for environments that make their own (used when no dataset is configured)."""
         raise NotImplementedError(f"{cls.__name__} needs a dataset (environment.dataset)")
 
@@ -110,14 +134,108 @@ def env_names() -> list[str]:
     return sorted(_ENVS)
 
 
+class EnvImportError(ValueError):
+    """An environment or reward function named by import path that cannot be loaded; one line."""
+
+
+def import_object(spec: str):
+    """The object an import path names: `package.module:attr` (an importable module; the current
+    directory counts, as for `python -m`) or `path/to/file.py:attr` (a file, relative to the current
+    directory or absolute). EnvImportError (one line) if it cannot be loaded."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr.isidentifier():
+        raise EnvImportError(f"'{spec}' is not an import path like package.module:Name or path/to/file.py:Name")
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where).resolve()
+            if not path.is_file():
+                raise EnvImportError(f"'{spec}': no file {path}")
+            name = f"moe_rl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[name] = module
+                try:
+                    loader.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except EnvImportError:
+        raise
+    except Exception as err:
+        raise EnvImportError(f"'{spec}': importing {where} failed ({type(err).__name__}: {err})") from None
+    if not hasattr(module, attr):
+        raise EnvImportError(f"'{spec}': {where} has no {attr}")
+    return getattr(module, attr)
+
+
 def get_env(name: str) -> type:
+    """The environment class a config names: registered (`guess_number`) or by import path."""
     _load_builtins()
+    if ":" in name:
+        cls = import_object(name)
+        if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+            raise EnvImportError(f"'{name}' is not an Environment subclass (moe_rl.rollout.envs.Environment)"
+                                 + ("; for a reward function use environment.name: single_turn with "
+                                    "environment.reward_fn" if callable(cls) else ""))
+        return cls
     if name not in _ENVS:
         close = difflib.get_close_matches(name, _ENVS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise KeyError(f"unknown environment '{name}'{hint}; registered: {', '.join(sorted(_ENVS))}")
+        raise KeyError(f"unknown environment '{name}'{hint}; registered: {', '.join(sorted(_ENVS))} "
+                       "(or an import path, package.module:Class or path/to/file.py:Class)")
     return _ENVS[name]
 
 
+def absolute_name(name: str) -> str:
+    """An environment name as another process (a Ray worker, any working directory) can load it: file
+    paths made absolute."""
+    where, sep, attr = name.rpartition(":")
+    if sep and (where.endswith(".py") or "/" in where):
+        return f"{Path(where).resolve()}:{attr}"
+    return name
+
+
+def build_options(env_cls: type, options: dict, path: str = "environment.options"):
+    """`env_cls.Options` from config data: keys and types checked like every config field, then its
+    `check()`. ConfigError (one line naming the option) otherwise."""
+    from moe_rl.schema import ConfigError, build
+
+    opts = build(env_cls.Options, options, path, {})
+    check = getattr(opts, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ValueError as err:
+            raise ConfigError(path, str(err)) from None
+    return opts
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What a process needs to make the run's environments: plain data (any process can load it)."""
+
+    name: str | type  # registered, or an import path (file paths absolute: `absolute_name`); or the class
+
+    options: dict = field(default_factory=dict)  # environment.options, as data
+    context: EnvContext = field(default_factory=EnvContext)
+
+    @property
+    def env_cls(self) -> type:
+        return self.name if isinstance(self.name, type) else get_env(self.name)
+
+    def built_options(self):
+        return build_options(self.env_cls, self.options)
+
+    def make(self, options=None) -> Environment:
+        """One environment (for one conversation)."""
+        return self.env_cls(options if options is not None else self.built_options(), self.context)
+
+
 def _load_builtins() -> None:
-    from moe_rl.rollout.envs import arithmetic, calculator, guess, stated  # noqa: F401
+    from moe_rl.rollout.envs import arithmetic, calculator, guess, math_answer, single_turn, stated  # noqa: F401

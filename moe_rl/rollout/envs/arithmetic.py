@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 from moe_rl.rollout.envs import Environment, StepResult, register_env
 
@@ -15,13 +16,15 @@ _INT = re.compile(r"-?\d+")
 
 @register_env("arithmetic")
 class Arithmetic(Environment):
-    options_schema = {"max_operand": int}  # generated prompts add two integers in [0, max_operand]
-    option_defaults = {"max_operand": 9}
+    @dataclass(frozen=True)
+    class Options:
+        max_operand: int = 9  # generated prompts add two integers in [0, max_operand]
 
-    @classmethod
-    def check_options(cls, options: dict) -> None:
-        if options["max_operand"] < 0:
-            raise ValueError(f"max_operand={options['max_operand']} must be >= 0")
+        def check(self) -> None:
+            if self.max_operand < 0:
+                raise ValueError(f"max_operand={self.max_operand} must be >= 0")
+
+    required_fields = ("question", "answer")
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
@@ -38,8 +41,8 @@ class Arithmetic(Environment):
         return str(rng.randint(0, 18))
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
-        max_operand = int(options.get("max_operand", cls.option_defaults["max_operand"]))
+    def generate_prompts(cls, n: int, seed: int, options: Options) -> list[dict]:
+        max_operand = options.max_operand
         rng = random.Random(seed)
         out = []
         for _ in range(n):

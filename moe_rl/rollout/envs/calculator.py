@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 from moe_rl.rollout.envs import Environment, StepResult, register_env
 from moe_rl.rollout.sandbox import run_python
@@ -39,19 +40,21 @@ print(int(v) if float(v).is_integer() else round(v, 6))
 
 @register_env("calculator")
 class Calculator(Environment):
-    # generated prompts compute a*b+c with integers in [2, max_operand]; the tool's time limit is
-    # environment.tool_timeout_s (passed as the `tool_timeout_s` option)
-    options_schema = {"max_operand": int}
-    option_defaults = {"max_operand": 99}
+    @dataclass(frozen=True)
+    class Options:
+        # generated prompts compute a*b+c with integers in [2, max_operand]; the tool's time limit is
+        # environment.tool_timeout_s (self.context.tool_timeout_s)
+        max_operand: int = 99
 
-    @classmethod
-    def check_options(cls, options: dict) -> None:
-        if options["max_operand"] < 2:
-            raise ValueError(f"max_operand={options['max_operand']} must be >= 2")
+        def check(self) -> None:
+            if self.max_operand < 2:
+                raise ValueError(f"max_operand={self.max_operand} must be >= 2")
+
+    required_fields = ("question", "answer")
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
-        self.timeout = float(self.options.get("tool_timeout_s", 5.0))
+        self.timeout = self.context.tool_timeout_s
         self.errors = 0
         return [{"role": "system", "content": "Use <calc>expr</calc> to compute, then reply <answer>n</answer>."},
                 {"role": "user", "content": str(prompt["question"])}]
@@ -91,8 +94,8 @@ class Calculator(Environment):
         return f"<calc>{_QUESTION.findall(conversation)[-1]}</calc>"
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
-        max_operand = int(options.get("max_operand", cls.option_defaults["max_operand"]))
+    def generate_prompts(cls, n: int, seed: int, options: Options) -> list[dict]:
+        max_operand = options.max_operand
         rng = random.Random(seed)
         out = []
         for _ in range(n):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 from moe_rl.rollout.envs import Environment, StepResult, register_env
 
@@ -19,16 +20,19 @@ _INT = re.compile(r"-?\d+")
 
 @register_env("guess_number")
 class GuessNumber(Environment):
-    options_schema = {"low": int, "high": int}  # the secret's range, for prompts that do not carry one
-    option_defaults = {"low": 1, "high": 9}
+    @dataclass(frozen=True)
+    class Options:
+        low: int = 1  # the secret's range, for prompts that do not carry one
+        high: int = 9
 
-    @classmethod
-    def check_options(cls, options: dict) -> None:
-        if options["low"] > options["high"]:
-            raise ValueError(f"low={options['low']} must be <= high={options['high']}")
+        def check(self) -> None:
+            if self.low > self.high:
+                raise ValueError(f"low={self.low} must be <= high={self.high}")
+
+    required_fields = ("secret",)
 
     async def reset(self, prompt: dict) -> list[dict]:
-        self.low, self.high = int(prompt.get("low", self.option("low"))), int(prompt.get("high", self.option("high")))
+        self.low, self.high = int(prompt.get("low", self.options.low)), int(prompt.get("high", self.options.high))
         self.secret = int(prompt["secret"])
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
@@ -51,7 +55,7 @@ class GuessNumber(Environment):
         return str(rng.randint(low, high))
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
-        low, high = (int(options.get(k, cls.option_defaults[k])) for k in ("low", "high"))
+    def generate_prompts(cls, n: int, seed: int, options: Options) -> list[dict]:
+        low, high = options.low, options.high
         rng = random.Random(seed)
         return [{"secret": rng.randint(low, high), "low": low, "high": high} for _ in range(n)]

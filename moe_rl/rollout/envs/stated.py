@@ -9,19 +9,22 @@ a task to learn a policy on.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from moe_rl.rollout.envs import Environment, StepResult, register_env
 
 
 @register_env("stated_reward")
 class StatedReward(Environment):
-    options_schema = {"levels": int}  # rewards are k / (levels - 1) for k in 0..levels-1
-    option_defaults = {"levels": 3}
+    @dataclass(frozen=True)
+    class Options:
+        levels: int = 3  # rewards are k / (levels - 1) for k in 0..levels-1
 
-    @classmethod
-    def check_options(cls, options: dict) -> None:
-        if options["levels"] < 2:
-            raise ValueError(f"levels={options['levels']} must be >= 2 (one level has no variance)")
+        def check(self) -> None:
+            if self.levels < 2:
+                raise ValueError(f"levels={self.levels} must be >= 2 (one level has no variance)")
+
+    required_fields = ("reward",)
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.reward = float(prompt["reward"])
@@ -35,7 +38,7 @@ class StatedReward(Environment):
         return "ok"
 
     @classmethod
-    def generate_prompts(cls, n: int, seed: int, **options) -> list[dict]:
-        levels = int(options.get("levels", cls.option_defaults["levels"]))
+    def generate_prompts(cls, n: int, seed: int, options: Options) -> list[dict]:
+        levels = options.levels
         rng = random.Random(seed)
         return [{"reward": round(rng.randrange(levels) / (levels - 1), 3)} for _ in range(n)]

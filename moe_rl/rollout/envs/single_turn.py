@@ -1,0 +1,106 @@
+"""A single-turn task scored by a reward function of yours.
+
+    environment:
+      name: single_turn
+      dataset: data/train.jsonl          # rows with a `prompt` and whatever your function reads
+      reward_fn: my_pkg.rewards:score     # or path/to/rewards.py:score
+
+    def score(row: dict, response: str) -> float | dict:
+        ...  # a float, or {"reward": float, "any_other_number": ...} (logged as env/any_other_number)
+
+The row's `prompt` opens the episode (a string: one user message; or a list of chat messages, each
+{"role": "system" | "user" | "assistant", "content": str}); the model answers once; the function
+scores the answer (it may be `async def`). A function that raises, or returns something else, makes
+that episode an env_error: counted, logged and not trained on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from moe_rl.rollout.envs import EnvContext, EnvImportError, Environment, StepResult, import_object, register_env
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_chat_prompt(prompt) -> str | None:
+    """What is wrong with a row's `prompt` (a string, or a list of chat messages), or None."""
+    if isinstance(prompt, str):
+        return None if prompt else "prompt is empty"
+    if not isinstance(prompt, list) or not prompt:
+        return f"prompt must be a string or a non-empty list of chat messages, not {type(prompt).__name__}"
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
+            return f"prompt[{i}] must be an object with exactly 'role' and 'content'"
+        if m["role"] not in ROLES:
+            return f"prompt[{i}].role is {m['role']!r}; one of {', '.join(ROLES)}"
+        if not isinstance(m["content"], str):
+            return f"prompt[{i}].content must be a string"
+    return None
+
+
+def prompt_messages(prompt, system_prompt: str = "") -> list[dict]:
+    """The chat messages a row's `prompt` opens with (a system message first, when given and the
+    prompt has none)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def reward_function(spec: str):
+    """The reward function an import path names; EnvImportError unless it takes (row, response)."""
+    fn = import_object(spec)
+    if not callable(fn):
+        raise EnvImportError(f"'{spec}' is not a function")
+    try:
+        inspect.signature(fn).bind({}, "")
+    except TypeError:
+        raise EnvImportError(f"'{spec}' must take (row, response); its signature is {inspect.signature(fn)}") from None
+    except ValueError:  # a builtin without a signature: trust it
+        pass
+    return fn
+
+
+def reward_value(value, spec: str) -> tuple[float, dict]:
+    """A reward function's result as (reward, numbers to log); TypeError for anything else."""
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise TypeError(f"{spec} returned a dict without 'reward': {sorted(value)}")
+        extra = {k: float(v) for k, v in value.items() if k != "reward"}
+        return float(value["reward"]), extra
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value), {}
+    raise TypeError(f"{spec} returned {type(value).__name__}; a float or a dict with 'reward'")
+
+
+@register_env("single_turn")
+class SingleTurn(Environment):
+    @dataclass(frozen=True)
+    class Options:
+        system_prompt: str = ""  # a system message before each prompt that has none (none when empty)
+
+    required_fields = ("prompt",)
+
+    @classmethod
+    def check_row(cls, row: dict) -> str | None:
+        return check_chat_prompt(row["prompt"])
+
+    @classmethod
+    def check_context(cls, context: EnvContext) -> None:
+        if not context.reward_fn:
+            raise ValueError("the single_turn environment scores each answer with your function: set "
+                             "environment.reward_fn (package.module:function or path/to/file.py:function)")
+        reward_function(context.reward_fn)
+
+    async def reset(self, prompt: dict) -> list[dict]:
+        self.row, self.fn = prompt, reward_function(self.context.reward_fn)
+        return prompt_messages(prompt["prompt"], self.options.system_prompt)
+
+    async def step(self, action_text: str) -> StepResult:
+        value = self.fn(self.row, action_text)
+        if inspect.isawaitable(value):
+            value = await value
+        reward, info = reward_value(value, self.context.reward_fn)
+        return StepResult(None, done=True, final_reward=reward, info=info)
