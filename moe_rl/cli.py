@@ -142,8 +142,9 @@ def _cmd_tiny(args) -> int:
         raise UserError(f"{out} is a file; give a new or empty directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"{out} is not empty; give a new directory, or --overwrite to replace the model there")
-    path = build_tiny_checkpoint(out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True)
-    print(f"tiny {args.arch} checkpoint written to {path}")
+    path = build_tiny_checkpoint(out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True,
+                                 reward_model=args.reward_model)
+    print(f"tiny {args.arch} {'reward model' if args.reward_model else 'checkpoint'} written to {path}")
     return 0
 
 
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="architecture (Hugging Face model_type)")
     k.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     k.add_argument("--overwrite", action="store_true", help="replace what the output directory holds")
+    k.add_argument("--reward-model", action="store_true", help="a one-label *ForSequenceClassification model "
+                   "(reward_model.path; critic.init_from) instead of a causal LM")
     k.set_defaults(fn=_cmd_tiny)
 
     g = sub.add_parser("config", **fmt, help="show a config fully resolved (every default filled in)",

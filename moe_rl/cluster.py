@@ -221,7 +221,7 @@ class RankActor:
     forward and update) plus the EWMA anchor, weight export and checkpoint I/O of that rank."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
-                 load_weights: bool = True, value_head_from: str | None = None):
+                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
         from moe_rl.train import parallel
 
         # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
@@ -235,7 +235,7 @@ class RankActor:
         self.rank, self.world = rank, world
         self.transfer = None
         self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights,
-                                  value_head_from=value_head_from)
+                                  value_head_from=value_head_from, trains=trains)
         self.anchor = None
 
     def node(self) -> str:
@@ -351,7 +351,7 @@ class TrainerGroup:
     replica, results come back merged. trainers.py adds each model's update loop."""
 
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
-                 load_weights: bool = True, value_head_from: str | None = None):
+                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
         from moe_rl.train.parallel import Layout
 
         par = cfg.parallel
@@ -359,7 +359,7 @@ class TrainerGroup:
         world = par.world_size
         addr, port = place.address(slot)
         self.actors = [RankActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
-                                                                         layout, load_weights, value_head_from)
+                                                                         layout, load_weights, value_head_from, trains)
                        for r in range(world)]
         self.dp = par.dp
         self.world = world

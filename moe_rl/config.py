@@ -470,6 +470,24 @@ class ClusterSection:
 
 
 @dataclass(frozen=True)
+class RewardModelSection:
+    """A learned reward: a Megatron model like the critic (placed and laid out like the other roles),
+    scoring each finished episode at its last token; its score and the environment's reward combine as
+    rule_weight * R_env + weight * R_model on the episode's last model token."""
+
+    # a Hugging Face *ForSequenceClassification or *ForTokenClassification checkpoint (one label: its
+    # `score.weight`); empty: no reward model
+    path: str = ""
+    weight: float = 1.0
+    rule_weight: float = 1.0  # the environment's rewards (terminal and per turn)
+
+    def check(self) -> None:
+        if not self.path and (self.weight != 1.0 or self.rule_weight != 1.0):
+            raise ConfigError("reward_model.weight" if self.weight != 1.0 else "reward_model.rule_weight",
+                              "has no effect without reward_model.path")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -482,6 +500,7 @@ class RunConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
 
     @property
     def critic_enabled(self) -> bool:
@@ -492,7 +511,7 @@ class RunConfig:
         """The run's actors: trainer ranks per model (0 where the algorithm needs none) and engines."""
         n = self.parallel.world_size
         return {"policy": n, "critic": n if self.critic_enabled else 0, "reference": n if self.uses_reference else 0,
-                "engine": self.rollout.num_engines}
+                "reward_model": n if self.reward_model.path else 0, "engine": self.rollout.num_engines}
 
     @property
     def gpus(self) -> int:
@@ -501,7 +520,7 @@ class RunConfig:
         import math
 
         a = self.actors
-        devices = a["policy"] + a["critic"] + a["reference"] + a["engine"] * self.rollout.engine_tp
+        devices = sum(n for role, n in a.items() if role != "engine") + a["engine"] * self.rollout.engine_tp
         return math.ceil(devices * self.cluster.gpu_share)
 
     @property

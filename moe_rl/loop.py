@@ -112,12 +112,14 @@ def preflight(cfg: RunConfig, out: Path) -> tuple[list[dict], list[dict]]:
     from moe_rl.checkpoints import check_resumable, resume_dir
     from moe_rl.config_rules import check_layout_fits_hf_config
     from moe_rl.rollouts import evaluation_prompts, training_prompts
-    from moe_rl.weights.hf import CheckpointError, check_model_dir
+    from moe_rl.weights.hf import CheckpointError, check_model_dir, check_reward_model_dir
 
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"run.output_dir: '{out}' is a file, not a directory")
     if cfg.model.path:
         check_layout_fits_hf_config(cfg.parallel, check_model_dir(cfg.model.path))
+    if cfg.reward_model.path:  # placed like the policy: the same layout must fit it
+        check_layout_fits_hf_config(cfg.parallel, check_reward_model_dir(cfg.reward_model.path))
     prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
     resume = resume_dir(cfg, out / "checkpoints")
     if resume is not None:

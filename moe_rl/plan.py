@@ -183,9 +183,10 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 
 def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
-    """Bytes on the busiest rank of a trainer: policy and critic train, the reference only scores; under
-    PPO-EWMA the policy also keeps an fp32 anchor of its weights."""
-    trains = role != "reference"
+    """Bytes on the busiest rank of a trainer: policy and critic train, the reference and the reward model
+    only score (no gradients, no optimizer state); under PPO-EWMA the policy also keeps an fp32 anchor
+    of its weights."""
+    trains = role not in ("reference", "reward_model")
     par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
     etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
@@ -205,7 +206,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
         out["activations"] = kept
         if role == "policy" and cfg.algorithm.anchor == "ewma":
             out["ewma_anchor"] = (p_dense + p_expert) * 4
-    out["logits"] = tokens * shape.vocab * 4 * (2 if trains else 1)
+    out["logits"] = 0.0 if role in ("critic", "reward_model") else tokens * shape.vocab * 4 * (2 if trains else 1)
     return out
 
 
@@ -231,10 +232,12 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     actors = cfg.actors
     problems: list[str] = []
     roles = []
-    for role in ("policy", "critic", "reference"):
+    rm_config = Path(cfg.reward_model.path) / "config.json"  # a reward model has its own shape, where known
+    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config.is_file() else shape}
+    for role in ("policy", "critic", "reference", "reward_model"):
         if actors[role]:
             roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),
-                                  trainer_memory(shape, cfg, role)))
+                                  trainer_memory(shapes.get(role, shape), cfg, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
     engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.rollout.engine_tp * cfg.cluster.gpu_share), engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "

@@ -82,4 +82,5 @@ def target_params(cfg: RunConfig):
         correction_params=CorrectionParams(a.is_cap, a.seq_is_cap, a.icepop_min, a.icepop_max),
         ewma_anchor=a.anchor == "ewma", aggregation=a.aggregation,
         loss_constant=a.loss_constant or float(cfg.environment.token_budget), self_normalize=a.self_normalize,
-        synchronous=not cfg.rollout.async_mode)
+        synchronous=not cfg.rollout.async_mode, reward_model_weight=cfg.reward_model.weight,
+        rule_weight=cfg.reward_model.rule_weight)

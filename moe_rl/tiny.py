@@ -85,17 +85,18 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
 
 
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, seed: int = 0,
-                          overwrite: bool = False) -> Path:
-    """Build (or reuse) a random HF checkpoint for `spec` in out_dir and return its path.
+                          overwrite: bool = False, reward_model: bool = False) -> Path:
+    """Build (or reuse) a random HF checkpoint for `spec` in out_dir and return its path: a causal LM,
+    or with `reward_model` a one-label *ForSequenceClassification model (its head: `score.weight`).
 
     Reuse happens when out_dir already holds a checkpoint built from the same spec and seed.
     `spec` defaults to `TinyModel()`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     spec = spec or TinyModel()
     out = Path(out_dir)
-    stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE}
+    stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE, **({"reward_model": True} if reward_model else {})}
     stamp_file = out / "moe_rl_tiny.json"
     if not overwrite and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
@@ -105,9 +106,13 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, se
     tok = build_tokenizer(out)
     cfg = hf_config(spec, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
+    if reward_model:
+        cfg.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     stamp_file.write_text(json.dumps(stamp, sort_keys=True))
     return out

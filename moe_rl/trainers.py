@@ -15,7 +15,7 @@ import torch
 
 from moe_rl import settings
 from moe_rl.algos import aggregate
-from moe_rl.algos.targets import Scores, Targets, correct, policy_denominators
+from moe_rl.algos.targets import Scores, Targets, boundary_values, correct, policy_denominators
 from moe_rl.batch import Batch
 from moe_rl.cluster import Placement, TrainerGroup
 from moe_rl.config import RunConfig
@@ -34,7 +34,8 @@ def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor
 
 class PolicyGroup(TrainerGroup):
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, seed: int):
-        super().__init__(cfg, place, slot, spec, "policy", settings.optim_settings(cfg, cfg.trainer.lr), seed)
+        super().__init__(cfg, place, slot, spec, "policy", settings.optim_settings(cfg, cfg.trainer.lr), seed,
+                         trains=slot != "reference")
         self.cfg, self.loss, self.params = cfg, settings.policy_loss(cfg), settings.target_params(cfg)
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
@@ -115,7 +116,7 @@ class CriticGroup(TrainerGroup):
 
 
 class Models:
-    """The policy and, as the algorithm needs them, the critic and the reference policy."""
+    """The policy and, as the run needs them, the critic, the reference policy and the reward model."""
 
     def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
         spec = settings.model_spec(cfg, model_path)
@@ -123,13 +124,21 @@ class Models:
         self.policy = PolicyGroup(cfg, place, "policy", spec, cfg.run.seed)
         self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
         self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference else None
+        self.reward_model = None
+        if cfg.reward_model.path:  # scores only: like a critic (value head from its score.weight), routing freely
+            rm = cfg.reward_model.path
+            self.reward_model = TrainerGroup(cfg, place, "reward_model", dataclasses.replace(
+                settings.model_spec(cfg, rm), routing_replay=False), "critic", settings.optim_settings(cfg, cfg.critic.lr),
+                cfg.run.seed + 3, value_head_from=rm, trains=False)
 
     def groups(self) -> dict[str, TrainerGroup]:
-        return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference}.items() if g}
+        return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference,
+                                  "reward_model": self.reward_model}.items() if g}
 
     def score(self, batch: Batch, diagnostics: bool) -> Scores:
         """Forward passes over `batch`, each data-parallel replica on its shard: the policy and the
-        reference with the rollout's routes replayed, the critic routing freely. With `diagnostics`
+        reference with the rollout's routes replayed, the critic and the reward model routing freely
+        (the reward model's value at each episode's last position is its score). With `diagnostics`
         (and routes to replay) the policy also routes freely once, to measure what replay removes."""
         scores = Scores(self.policy.score(batch.model_inputs())["logp"])
         if diagnostics and batch.routes_BSLK is not None:
@@ -139,6 +148,9 @@ class Models:
             scores.logp_ref_BS = self.reference.score(batch.model_inputs())["logp"]
         if self.critic:
             scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False))["values"]
+        if self.reward_model:  # each episode at its last token
+            values = self.reward_model.score(batch.model_inputs(routes=False))["values"]
+            scores.reward_model_B = boundary_values(values, batch.lengths_B)  # the output at position length - 1
         return scores
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
@@ -150,8 +162,9 @@ class Models:
         out |= self.critic.fit(batch, t, step) if self.critic else {}
         if step >= self.cfg.critic.warmup_steps:
             out |= self.policy.fit(batch, t, step)
-        if self.reference:  # it only scores: its memory is asked for (the others report theirs with each update)
-            out |= role_figures("reference", self.reference.call("memory"))
+        for role in ("reference", "reward_model"):  # they only score: their memory is asked for (the others
+            if getattr(self, role):                 # report theirs with each update)
+                out |= role_figures(role, getattr(self, role).call("memory"))
         tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
         out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         return out

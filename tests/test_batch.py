@@ -11,17 +11,20 @@ import torch
 from moe_rl import batch as batching
 from moe_rl import settings
 from moe_rl.algos.targets import Scores, boundary_values, state_values, targets
-from moe_rl.config import AlgorithmSection, EnvironmentSection, RunConfig
+from moe_rl.config import AlgorithmSection, EnvironmentSection, RewardModelSection, RunConfig
 from moe_rl.metrics import Metrics, reduce_updates
 from moe_rl.train.objectives import ValueLoss
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
 
 
-def step_targets(b, alg: AlgorithmSection, token_budget: int, logp_ref=None, critic: bool = False):
+def step_targets(b, alg: AlgorithmSection, token_budget: int, logp_ref=None, critic: bool = False,
+                 reward_model=None, rm: RewardModelSection | None = None):
     """algos.targets on batch `b` with the settings of a config holding `alg` (pi_old = mu: a
-    synchronous step); a critic that outputs 0 everywhere when `critic`."""
-    cfg = RunConfig(algorithm=alg, environment=EnvironmentSection(token_budget=token_budget))
-    scores = Scores(b.logp_mu_BS, logp_ref, torch.zeros(b.input_ids_BS.shape) if critic else None)
+    synchronous step); a critic that outputs 0 everywhere when `critic`; `reward_model`: its scores [B]."""
+    cfg = RunConfig(algorithm=alg, environment=EnvironmentSection(token_budget=token_budget),
+                    reward_model=rm or RewardModelSection())
+    scores = Scores(b.logp_mu_BS, logp_ref, torch.zeros(b.input_ids_BS.shape) if critic else None,
+                    reward_model_B=reward_model)
     return targets(b, scores, settings.target_params(cfg))
 
 
@@ -112,6 +115,24 @@ def test_kl_reward_shapes_outcome_estimators():
     shaped = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False, kl_reward_coef=0.2), 64, ref).adv_BS
     # rloo: A_0 = R_0 - R_1: 1 without the penalty, 0.8 with it
     assert plain[0, 1].item() == pytest.approx(1.0) and shaped[0, 1].item() == pytest.approx(0.8)
+
+
+def test_a_reward_models_score_combines_with_the_rule_reward_by_weight():
+    """Rule rewards 1 and 0 (terminal), reward-model scores 0.5 and 2: with weights rule 2, model 0.5,
+    R = 2 * 1 + 0.5 * 0.5 = 2.25 and 2 * 0 + 0.5 * 2 = 1, on each sample's last model token. RLOO then
+    reads A_0 = R_0 - R_1 = 1.25; reward-to-go gives every model token its return to go (here R)."""
+    b, _ = _outcome_batch()
+    rm = RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0)
+    scores = torch.tensor([0.5, 2.0])
+    t = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64, reward_model=scores, rm=rm)
+    assert t.adv_BS[0, 1:].tolist() == pytest.approx([1.25, 1.25]) and t.adv_BS[1, 1:].tolist() == pytest.approx([-1.25] * 2)
+    assert float(t.metrics["reward/model_mean"]) == pytest.approx(1.25)
+    assert float(t.metrics["reward/combined_mean"]) == pytest.approx((2.25 + 1.0) / 2)
+    rtg = step_targets(b, AlgorithmSection(advantage="reward_to_go", whiten_advantages=False), 64, reward_model=scores,
+                       rm=rm)
+    assert rtg.adv_BS[:, 1:].flatten().tolist() == pytest.approx([2.25, 2.25, 1.0, 1.0])
+    without = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64)
+    assert without.adv_BS[0, 1:].tolist() == pytest.approx([1.0, 1.0]) and "reward/model_mean" not in without.metrics
 
 
 @pytest.mark.parametrize("advantage", ["gae", "reward_to_go", "grpo"])

@@ -123,27 +123,39 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the value head starts at 0: trained
 
 
-def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, tmp_path):
-    """launch/local.sh with MOE_RL_RETRIES=1: the driver is killed with SIGKILL while it writes its step-3
-    checkpoint; the step-2 checkpoint is intact, the launcher runs it again from there, and the
-    resumed step 3 reproduces the uninterrupted run's (CPU, seeded)."""
+def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_each_time(reference, tmp_path):
+    """launch/local.sh with MOE_RL_RETRIES=2, two faults in one run:
+
+    1. the policy's rank kills itself (SIGKILL, cluster.failpoint) between two weight buckets of step
+       2's sync: the run stops with exit code 3 naming the rank and the call; the retry resumes from
+       the step-1 checkpoint, and its step 2 equals the uninterrupted run's;
+    2. the driver is killed with SIGKILL while it writes its step-3 checkpoint: the step-2 checkpoint is
+       intact, the second retry runs from there, and its step 3 reproduces the uninterrupted run's."""
     import psutil
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ref_out, _ = reference
-    out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "1", "MOE_RL_VENV": sys.prefix,
-           "MOE_RL_LOG": str(tmp_path / "launch.log")}
-    proc = subprocess.Popen(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    out, token = tmp_path / "faults", tmp_path / "token"
+    token.touch()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "2", "MOE_RL_VENV": sys.prefix,
+           "MOE_RL_LOG": str(tmp_path / "launch.log"), "MOE_RL_FAILPOINT": f"trainer_export:3:{token}"}
+    proc = subprocess.Popen(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL,
+                             "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+    def drivers():
+        return [p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())]
+
     try:
-        saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 600, None
-        while driver is None:  # found first: the kill must not wait for a process-tree walk
-            assert proc.poll() is None and time.time() < deadline, "the driver never started"
-            driver = next((p for p in psutil.Process(proc.pid).children(recursive=True)
-                           if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())), None)
-            time.sleep(0.2)
-        while not (saving / "policy").exists():  # the save has begun writing the policy's checkpoint
+        saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 900, None
+        while not (out / "checkpoints" / "step_000002").exists():  # the first try dies in step 2; the retry saves it
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+            time.sleep(0.05)
+        while driver is None:  # the retry's driver, found before the kill must happen
+            driver = next(iter(drivers()), None)
+            assert proc.poll() is None and time.time() < deadline, "no driver"
+        while not (saving / "policy").exists():  # its step-3 save has begun writing the policy's checkpoint
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save"
             time.sleep(0.01)
         driver.kill()
@@ -153,11 +165,19 @@ def test_kill9_during_a_save_then_the_launcher_resumes_the_next_step(reference, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, log[-5000:]
-    assert "the run stopped with exit code 137; retry 1 of 1" in log
-    assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in log
+    assert not token.exists()  # exports 1 (warm start) and 2 (step 1) passed; the third killed the rank
+    assert re.search(r"moe-rl: error: policy rank 0 \(export_weights\): the actor died", log), log[-5000:]
+    assert "the run stopped with exit code 3; retry 1 of 2" in log and "the run stopped with exit code 137; retry 2 of 2" in log
+    assert log.index(f"resuming from {out / 'checkpoints' / 'step_000001'}") < log.index(
+        f"resuming from {out / 'checkpoints' / 'step_000002'}")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
-    resumed = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
+    acc = EventAccumulator(str(out / "tensorboard" / "quickstart"))  # step 2: logged by the first retry only
+    acc.Reload()
+    for key in ("reward/mean", "policy/loss", "critic/loss"):
+        assert [e.step for e in acc.Scalars(key)][:2] == [1, 2]
+        assert acc.Scalars(key)[1].value == pytest.approx(ref[1][key], rel=1e-4, abs=1e-5), key
+    resumed = torch.load(out / "history.pt", weights_only=False)  # the last try's: step 3
     assert len(resumed) == 1
     for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss",
                 "policy/ratio_mean", "routing/agreement"):
@@ -231,16 +251,22 @@ def engine_processes(pid: int) -> list:
     return [p for p in psutil.Process(pid).children(recursive=True) if "RolloutActor" in " ".join(p.cmdline())]
 
 
-def test_two_engines_share_the_steps_and_a_dead_engine_is_replaced(reference, tmp_path):
+def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tmp_path):
     """Two engines sample what one engine samples (per-group seeds follow the global prompt-group id).
-    One engine is killed with SIGKILL after the step-1 checkpoint, with the step-2 rollout starting: a
-    replacement starts on its resources with the current weights and regenerates exactly the lost
-    work, so every step equals the one-engine reference; rollout/engine_restarts counts it."""
+    Two engine deaths, each followed by a replacement on the dead engine's resources with the current
+    weights, so that every step still equals the one-engine reference (rollout/engine_restarts counts):
+
+    1. an engine kills itself (SIGKILL, cluster.failpoint) halfway through loading step 1's weights
+       (small buckets: some layers new, the rest old): nothing generates with them; the replacement
+       loads the weights whole;
+    2. an engine is killed with SIGKILL after the step-1 checkpoint, with the step-2 rollout starting:
+       its lost work is regenerated exactly."""
     ref_out, _ = reference
-    out = tmp_path / "two_engines"
-    proc = subprocess.Popen(train_cmd(out, "rollout.num_engines=2"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+    out, token = tmp_path / "two_engines", tmp_path / "token"
+    token.touch()
+    proc = subprocess.Popen(train_cmd(out, "rollout.num_engines=2", "rollout.weight_sync_bucket_mb=0.5"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
     try:
         deadline = time.time() + 600
         while not (out / "checkpoints" / "step_000001").exists():
@@ -254,61 +280,15 @@ def test_two_engines_share_the_steps_and_a_dead_engine_is_replaced(reference, tm
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "starting a replacement on its resources (1 of 3 in a row)" in stdout
+    assert not token.exists()  # the failpoint fired (update 1: after the warm start; update 2: step 1's)
+    assert re.search(r"engine [01] failed \(engine [01] \(weight update\): the actor died", stdout), stdout[-3000:]
+    assert stdout.count("starting a replacement on its resources (1 of 3 in a row)") == 2
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
-    assert hist[0]["rollout/engine_restarts"] == 0 and hist[-1]["rollout/engine_restarts"] == 1
+    assert [h["rollout/engine_restarts"] for h in hist] == [0, 2, 2]  # in step 1's sync, in step 2's rollout
     for h, r in zip(hist, ref, strict=True):
         assert h["rollout/samples"] == r["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
-        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss"):
-            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
-
-
-def test_an_engine_killed_halfway_through_a_weight_update_is_replaced(reference, tmp_path):
-    """The engine kills itself (SIGKILL, cluster.failpoint) halfway through loading step 1's weights
-    (small buckets: some layers new, the rest old). Nothing generates with those half-updated weights:
-    a replacement starts on its resources, loads the current weights whole, and every step equals the
-    undisturbed reference."""
-    ref_out, _ = reference
-    out, token = tmp_path / "update_dies", tmp_path / "token"
-    token.touch()
-    proc = subprocess.run(train_cmd(out, "rollout.weight_sync_bucket_mb=0.5"), cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                       "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not token.exists()  # the failpoint fired (update 1: after the warm start; update 2: step 1's)
-    assert "engine 0 failed" in proc.stdout and "(weight update)" in proc.stdout
-    hist = torch.load(out / "history.pt", weights_only=False)
-    ref = torch.load(ref_out / "history.pt", weights_only=False)
-    assert [h["rollout/engine_restarts"] for h in hist] == [0, 1, 1]  # replaced during step 1's sync
-    for h, r in zip(hist, ref, strict=True):
         for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss", "correction/logp_mismatch_mean"):
-            assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
-
-
-def test_a_trainer_rank_killed_mid_sync_stops_the_run_and_the_retry_equals_the_uninterrupted_run(reference, tmp_path):
-    """The policy's rank kills itself (SIGKILL, cluster.failpoint) between two weight buckets of step 2's
-    sync: the run stops with exit code 3 naming the rank and the call; launch/local.sh's retry resumes
-    from the step-1 checkpoint and its steps 2 and 3 equal the uninterrupted run's."""
-    ref_out, _ = reference
-    out, token = tmp_path / "rank_dies", tmp_path / "token"
-    token.touch()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "1", "MOE_RL_VENV": sys.prefix,
-           "MOE_RL_LOG": str(tmp_path / "launch.log"), "MOE_RL_FAILPOINT": f"trainer_export:3:{token}"}
-    proc = subprocess.run(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL,
-                           "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                          env=env)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
-    assert not token.exists()  # exports 1 (warm start) and 2 (step 1) passed, the third killed the rank
-    assert re.search(r"moe-rl: error: policy rank 0 \(export_weights\): the actor died", log), log[-5000:]
-    assert "the run stopped with exit code 3; retry 1 of 1" in log
-    assert f"resuming from {out / 'checkpoints' / 'step_000001'}" in log
-    resumed = torch.load(out / "history.pt", weights_only=False)
-    ref = torch.load(ref_out / "history.pt", weights_only=False)
-    assert len(resumed) == 2
-    for h, r in zip(resumed, ref[1:], strict=True):
-        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss"):
             assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
 
 

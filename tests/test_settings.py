@@ -17,6 +17,7 @@ from moe_rl.config import (
     EnvironmentSection,
     ModelSection,
     ParallelSection,
+    RewardModelSection,
     RolloutSection,
     RunConfig,
     RunSection,
@@ -49,6 +50,7 @@ CFG = RunConfig(
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False),
     critic=CriticSection(lr=7e-4),
+    reward_model=RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0),
 )
 
 
@@ -107,6 +109,7 @@ CASES = {
         "loss_constant": lambda cfg: cfg.algorithm.loss_constant or float(cfg.environment.token_budget),
         "self_normalize": at("algorithm.self_normalize"),
         "synchronous": lambda cfg: not cfg.rollout.async_mode,
+        "reward_model_weight": at("reward_model.weight"), "rule_weight": at("reward_model.rule_weight"),
     }, set()),
 }
 

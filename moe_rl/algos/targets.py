@@ -44,6 +44,8 @@ class TargetParams:
     loss_constant: float  # seq_sum_const's denominator
     self_normalize: bool
     synchronous: bool  # rollouts come from the weights being trained (mu = pi_old can be verified)
+    reward_model_weight: float  # R = rule_weight * R_env + reward_model_weight * R_model (with a reward model)
+    rule_weight: float
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Scores:
     critic_out_BS: torch.Tensor | None = None  # the critic's per-position outputs (see state_values)
     free_logp_BS: torch.Tensor | None = None  # diagnostics: the policy routing freely
     free_routes_BSLK: torch.Tensor | None = None
+    reward_model_B: torch.Tensor | None = None  # a reward model's score of each episode (at its last token)
 
 
 @dataclass
@@ -102,15 +105,21 @@ def policy_denominators(pg_mask_BS: torch.Tensor, loss_mask_BS: torch.Tensor, we
             "regularizer": aggregate.loss_denominator(loss_mask_BS, p.aggregation, p.loss_constant)}
 
 
-def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams):
+def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams, reward_model_B: torch.Tensor | None = None):
     """Per-token rewards u_t and the episode score R(tau) after shaping, plus reward metrics.
 
-    The KL penalty (u_t - beta k_t) and the DAPO overlong penalty R_len on the last model token, where
-    the length is the episode's tokens after the prompt (model and observation tokens: the unit
+    With a reward model, u_t = w_rule u_t^env + w_model R_model [t = last model token]. The KL penalty
+    (u_t - beta k_t) and the DAPO overlong penalty R_len on the last model token, where the length is
+    the episode's tokens after the prompt (model and observation tokens: the unit
     environment.token_budget bounds), act on u_t (GAE, reward-to-go) and, through R(tau) = sum_t u_t,
     on the score the outcome estimators read (GRPO, RLOO, REINFORCE, ...): every estimator sees them.
+    reward_model_B: [B] or None.
     """
     rewards, m = batch.rewards_BS, {}
+    if reward_model_B is not None:
+        model = R.place_terminal_reward(reward_model_B.to(rewards.dtype), batch.mask_BS)
+        rewards = p.rule_weight * rewards + p.reward_model_weight * model
+        m["reward/model_mean"], m["reward/model_std"] = reward_model_B.mean(), reward_model_B.std(correction=0)
     if p.kl_reward_coef:
         rewards, k = R.kl_shaped_rewards(rewards, batch.logp_mu_BS, logp_ref_BS, batch.mask_BS, p.kl_reward_coef,
                                          p.kl_reward_estimator)
@@ -120,7 +129,10 @@ def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams):
                                      p.overlong_penalty)
         rewards = rewards + R.place_terminal_reward(penalty, batch.mask_BS)
         m["reward/overlong_penalty_mean"] = penalty.mean()
-    score = rewards.sum(1) if (p.kl_reward_coef or p.overlong_buffer) else batch.score_B
+    shaped = p.kl_reward_coef or p.overlong_buffer or reward_model_B is not None
+    score = rewards.sum(1) if shaped else batch.score_B
+    if reward_model_B is not None:
+        m["reward/combined_mean"] = score.mean()
     return rewards, score, m
 
 
@@ -142,7 +154,7 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
                        needs_behaviour=reads_mu, needs_reference=p.needs_reference, needs_boundary=values is not None,
                        # synchronous PPO without a correction assumes mu = pi_old: verify it
                        synchronous=p.synchronous and not reads_mu)
-    rewards, score, metrics = shaped_rewards(batch, scores.logp_ref_BS, p)
+    rewards, score, metrics = shaped_rewards(batch, scores.logp_ref_BS, p, scores.reward_model_B)
     inp = AdvantageInputs(rewards_BT=rewards, mask_BT=batch.mask_BS, score_B=score, group_B=batch.group_B,
                           values_BT=values, terminated_B=batch.terminated_B, boundary_value_B=boundary)
     hp = AdvantageParams(gamma=p.gamma, lam=p.lam, lam_critic=p.lam_critic, length_adaptive_alpha=p.length_adaptive_alpha)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.weights.hf import CheckpointMismatch, HFReader, is_expert, to_te_name
+from moe_rl.weights.hf import VALUE_HEADS, CheckpointMismatch, HFReader, is_expert, to_te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -148,7 +148,7 @@ def load_value_head(model, hf_path: str | Path) -> bool:
     """Initialise a critic's value head from a reward-model checkpoint's `score.weight` if it has one."""
     reader = HFReader(hf_path)
     head = getattr(_unwrap(model), "output_layer", None)
-    for name in ("score.weight", "v_head.weight", "value_head.weight"):
+    for name in VALUE_HEADS:
         if name in reader.names() and head is not None:
             w = reader.get(name)
             if w.shape != head.weight.shape:

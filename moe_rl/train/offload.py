@@ -24,12 +24,14 @@ import torch
 
 def storages(model, optimizer, extra: Iterable[torch.Tensor] = ()) -> list[torch.UntypedStorage]:
     """The distinct storages behind a DDP-wrapped model's parameters, its gradient buffers, the
-    (megatron) optimizer's master weights and state, and `extra` tensors, in a fixed order."""
+    (megatron) optimizer's master weights and state (None: a model that only scores), and `extra`
+    tensors, in a fixed order."""
     tensors: list[torch.Tensor] = list(model.parameters())
-    for buffer in [*getattr(model, "buffers", []), *getattr(model, "expert_parallel_buffers", [])]:
+    ddp_buffers = [] if optimizer is None else [*model.buffers, *model.expert_parallel_buffers]  # DDP's lists
+    for buffer in ddp_buffers:
         tensors += [t for t in (buffer.param_data, buffer.grad_data) if t is not None]
     tensors += [p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None]
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
         inner = opt.optimizer
         for group in inner.param_groups:
             tensors += group["params"]

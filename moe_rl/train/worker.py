@@ -55,7 +55,9 @@ class OptimSettings:
 
 class TrainWorker:
     def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSettings,
-                 seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None):
+                 seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+        """`trains`=False: a model that only scores (the reference policy, a reward model): no gradient
+        buffers, no optimizer state; `optim` still sets its microbatching."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -83,27 +85,31 @@ class TrainWorker:
             hf.load_hf_weights(self.bridge, module, spec.hf_path, skip_output_layer=role == "critic")
             if role == "critic" and value_head_from and ps.is_pipeline_last_stage():
                 hf.load_value_head(module, value_head_from)
-        # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds
-        # copies (about 3x the optimizer time on CPU), so it is used where there is something to shard
-        distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1
-        self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.grad_clip,
-                use_distributed_optimizer=distributed, bf16=spec.torch_dtype is torch.bfloat16,
-                params_dtype=spec.torch_dtype,
-            ),
-            [self.model],
-        )
-        # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
-        # embedding grads across the pipeline
-        from megatron.core.distributed import finalize_model_grads
+        self.model, self.optimizer = module, None
+        if trains:
+            # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds
+            # copies (about 3x the optimizer time on CPU), so it is used where there is something to shard
+            distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1
+            self.ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
+            self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+                    adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.grad_clip,
+                    use_distributed_optimizer=distributed, bf16=spec.torch_dtype is torch.bfloat16,
+                    params_dtype=spec.torch_dtype,
+                ),
+                [self.model],
+            )
+            # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
+            # embedding grads across the pipeline
+            from megatron.core.distributed import finalize_model_grads
 
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.model.no_sync
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.no_sync_func = self.model.no_sync
+        else:
+            module.requires_grad_(False)
         self.ps = ps
         # where this rank computes: batches arrive on the CPU (from Ray) and are moved here in one place
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -117,7 +123,7 @@ class TrainWorker:
 
     @property
     def module(self):
-        return self.model.module
+        return self.model.module if self.optimizer is not None else self.model
 
     def _uniform_microbatches(self) -> bool:
         # the allgather dispatcher gathers equal-sized token blocks across the expert group
@@ -341,6 +347,8 @@ class TrainWorker:
         and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
         """
+        if self.optimizer is None:
+            raise RuntimeError(f"this {self.role} model only scores (built with trains=False)")
         self._resident()
         self.module.train()
         cpu_mbs = self._microbatches(batch)

@@ -40,22 +40,38 @@ class CheckpointMismatch(CheckpointError):
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # HF model_type values trained, served and tested here
 
 
-def check_model_dir(path: str | Path) -> dict:
+def check_model_dir(path: str | Path, field: str = "model.path") -> dict:
     """A Hugging Face model directory this project can train: its config.json names one of
-    MODEL_TYPES. Returns the config; CheckpointError (one line) otherwise."""
+    MODEL_TYPES. Returns the config; CheckpointError (one line, naming the config `field`) otherwise."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"model.path: '{path}' is not a directory" if path.exists() else
-                              f"model.path: '{path}' does not exist")
+        raise CheckpointError(f"{field}: '{path}' is not a directory" if path.exists() else
+                              f"{field}: '{path}' does not exist")
     try:
         hf = json.loads((path / "config.json").read_text())
         kind = hf.get("model_type", "")
     except FileNotFoundError:
-        raise CheckpointError(f"model.path: '{path}' has no config.json (not a Hugging Face model directory)") from None
+        raise CheckpointError(f"{field}: '{path}' has no config.json (not a Hugging Face model directory)") from None
     except (json.JSONDecodeError, AttributeError) as err:
-        raise CheckpointError(f"model.path: '{path}/config.json' is not a JSON object ({err})") from None
+        raise CheckpointError(f"{field}: '{path}/config.json' is not a JSON object ({err})") from None
     if kind not in MODEL_TYPES:
-        raise CheckpointError(f"model.path: '{path}' is a '{kind or 'unknown'}' model; supported: {', '.join(MODEL_TYPES)}")
+        raise CheckpointError(f"{field}: '{path}' is a '{kind or 'unknown'}' model; supported: {', '.join(MODEL_TYPES)}")
+    return hf
+
+
+VALUE_HEADS = ("score.weight", "v_head.weight", "value_head.weight")  # a reward model's one-label head
+
+
+def check_reward_model_dir(path: str | Path, field: str = "reward_model.path") -> dict:
+    """`check_model_dir`, and a one-label score head among its weights (VALUE_HEADS)."""
+    hf = check_model_dir(path, field)
+    names = HFReader(path).names()
+    if not any(n in names for n in VALUE_HEADS):
+        raise CheckpointError(f"{field}: '{path}' has no score head ({' or '.join(VALUE_HEADS)}): a reward model is a "
+                              "one-label *ForSequenceClassification or *ForTokenClassification checkpoint")
+    if hf.get("num_labels", len(hf.get("id2label", {}) or {0: 0})) != 1:
+        raise CheckpointError(f"{field}: '{path}' has {hf.get('num_labels') or len(hf['id2label'])} labels; a reward "
+                              "model scores with one")
     return hf
 
 

@@ -3,7 +3,7 @@ TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
-from train_jobs import B, S, batch_tensors, critic_job, critic_returns, hf_roundtrip_job, layout_job
+from train_jobs import B, S, batch_tensors, critic_job, critic_returns, hf_roundtrip_job, layout_job, reward_model_job
 
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.weights.hf import HFReader
@@ -94,3 +94,28 @@ def test_critic_two_ranks_match_single_rank(tiny_qwen, layout):
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
     for r in two:
         torch.testing.assert_close(r["after"] * valid, one["after"] * valid, atol=1e-5, rtol=0)
+
+
+def test_reward_model_scores_equal_transformers(tmp_path):
+    """`moe-rl tiny --reward-model` builds a one-label Qwen3MoeForSequenceClassification; the reward-model
+    role (a critic-built Megatron model whose value head is its score.weight) scores each row at its last
+    token as transformers does (fp32, <= 1e-5), on one rank and in TP2."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForSequenceClassification
+
+    rm = tmp_path / "rm"
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model", "--seed", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids, lengths, _, _ = batch_tensors()
+    model = AutoModelForSequenceClassification.from_pretrained(rm)
+    assert type(model).__name__ == "Qwen3MoeForSequenceClassification" and model.config.num_labels == 1
+    with torch.no_grad():  # each row alone, unpadded: the classifier reads its last token
+        ref = torch.stack([model(ids[b:b + 1, :int(lengths[b])]).logits[0, 0] for b in range(B)])
+    assert float(ref.abs().min()) > 1e-3  # a real head: not all zero
+    one = run_ranks(reward_model_job, 1, (str(rm), {}))[0]
+    torch.testing.assert_close(one, ref, atol=1e-5, rtol=0)
+    for scores in run_ranks(reward_model_job, 2, (str(rm), {"tp": 2})):
+        torch.testing.assert_close(scores, ref, atol=1e-5, rtol=0)

