@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algos import rewards as R
-from moe_rl.types import Trajectory
+from moe_rl.types import Trajectory, trajectory_success
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Batch:
     logp_mu_BS: torch.Tensor | None = None  # behaviour log-probs (the engine's)
     rewards_BS: torch.Tensor | None = None
     score_B: torch.Tensor | None = None  # R(tau) = terminal + turn feedback
-    terminal_B: torch.Tensor | None = None  # the terminal reward alone (success: > 0)
+    success_B: torch.Tensor | None = None  # bool: the episode succeeded (types.trajectory_success)
     turns_B: torch.Tensor | None = None  # long: model turns
     group_B: torch.Tensor | None = None  # long: prompt group
     terminated_B: torch.Tensor | None = None  # bool: true termination (else truncated: bootstrap)
@@ -167,7 +167,8 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
         input_ids_BS=ids, lengths_B=torch.tensor([len(t.token_ids) for t in trajs]), routes_BSLK=routes,
         mask_BS=mask, loss_mask_BS=mask & ~excluded.unsqueeze(1), logp_mu_BS=logp,
         rewards_BS=R.place_terminal_reward(terminal, mask) + span_rewards,
-        score_B=torch.tensor([t.total_reward for t in trajs]), terminal_B=terminal,
+        score_B=torch.tensor([t.total_reward for t in trajs]),
+        success_B=torch.tensor([trajectory_success(t) for t in trajs], dtype=torch.bool),
         turns_B=torch.tensor([len(t.spans) for t in trajs]), group_B=torch.tensor([t.group_id for t in trajs]),
         terminated_B=torch.tensor([t.terminated for t in trajs]),
         boundary_len_B=torch.tensor([t.boundary_len for t in trajs]),

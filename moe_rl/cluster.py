@@ -53,6 +53,9 @@ def failpoint(point: str) -> None:
 def start_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
+    # the driver waits on every remote call through `gather`, which reports the failure that matters; the
+    # calls it then abandons (a dead rank's peers, failing with it) would print their tracebacks at exit
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(

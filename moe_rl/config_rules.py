@@ -109,6 +109,9 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if tr.eval_prompts and not tr.eval_dataset and not env.generates_prompts():
         raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) needs held-out "
                           f"rows: environment '{cfg.environment.name}' makes no prompts of its own")
+    if cfg.reward_model.path and cfg.environment.dynamic_sampling:
+        raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all equal, before "
+                          "the reward model scores them (reward_model.path): use one or the other")
     if (tr.eval_every or tr.eval_dataset or tr.eval_samples > 1) and not tr.eval_prompts:
         field = "eval_every" if tr.eval_every else "eval_dataset" if tr.eval_dataset else "eval_samples"
         raise ConfigError(f"trainer.{field}", "has no effect without evaluation: set trainer.eval_prompts")

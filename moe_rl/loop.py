@@ -39,10 +39,11 @@ def main(cfg: RunConfig) -> int:
     prompts, eval_prompts = preflight(cfg, out)
     models, rollouts = start(cfg, out, prompts, eval_prompts)
     checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
-    first, summary, evals = checkpoints.resume(), {}, {}
+    first = checkpoints.resume()
     if first is None:
-        first, summary = 0, prepare(cfg, models, rollouts)
-    else:
+        first, summary, evals = 0, prepare(cfg, models, rollouts), {}
+    else:  # the warm start's figures and the evaluations up to the checkpoint, as the earlier try wrote them
+        summary, evals = earlier_summary(out, first)
         say(f"resumed at step {first}" + ("" if first < cfg.run.steps else f"; this run already reached run.steps="
             f"{cfg.run.steps}: raise run.steps to continue, or start over in a new run.output_dir"))
     log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
@@ -52,18 +53,22 @@ def main(cfg: RunConfig) -> int:
         log.metrics.log(0, summary, advance=False)
     diag = cfg.logging.routing_diagnostics_every
 
-    def evaluate(step: int) -> None:  # the held-out prompts with the weights of `step`: eval/ in TensorBoard
-        say(f"evaluating on {tr.eval_prompts} held-out prompts x {tr.eval_samples} (step {step})")
+    def evaluate(step: int) -> None:  # the held-out prompts with the weights of `step`: eval/, summary.json
+        say(f"evaluating on {len(eval_prompts)} held-out prompts x {tr.eval_samples} (step {step})")
         evals[step] = rollouts.evaluate()
         log.metrics.log(step, evals[step], advance=False)
+        write_summary(out, summary, evals)
 
-    if first == 0 and tr.eval_prompts:  # before RL
-        evaluate(0)
+    def evaluating(step: int) -> bool:  # before RL, every trainer.eval_every steps (the last: after the loop)
+        return bool(tr.eval_prompts) and (step == 0 or bool(tr.eval_every) and step % tr.eval_every == 0) \
+            and step < cfg.run.steps
 
     def rollout(step: int) -> list:  # colocated: the trainer steps aside, the engines wake, they generate
         with log.timer("offload"):
             log.add(models.offload())
             rollouts.wake()
+        if evaluating(step) and step not in evals:  # synchronous: first, on the weights the rollout samples with
+            evaluate(step)
         return rollouts.generate(step)
 
     # an asynchronous run's checkpoint holds the rollout it had in flight: resumed, the next step trains on it
@@ -92,8 +97,8 @@ def main(cfg: RunConfig) -> int:
                 checkpoints.save(step + 1, pending)
             if not cfg.rollout.async_mode and step + 1 < cfg.run.steps:
                 pending = rollout(step + 1)
-            if tr.eval_every and (step + 1) % tr.eval_every == 0 and step + 1 < cfg.run.steps:
-                evaluate(step + 1)  # on engine 0, beside the next rollout (which samples with the same weights)
+            elif evaluating(step + 1):  # asynchronous: on engine 0, beside the rollout in flight (older weights)
+                evaluate(step + 1)
         last = max(first, cfg.run.steps)
         if tr.eval_prompts:  # after RL
             rollouts.wake()
@@ -137,15 +142,17 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(dump_yaml(cfg))
     torch.manual_seed(cfg.run.seed)
-    t = time.perf_counter()
-    say("preparing the fused GAE kernel (compiled once per machine, then cached)")
-    say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
-        f"({time.perf_counter() - t:.1f} s)")
     path = cfg.model.path
     if not path:
         from moe_rl.tiny import build_tiny_checkpoint
 
         path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
+    if cfg.reward_model.path:
+        check_same_tokens(path, cfg.reward_model.path)
+    t = time.perf_counter()
+    say("preparing the fused GAE kernel (compiled once per machine, then cached)")
+    say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
+        f"({time.perf_counter() - t:.1f} s)")
     say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     cluster.start_ray(cfg)
@@ -156,6 +163,22 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     rollouts.connect(models.policy)
     say(f"weight sync: {cfg.rollout.weight_transfer}")
     return models, rollouts
+
+
+def check_same_tokens(policy_path: str, reward_model_path: str) -> None:
+    """The reward model reads the policy's token ids: its tokenizer must be the policy's (the same
+    vocabulary, where it has one; else the same vocabulary size). CheckpointError otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from moe_rl.weights.hf import CheckpointError
+
+    try:
+        same = AutoTokenizer.from_pretrained(reward_model_path).get_vocab() == AutoTokenizer.from_pretrained(policy_path).get_vocab()
+    except (OSError, ValueError):  # no tokenizer beside the reward model: its embedding table must fit at least
+        same = AutoConfig.from_pretrained(reward_model_path).vocab_size == AutoConfig.from_pretrained(policy_path).vocab_size
+    if not same:
+        raise CheckpointError(f"reward_model.path: '{reward_model_path}' has another tokenizer than the policy's "
+                              f"({policy_path}); it would score token ids it does not know")
 
 
 def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
@@ -170,22 +193,46 @@ def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
     return summary
 
 
-def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int) -> None:
-    """summary.json (the warm start's figures, every evaluation by step, the first's and the last's as
-    eval/KEY_before and _after, the best step) and the closing lines."""
-    lines = [f"run finished: {steps} steps, output in {out}"]
+SUMMARY_FILE = "summary.json"
+
+
+def write_summary(out: Path, summary: dict, evals: dict[int, dict]) -> dict:
+    """summary.json: the warm start's figures, every evaluation by step, the first's and the last's as
+    eval/KEY_before and _after, and the best step after RL began (by eval/reward_mean). Written after
+    every evaluation, so a run that stops keeps them. Returns what it wrote."""
+    out_summary = dict(summary)
     if evals:
         first, last = min(evals), max(evals)
-        summary |= {f"{k}_before": v for k, v in evals[first].items()} if first == 0 else {}
-        summary |= {f"{k}_after": v for k, v in evals[last].items()}
-        summary["evaluations"] = {str(k): v for k, v in sorted(evals.items())}
-        best = max((k for k in evals if k > 0), key=lambda k: evals[k]["eval/reward_mean"], default=None)
-        if best is not None:
-            summary["best_eval_step"] = best
-            ckpt = out / "checkpoints" / f"step_{best:06d}"
-            lines.append(f"best evaluation: step {best} (held-out reward {evals[best]['eval/reward_mean']:.3f}; "
-                         f"checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        out_summary |= {f"{k}_before": v for k, v in evals[first].items()} if first == 0 else {}
+        out_summary |= {f"{k}_after": v for k, v in evals[last].items()}
+        out_summary["evaluations"] = {str(k): v for k, v in sorted(evals.items())}
+        scored = [k for k in evals if k > 0 and evals[k]["eval/reward_mean"] == evals[k]["eval/reward_mean"]]  # not NaN
+        if scored:
+            out_summary["best_eval_step"] = max(scored, key=lambda k: evals[k]["eval/reward_mean"])
+    (out / SUMMARY_FILE).write_text(json.dumps(out_summary, indent=1))
+    return out_summary
+
+
+def earlier_summary(out: Path, step: int) -> tuple[dict, dict[int, dict]]:
+    """What a resumed run keeps of the earlier tries' summary.json: the warm start's figures and the
+    evaluations up to `step` (its checkpoint); nothing if there is none."""
+    try:
+        saved = json.loads((out / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    evals = {int(k): v for k, v in saved.get("evaluations", {}).items() if int(k) <= step}
+    return {k: v for k, v in saved.items() if k.startswith("warm_start/")}, evals
+
+
+def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int) -> None:
+    """summary.json (`write_summary`) and the closing lines."""
+    summary = write_summary(out, summary, evals)
+    lines = [f"run finished: {steps} steps, output in {out}"]
+    if "best_eval_step" in summary:
+        best = summary["best_eval_step"]
+        ckpt = out / "checkpoints" / f"step_{best:06d}"
+        lines.append(f"best evaluation: step {best} (held-out reward {evals[best]['eval/reward_mean']:.3f}; "
+                     f"checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
     if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
         lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
                      f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")

@@ -164,7 +164,7 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
     replayed = gap(scores.logp_BS)
     out = {
         "reward/mean": batch.score_B.mean(), "reward/max": batch.score_B.max(), "reward/min": batch.score_B.min(),
-        "reward/success_rate": (batch.terminal_B > 0).float().mean(),
+        "reward/success_rate": batch.success_B.float().mean(),
         "rollout/length_mean": batch.lengths_B.float().mean(), "rollout/model_tokens_mean": valid.sum(1).float().mean(),
         "rollout/turns_mean": batch.turns_B.float().mean(),
         "policy/advantage_mean": (targets.adv_BS * valid).sum() / n_tok,

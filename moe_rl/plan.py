@@ -232,8 +232,9 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     actors = cfg.actors
     problems: list[str] = []
     roles = []
-    rm_config = Path(cfg.reward_model.path) / "config.json"  # a reward model has its own shape, where known
-    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config.is_file() else shape}
+    rm_config = Path(cfg.reward_model.path) / "config.json" if cfg.reward_model.path else None
+    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config and rm_config.is_file()
+              else shape}  # a reward model has its own shape, where its config is here
     for role in ("policy", "critic", "reference", "reward_model"):
         if actors[role]:
             roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),

@@ -117,29 +117,32 @@ def evaluation_prompts(cfg: RunConfig) -> list[dict]:
     if not tr.eval_prompts:
         return []
     if tr.eval_dataset:
-        return dataset_rows(cfg, tr.eval_dataset)[:tr.eval_prompts]
+        from moe_rl.rollout.data import DatasetError
+
+        rows = dataset_rows(cfg, tr.eval_dataset)
+        if len(rows) < tr.eval_prompts:
+            raise DatasetError(f"trainer.eval_prompts={tr.eval_prompts}, but {tr.eval_dataset} has {len(rows)} rows")
+        return rows[:tr.eval_prompts]
     return generated_prompts(cfg, tr.eval_prompts, cfg.run.seed + 424242)
 
 
-def evaluation_figures(trajectories: list, samples: int) -> dict[str, float]:
-    """eval/ figures of `samples` samples per held-out prompt: the mean reward, the success rate
-    (mean@samples: an episode's `success` figure, else a terminal reward > 0) and pass@k for k = 1,
+def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[str, float]:
+    """eval/ figures of `samples` samples for each of `prompts` held-out prompts (group g, sample k):
+    the mean reward of the scored samples, the success rate over all of them (mean@samples; a sample
+    lost to an environment error counts as a failure, eval/rejected counts them) and pass@k for k = 1,
     2, 4, ... up to `samples` (and `samples` itself)."""
     from moe_rl.algos.stats import pass_at_k
+    from moe_rl.types import trajectory_success
 
-    groups: dict[int, list[float]] = {}
+    success = torch.zeros(prompts, samples, dtype=torch.bool)
     for t in trajectories:
-        groups.setdefault(t.group_id, []).append(t.info.get("figures", {}).get("success", float(t.terminal_reward > 0)))
-    full = [g for g in groups.values() if len(g) == samples]  # prompts that lost a sample (env_error) are left out
-    out = {"eval/reward_mean": float(torch.tensor([t.total_reward for t in trajectories]).mean()),
-           "eval/success_rate": float(torch.tensor([s for g in groups.values() for s in g]).mean()),
-           "eval/samples": len(trajectories), "eval/prompts": len(groups)}
-    if full:
-        success = torch.tensor(full) > 0.5
-        ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
-        out |= {f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}
-        out[f"eval/mean@{samples}"] = float(success.double().mean())
-    return out
+        success[t.group_id, t.sample_index] = trajectory_success(t)
+    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
+    ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
+    return {"eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            "eval/success_rate": float(success.double().mean()), f"eval/mean@{samples}": float(success.double().mean()),
+            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks},
+            "eval/samples": len(trajectories), "eval/prompts": prompts, "eval/rejected": prompts * samples - len(trajectories)}
 
 
 class Rollouts:
@@ -339,7 +342,7 @@ class Rollouts:
         engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
         n = self.cfg.trainer.eval_samples
         trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, 99991, 0), "evaluation"))])[0]
-        return evaluation_figures(trajs, n)
+        return evaluation_figures(trajs, len(self.eval_prompts), n)
 
     def demonstrations(self, steps: int, rows: int) -> list[Batch]:
         """`steps` batches of `rows` episodes played by the environment's scripted expert through the

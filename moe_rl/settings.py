@@ -46,12 +46,13 @@ def agent_settings(cfg: RunConfig):
 
 
 def env_spec(cfg: RunConfig):
-    """The run's environments as any process can make them (rollout.envs.EnvSpec): the name (a file
-    path made absolute), the options as data, the run-level settings environments read."""
+    """The run's environments as any process can make them (rollout.envs.EnvSpec): the name and the
+    reward function (file paths made absolute), the options as data, the run-level settings."""
     from moe_rl.rollout.envs import EnvContext, EnvSpec, absolute_name
 
     e = cfg.environment
-    return EnvSpec(absolute_name(e.name), dict(e.options), EnvContext(e.tool_timeout_s, e.reward_fn))
+    return EnvSpec(absolute_name(e.name), dict(e.options),
+                   EnvContext(e.tool_timeout_s, absolute_name(e.reward_fn) if e.reward_fn else ""))
 
 
 def policy_loss(cfg: RunConfig):

@@ -155,7 +155,8 @@ class Models:
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
         """The critic's update, then (past critic.warmup_steps) the policy's. Their timings and the
-        policy's lr and skip count are figures of every step (0 for a model that did not train)."""
+        policy's skip counts are figures of every step (0 for a model that did not train); the learning
+        rates, of the steps that trained."""
         t0 = time.perf_counter()
         out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
                "policy/skipped_nonfinite": 0}

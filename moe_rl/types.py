@@ -160,6 +160,13 @@ class Trajectory:
         return self.terminal_reward + sum(self.turn_rewards)
 
 
+def trajectory_success(t: Trajectory) -> bool:
+    """Whether an episode succeeded: its environment's `success` figure where it reports one (e.g. math:
+    the answer was right, whatever the format reward), else a terminal reward > 0."""
+    figure = t.info.get("figures", {}).get("success")
+    return bool(figure > 0.5) if figure is not None else t.terminal_reward > 0
+
+
 def trajectory_state(t: Trajectory) -> dict:
     """A trajectory in plain types and tensors (a checkpoint loads it with weights_only=True)."""
     state = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}

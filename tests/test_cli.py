@@ -141,6 +141,23 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     half = tmp_path / "half" / "step_000004"  # a loop state, but no policy checkpoint beside it
     half.mkdir(parents=True)
     write_loop_state(half / "loop_state.pt", {"step": 4, "version": 4, "data_pos": 64})
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    assert run("tiny", str(tmp_path / "rm"), "--reward-model").returncode == 0
+    assert run("tiny", str(tmp_path / "lm")).returncode == 0  # a causal LM: no score head
+    biased = tmp_path / "rm_bias"  # a token classifier's head with a bias
+    shutil.copytree(tmp_path / "rm", biased)
+    weights = load_file(biased / "model.safetensors")
+    save_file({**weights, "score.bias": weights["score.weight"][:, 0].clone()}, biased / "model.safetensors")
+    other = tmp_path / "rm_vocab"  # another vocabulary, no tokenizer of its own
+    shutil.copytree(tmp_path / "rm", other)
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "vocab_size": 300}))
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text(json.dumps({"secret": 3}) + "\n")
     q = ["configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}"]
     cases = {
         "is a directory; give a YAML file": ["train", str(tmp_path)],
@@ -156,6 +173,11 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
         "loop_state.pt is not a loop state this program wrote": ["train", q[0], f"run.output_dir={tmp_path / 'out'}"],
         "checkpoint.resume: /nonexistent is not a complete checkpoint": ["train", *q, "checkpoint.resume=/nonexistent"],
         "step_000004 has no policy or critic checkpoint": ["train", *q, f"checkpoint.resume={half}"],
+        "rm_bias' has a score.bias": ["train", *q, f"reward_model.path={biased}"],
+        "reward_model.path: '/nonexistent' does not exist": ["train", *q, "reward_model.path=/nonexistent"],
+        f"reward_model.path: '{tmp_path}/lm' has no score head": ["train", *q, f"reward_model.path={tmp_path / 'lm'}"],
+        "rm_vocab' has another tokenizer than the policy's": ["train", *q, f"reward_model.path={other}"],
+        f"trainer.eval_prompts=64, but {rows} has 1 rows": ["train", *q, f"trainer.eval_dataset={rows}"],
     }
     for expect, argv in cases.items():
         t = time.monotonic()

@@ -218,6 +218,12 @@ def test_removed_fields_are_unknown_keys(field):
     assert _err([field]).startswith(f"{key}: unknown key (removed: ")
 
 
+def test_dynamic_sampling_with_a_reward_model_is_refused():
+    msg = _err(["trainer.warm_start_steps=0", "environment.dynamic_sampling=true", "reward_model.path=/rm"], {})
+    assert msg.startswith("environment.dynamic_sampling: drops groups whose environment rewards are all equal")
+    assert _err(["reward_model.weight=0.5"], {}).startswith("reward_model.weight: has no effect without reward_model.path")
+
+
 @pytest.mark.parametrize("data, start", [
     ({"name": "guess_number", "options": {"hgh": 20}},
      "environment.options.hgh: unknown key (did you mean 'high'?); allowed: low, high"),

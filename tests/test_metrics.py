@@ -103,3 +103,26 @@ def test_step_expert_load_counts_only_positions_the_engine_computed():
     assert float(out["moe/rollout_load_imbalance_max"]) == 2.0
     assert float(out["moe/rollout_layer00_usage_entropy"]) == pytest.approx(0.5)
     assert float(out["routing/filled_tail_positions_per_sample"]) == pytest.approx((5 + 1) / 2)
+
+
+def test_evaluation_figures_count_lost_samples_as_failures():
+    """2 prompts x 2 samples; one sample of prompt 1 was lost to an environment error. The success of
+    an episode is its `success` figure where it has one (the first: 0 despite a reward of 0.1), else a
+    terminal reward > 0. Success [[0, 1], [1, lost]]: success rate 2/4, pass@1 1/2, pass@2 (each prompt
+    has a success) 1; the reward mean is over the 3 scored samples."""
+    from moe_rl.rollouts import evaluation_figures
+    from moe_rl.types import Outcome, Trajectory
+
+    def episode(group, sample, terminal, figures=None):
+        t = Trajectory([1, 2], [False, True], [0.0, -1.0], [(1, 1)], [0.0], terminal, Outcome.COMPLETED, 2, 0, 1,
+                       group_id=group, sample_index=sample)
+        t.info["figures"] = figures or {}
+        return t
+
+    figures = evaluation_figures([episode(0, 0, 0.1, {"success": 0.0}), episode(0, 1, 1.0), episode(1, 0, 1.0)],
+                                 prompts=2, samples=2)
+    assert figures["eval/success_rate"] == figures["eval/mean@2"] == 0.5
+    assert figures["eval/pass@1"] == pytest.approx(0.5) and figures["eval/pass@2"] == pytest.approx(1.0)
+    assert figures["eval/reward_mean"] == pytest.approx(2.1 / 3) and figures["eval/rejected"] == 1
+    nothing = evaluation_figures([], prompts=2, samples=2)
+    assert math.isnan(nothing["eval/reward_mean"]) and nothing["eval/pass@2"] == 0.0

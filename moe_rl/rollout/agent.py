@@ -62,6 +62,7 @@ class Agent:
     def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSettings):
         self.engine, self.tok, self.env, self.s = engine, tokenizer, env, settings
         self.env_options = env.built_options()  # checked once; every episode's environment shares them
+        env.env_cls.check_context(env.context)  # e.g. the reward function imports here too: fails at start
         self.eos = end_of_turn_id(tokenizer)
         self.stats = RolloutStats()
         self._observation_text(env.env_cls.role_for_observations, "")  # a template that cannot render turns fails here
@@ -72,28 +73,28 @@ class Agent:
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def _observation_text(self, role: str, text: str) -> tuple[str, str]:
-        """(what closes a model turn, the observation message with the next assistant header) as the
-        tokenizer's chat template renders them: its output for a stand-in conversation with and without
-        the message. The episode's own tokens are never rendered again."""
+    def _observation_text(self, role: str, text: str) -> str:
+        """What follows a model turn's content, as the tokenizer's chat template renders it for an
+        observation message: the end of the assistant turn, the message, the next assistant header.
+        Read off the template's output for a stand-in conversation (a template may render an earlier
+        assistant turn differently, e.g. Qwen3's empty thinking block: only what follows the stand-in
+        content is taken). The episode's own tokens are never rendered again."""
         probe = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
-        before = self.tok.apply_chat_template(probe, tokenize=False)
         after = self.tok.apply_chat_template(probe + [{"role": role, "content": text}], tokenize=False,
                                              add_generation_prompt=True)
-        if not after.startswith(before) or "\x00a" not in before:
+        if after.count("\x00a") != 1 or after.count("\x00u") != 1:
             raise ValueError(f"the tokenizer's chat template does not render a '{role}' message after an assistant "
-                             "turn by appending to it; observations cannot be added token by token")
-        return before[before.rindex("\x00a") + 2:], after[len(before):]
+                             "turn (a stand-in conversation came out wrong); observations cannot be appended")
+        return after[after.index("\x00a") + 2:]
 
     def _observation_ids(self, role: str, text: str, closed: bool) -> list[int]:
         """Tokens after a model turn: the end of the turn (its end-of-turn token only if the model did
         not sample it), then the observation message and the next assistant header, as the chat
         template renders them (all template/environment tokens, response mask 0)."""
-        close, message = self._observation_text(role, text)
-        end = self.tok.decode([self.eos])
-        if closed and close.startswith(end):
-            close = close[len(end):]
-        return self.tok.encode(close + message, add_special_tokens=False)
+        tail, end = self._observation_text(role, text), self.tok.decode([self.eos])
+        if closed and tail.startswith(end):
+            tail = tail[len(end):]
+        return self.tok.encode(tail, add_special_tokens=False)
 
     # -- one episode ----------------------------------------------------------------------------
 
@@ -151,7 +152,7 @@ class Agent:
             tool_errors += int(step.tool_error)
             if step.done:
                 terminal = float(step.final_reward or 0.0)
-                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}  # bools: 0/1
                 outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED
                 break
             last_texts = (last_texts + [text])[-s.repetition_limit:]

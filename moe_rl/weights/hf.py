@@ -69,6 +69,9 @@ def check_reward_model_dir(path: str | Path, field: str = "reward_model.path") -
     if not any(n in names for n in VALUE_HEADS):
         raise CheckpointError(f"{field}: '{path}' has no score head ({' or '.join(VALUE_HEADS)}): a reward model is a "
                               "one-label *ForSequenceClassification or *ForTokenClassification checkpoint")
+    if "score.bias" in names:
+        raise CheckpointError(f"{field}: '{path}' has a score.bias; the reward-model head is a bias-free projection "
+                              "(as *ForSequenceClassification's): fold the bias into the rewards or drop it")
     if hf.get("num_labels", len(hf.get("id2label", {}) or {0: 0})) != 1:
         raise CheckpointError(f"{field}: '{path}' has {hf.get('num_labels') or len(hf['id2label'])} labels; a reward "
                               "model scores with one")

@@ -311,6 +311,14 @@ def test_observations_are_rendered_by_the_chat_template(tok):
     episode = run(other.run_episode({"secret": 5, "low": 1, "high": 9}))  # a whole episode in that format
     text = inst.decode(episode.token_ids)
     assert text.startswith("[INST] Guess my number from 1 to 9. [/INST]3") and "[INST] higher [/INST]7" in text, text
+    thinking = copy.deepcopy(tok)  # Qwen3's way: an empty thinking block only in the latest assistant turn
+    thinking.chat_template = (
+        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}"
+        "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+        "loop.index0 > ns.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    qwen3 = Agent(ScriptedPolicy(thinking, []), thinking, EnvSpec("guess_number"), agent_settings())
+    assert qwen3._observation_ids("user", "higher", closed=True) == chatml("")
     broken = copy.deepcopy(tok)
     broken.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
     with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn"):

@@ -80,3 +80,22 @@ def test_rows_are_checked_for_prompt_and_answer(tmp_path):
         rows.write_text(json.dumps(row) + "\n")
         with pytest.raises(DatasetError, match=re.escape(message)):
             load_prompts(rows, MathEnv.required_fields, MathEnv.check_row)
+
+
+def test_a_check_that_times_out_does_not_take_the_others_with_it():
+    """Episodes check their answers concurrently on shared helper processes: one adversarial answer
+    runs out of time (its process is killed), and every other answer, queued beside it, is still
+    checked right."""
+    env_opts = build_options(MathEnv, {"verify_timeout_s": 1.0})
+
+    async def one(response, answer):
+        env = MathEnv(env_opts)
+        await env.reset({"prompt": "q", "answer": answer})
+        return (await env.step(response)).info["correct"]
+
+    async def many():
+        return await asyncio.gather(one("\\boxed{9^{9^{9^{9}}}}", "1"),
+                                    *[one(f"\\boxed{{{k}}}", str(k)) for k in range(6)],
+                                    *[one(f"\\boxed{{{k + 1}}}", str(k)) for k in range(3)])
+
+    assert asyncio.run(many()) == [0.0] + [1.0] * 6 + [0.0] * 3

@@ -11,8 +11,9 @@ Extraction (`options.extract`): the last \\boxed{...} (braces balanced), or, wit
 `correct_reward` for an equivalent answer, plus `format_reward` when it was boxed. Logged per step:
 env/correct, env/boxed (env/verify_timeout: answers whose check ran out of time, scored wrong).
 
-Verification runs in a helper process (sympy can take unbounded time on adversarial output): one that
-passes `verify_timeout_s` is killed and replaced, and the answer is wrong.
+Verification runs in helper processes (sympy can take unbounded time on adversarial output): a check
+that passes `verify_timeout_s` is scored wrong and its process killed and replaced (the checks queued
+beside it run again).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,25 +75,52 @@ def equivalent(answer: str, gold: str) -> bool:
     return bool(g and a and verify(g, a, timeout_seconds=None))
 
 
+def _ready() -> bool:
+    """A helper process's first task: import what `equivalent` needs."""
+    import math_verify  # noqa: F401
+
+    return True
+
+
 class Verifier:
-    """One helper process for `equivalent`, replaced when a check runs past its time."""
+    """Helper processes for `equivalent`: a check that runs past its time is abandoned (wrong) and its
+    process killed; the checks that shared the pool with it run again on a new one."""
+
+    WORKERS = 2
+    START_TIMEOUT_S = 120.0  # a new pool's processes start and import sympy outside any check's time
 
     def __init__(self):
         self.pool: ProcessPoolExecutor | None = None
+        self.starting: list = []  # concurrent futures of the pool's start (any event loop may wait on them)
+
+    async def _pool(self) -> ProcessPoolExecutor:
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(max_workers=self.WORKERS, mp_context=multiprocessing.get_context("spawn"))
+            self.starting = [self.pool.submit(_ready) for _ in range(self.WORKERS)]
+        pool = self.pool
+        await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, self.starting)), self.START_TIMEOUT_S)
+        return pool
+
+    def _discard(self, pool: ProcessPoolExecutor) -> None:
+        if pool is self.pool:
+            self.pool, self.starting = None, []
+        for p in list(getattr(pool, "_processes", {}).values()):  # a stuck check holds its process: kill it
+            p.kill()
+        pool.shutdown(wait=False)  # pending checks fail with BrokenProcessPool and run again
 
     async def check(self, answer: str, gold: str, timeout_s: float) -> bool | None:
-        """Equivalence, or None when the check ran out of time (its process is killed)."""
-        if self.pool is None:
-            self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        future = asyncio.get_running_loop().run_in_executor(self.pool, equivalent, answer, gold)
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            pool, self.pool = self.pool, None
-            for p in list(getattr(pool, "_processes", {}).values()):
-                p.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
-            return None
+        """Equivalence, or None when the check ran out of time."""
+        for _ in range(3):
+            pool = await self._pool()
+            try:
+                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, equivalent, answer, gold),
+                                              timeout_s)
+            except asyncio.TimeoutError:
+                self._discard(pool)
+                return None
+            except BrokenProcessPool:  # another check's timeout killed the pool (or a helper crashed)
+                self._discard(pool)
+        return None
 
 
 _VERIFIER = Verifier()  # one per process: episodes of an engine share it

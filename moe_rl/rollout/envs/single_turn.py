@@ -10,13 +10,17 @@
 
 The row's `prompt` opens the episode (a string: one user message; or a list of chat messages, each
 {"role": "system" | "user" | "assistant", "content": str}); the model answers once; the function
-scores the answer (it may be `async def`). A function that raises, or returns something else, makes
-that episode an env_error: counted, logged and not trained on.
+scores the answer (an `async def` runs on the engine's event loop, a plain function in a thread). A
+function that raises, or returns anything but a finite number or such a dict, makes that episode an
+env_error: counted, logged and not trained on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 from moe_rl.rollout.envs import EnvContext, EnvImportError, Environment, StepResult, import_object, register_env
@@ -49,8 +53,10 @@ def prompt_messages(prompt, system_prompt: str = "") -> list[dict]:
     return messages
 
 
+@functools.lru_cache(maxsize=8)
 def reward_function(spec: str):
-    """The reward function an import path names; EnvImportError unless it takes (row, response)."""
+    """The reward function an import path names (loaded once per process); EnvImportError unless it
+    takes (row, response)."""
     fn = import_object(spec)
     if not callable(fn):
         raise EnvImportError(f"'{spec}' is not a function")
@@ -64,15 +70,19 @@ def reward_function(spec: str):
 
 
 def reward_value(value, spec: str) -> tuple[float, dict]:
-    """A reward function's result as (reward, numbers to log); TypeError for anything else."""
+    """A reward function's result as (reward, numbers to log); TypeError for anything else, ValueError
+    for a reward that is not finite."""
+    extra = {}
     if isinstance(value, dict):
         if "reward" not in value:
             raise TypeError(f"{spec} returned a dict without 'reward': {sorted(value)}")
         extra = {k: float(v) for k, v in value.items() if k != "reward"}
-        return float(value["reward"]), extra
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value), {}
-    raise TypeError(f"{spec} returned {type(value).__name__}; a float or a dict with 'reward'")
+        value = value["reward"]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{spec} returned {type(value).__name__}; a float or a dict with 'reward'")
+    if not math.isfinite(value):
+        raise ValueError(f"{spec} returned a reward of {value}")
+    return float(value), extra
 
 
 @register_env("single_turn")
@@ -99,8 +109,9 @@ class SingleTurn(Environment):
         return prompt_messages(prompt["prompt"], self.options.system_prompt)
 
     async def step(self, action_text: str) -> StepResult:
-        value = self.fn(self.row, action_text)
-        if inspect.isawaitable(value):
-            value = await value
+        if inspect.iscoroutinefunction(self.fn):
+            value = await self.fn(self.row, action_text)
+        else:  # in a thread: a slow function must not stall the engine's other conversations
+            value = await asyncio.to_thread(self.fn, self.row, action_text)
         reward, info = reward_value(value, self.context.reward_fn)
         return StepResult(None, done=True, final_reward=reward, info=info)
