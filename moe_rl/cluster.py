@@ -350,8 +350,10 @@ class RankActor:
 
 
 class TrainerGroup:
-    """The ranks of one model (policy, critic or reference): batches go out sharded by data-parallel
-    replica, results come back merged. trainers.py adds each model's update loop."""
+    """The ranks of one model (policy, critic, reference or reward model): batches go out sharded by
+    data-parallel replica, results come back merged. trainers.py adds each model's update loop.
+
+    Its actors start in the background (beside the other groups' and the engines'): `started` waits."""
 
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
                  load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
@@ -368,8 +370,13 @@ class TrainerGroup:
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
-        self.nodes = self.call("node")
+        self._nodes = [a.node.remote() for a in self.actors]  # answered once each rank has built its model
+        self.nodes: list[str] = []
         self.route_bytes = self.new_route_counters()
+
+    def started(self) -> None:
+        """Wait until every rank has started (its model built and loaded)."""
+        self.nodes = self._gather("start", self._nodes)
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
         """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""

@@ -158,6 +158,8 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     cluster.start_ray(cfg)
     place = cluster.Placement(cfg, cfg.actors)
     models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
+    models.started()  # the trainer ranks and the engines start side by side: wait for them all
+    rollouts.started()
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)}"]))
     rollouts.connect(models.policy)

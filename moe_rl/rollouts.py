@@ -152,10 +152,8 @@ class Rollouts:
         self.env = settings.env_spec(cfg)
         self.agent_settings = settings.agent_settings(cfg)
         self.place = place
-        self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]
-        infos = self._gather("info", [e.info.remote() for e in self.engines])
-        self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
-        self.workers = [i["workers"] for i in infos]
+        self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]  # starting: `started`
+        self._infos = [e.info.remote() for e in self.engines]
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.data_pos = 0  # prompts consumed (saved with checkpoints)
         self.version = 0  # weight version the engines hold
@@ -163,6 +161,12 @@ class Rollouts:
         self.restarts = 0  # engines replaced in this run
         self.failures = [0] * len(self.engines)  # failures in a row, per engine
         self._exports = itertools.count()
+
+    def started(self) -> None:
+        """Wait until every engine has started (vLLM loaded its model)."""
+        infos = self._gather("start", self._infos)
+        self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
+        self.workers = [i["workers"] for i in infos]
 
     def _start_engine(self, i: int):
         cfg = self.cfg

@@ -131,6 +131,11 @@ class Models:
                 settings.model_spec(cfg, rm), routing_replay=False), "critic", settings.optim_settings(cfg, cfg.critic.lr),
                 cfg.run.seed + 3, value_head_from=rm, trains=False)
 
+    def started(self) -> None:
+        """Wait for every group's ranks (they start side by side, and beside the engines)."""
+        for group in self.groups().values():
+            group.started()
+
     def groups(self) -> dict[str, TrainerGroup]:
         return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference,
                                   "reward_model": self.reward_model}.items() if g}

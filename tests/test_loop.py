@@ -304,15 +304,17 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     # two tensor-parallel ranks: each holds its own shards of the anchor, saved and restored per rank
     ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token",
             "parallel.tp=2", "parallel.world_size=2"]
+    import shutil
+
     full = tmp_path / "full"
-    run_train(full, *ewma, "checkpoint.every=0")
+    run_train(full, *ewma)
     hist = torch.load(full / "history.pt", weights_only=False)
     gaps = [h["policy/anchor_logp_gap"] for h in hist]
     assert gaps[0] == 0.0 and gaps[1] > 0 and gaps[2] > 0, gaps
     assert hist[0]["correction/ess_frac_token_raw"] < 1 - 1e-4
-    split = tmp_path / "split"
-    run_train(split, *ewma, "run.steps=2")
-    run_train(split, *ewma, "run.steps=3")  # resume: auto, from step 2
+    split = tmp_path / "split"  # the full run's step-2 checkpoint, resumed (resume: auto) for step 3
+    shutil.copytree(full / "checkpoints" / "step_000002", split / "checkpoints" / "step_000002")
+    run_train(split, *ewma, "run.steps=3")
     resumed = torch.load(split / "history.pt", weights_only=False)
     assert len(resumed) == 1
     assert resumed[0]["policy/anchor_logp_gap"] == pytest.approx(gaps[2], rel=1e-4, abs=1e-6)
