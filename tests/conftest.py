@@ -11,6 +11,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# `make test` runs the suite on two workers, a file at a time each (pytest-xdist --dist loadfile): the
+# files that take longest (minutes of real runs through the CLI) are handed out first, so that the last
+# file a worker takes is a short one
+LONGEST_FIRST = ("test_loop.py", "test_slurm.py", "test_convert.py", "test_user_tasks.py", "test_engine_sync.py",
+                 "test_cli.py", "test_engine_tp.py", "test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     from moe_rl.config import TinyModel
