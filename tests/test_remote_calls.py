@@ -41,6 +41,7 @@ def test_a_dead_rank_ends_the_wait_at_once_and_is_named(cluster):
 
 def test_silence_past_the_timeout_names_who(cluster):
     a, b = Rank.remote(), Rank.remote()
+    ray.get([a.work.remote(0), b.work.remote(0)])  # both started (on a busy machine that takes seconds)
     with pytest.raises(RemoteCallError, match=r"^no answer within cluster.call_timeout_s=1 s from engine 1 \(rollout\)$"):
         gather([("engine 0 (rollout)", a.work.remote(0)), ("engine 1 (rollout)", b.work.remote(30))], 1.0)
     assert gather([("engine 0 (rollout)", a.work.remote(0.1))], 10) == [0.1]
