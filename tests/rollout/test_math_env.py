@@ -99,3 +99,13 @@ def test_a_check_that_times_out_does_not_take_the_others_with_it():
                                     *[one(f"\\boxed{{{k + 1}}}", str(k)) for k in range(3)])
 
     assert asyncio.run(many()) == [0.0] + [1.0] * 6 + [0.0] * 3
+
+
+def test_without_math_verify_the_config_is_refused_at_load(monkeypatch):
+    import sys
+
+    from moe_rl.schema import ConfigError
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # what find_spec reports for a package not installed
+    with pytest.raises(ConfigError, match=r"math-verify, which is not installed: pip install 'moe-rl\[math\]'"):
+        build_options(MathEnv, {})

@@ -19,6 +19,7 @@ beside it run again).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -139,6 +140,9 @@ class MathAnswer(Environment):
         def check(self) -> None:
             if self.verify_timeout_s <= 0:
                 raise ValueError(f"verify_timeout_s={self.verify_timeout_s} must be positive")
+            if importlib.util.find_spec("math_verify") is None:
+                raise ValueError("the math environment checks answers with math-verify, which is not installed: "
+                                 "pip install 'moe-rl[math]'")
 
     required_fields = ("prompt", "answer")
 
