@@ -42,8 +42,8 @@ class Checkpoints:
         return {"policy": self.models.policy, **({"critic": self.models.critic} if self.models.critic else {})}
 
     def due(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every and step % every == 0 or step == self.cfg.run.steps)
+        every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
+        return bool(every and step % every == 0 or at_end and step == self.cfg.run.steps)
 
     def save(self, step: int, in_flight: Collected | None = None) -> Path:
         """The run after `step` steps; `in_flight`: the finished rollout an asynchronous run started

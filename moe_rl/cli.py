@@ -121,12 +121,14 @@ def _cmd_train(args) -> int:
     from moe_rl.rollouts import RolloutError
     from moe_rl.weights.hf import CheckpointError
 
+    mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
+                RolloutError)
     try:
         return loop.main(cfg)
-    except (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-            RolloutError) as err:
-        raise UserError(str(err)) from None
-    except Exception as err:  # a process died or hung (retryable: exit 3), or a bug
+    except Exception as err:  # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug
+        mistake = getattr(err, "cause", err)
+        if isinstance(mistake, mistakes):
+            raise UserError(str(mistake)) from None
         line = fault_line(err)
         if line is None:
             raise

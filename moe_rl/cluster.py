@@ -26,7 +26,6 @@ import torch
 
 from moe_rl.config import RunConfig
 
-
 FAILPOINT = "MOE_RL_FAILPOINT"  # fault injection for tests: "<point>:<n>:<token file>" (see `failpoint`)
 _passed: Counter = Counter()
 
@@ -249,12 +248,12 @@ class RankActor:
             return self.worker.score_with(self.anchor.params, batch)
         return self.worker.score(batch, record_routes=record_routes)
 
-    def train(self, batch, loss, denominator):
+    def train(self, batch, loss, denominator, keep_logp: bool = False):
         """One optimizer update with `loss` (a train.objectives type) on this rank's shard."""
         from moe_rl.metrics import process_memory
         from moe_rl.train.objectives import PolicyLoss
 
-        metrics = self.worker.train_step(batch, loss, denominator)
+        metrics = self.worker.train_step(batch, loss, denominator, keep_logp)
         if self.anchor is not None and isinstance(loss, PolicyLoss) and not metrics["skipped_nonfinite"]:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
         return metrics | process_memory()
@@ -432,10 +431,14 @@ class TrainerGroup:
 
     def score(self, batch, **kw) -> dict:
         """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
-        from moe_rl.train.parallel import dp_rows
-
         outs = self._gather("score", [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
                                                                              strict=True)])
+        return self._whole(batch, outs)
+
+    def _whole(self, batch, outs: list[dict]) -> dict:
+        """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]."""
+        from moe_rl.train.parallel import dp_rows
+
         if self.dp == 1:
             return outs[0]
         (B, S), full = batch.input_ids_BS.shape, {}
@@ -445,17 +448,21 @@ class TrainerGroup:
                 full.setdefault(name, torch.zeros((B, S, *x.shape[2:]), dtype=x.dtype))[rows, :x.shape[1]] = x
         return full
 
-    def train(self, batch, loss, denominator):
+    def train(self, batch, loss, denominator, keep_logp: bool = False):
         """One update with `loss` (a train.objectives type): each rank gets its shard of the fields the
-        loss reads."""
+        loss reads. keep_logp: the result's "logp" is the update's forward before the step, [B, S]."""
         from moe_rl.metrics import reduce_updates
 
         shards = self._send(batch.only(loss.fields), "train")
-        outs = self._gather("train", [a.train.remote(s, loss, denominator) for a, s in zip(self.actors, shards, strict=True)])
+        outs = self._gather("train", [a.train.remote(s, loss, denominator, keep_logp)
+                                      for a, s in zip(self.actors, shards, strict=True)])
+        logp = self._whole(batch, [{"logp": o.pop("logp")} for o in outs])["logp"] if keep_logp else None
         losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
         merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
         if losses:
             merged["loss"] = sum(losses) / self.tp_cp  # each replica's share of the global loss, summed
+        if logp is not None:
+            merged["logp"] = logp
         return merged
 
     def call(self, method: str, *args):

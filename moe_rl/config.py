@@ -367,6 +367,11 @@ class TrainerSection:
     eval_dataset: str = ""  # JSONL or Parquet rows, as environment.dataset
     eval_every: int = 0  # also every this many steps (0: before and after only)
     eval_samples: int = 1  # samples per prompt: pass@k for k = 1, 2, 4, ... up to it, and mean@eval_samples
+    # pi_old, the PPO ratio's anchor, is the policy before the step's updates. "auto": when a step makes
+    # one update (epochs=1, minibatches=1, algorithm.anchor=old, a correction that does not weight by
+    # pi_old / mu: none or bypass, the policy training from step 0) it is the update's own forward,
+    # detached: one forward pass fewer per step, the same loss and gradients. "separate": always a forward pass of its own before the update.
+    proximal_pass: Literal["auto", "separate"] = "auto"
 
     def check(self) -> None:
         in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
@@ -421,6 +426,7 @@ class LoggingSection:
 @dataclass(frozen=True)
 class CheckpointSection:
     every: int = 0  # steps between saves; 0: only at the end
+    at_end: bool = True  # also after the last step; false with every=0: the run writes no checkpoint
     resume: str = "auto"  # "auto", "never", or a checkpoint directory
     keep: int = 2
 
@@ -505,6 +511,16 @@ class RunConfig:
     @property
     def critic_enabled(self) -> bool:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
+
+    @property
+    def proximal_from_update(self) -> bool:
+        """pi_old is the single update's own forward (trainer.proximal_pass=auto, when it applies)."""
+        from moe_rl.algos import registry
+
+        a, tr = self.algorithm, self.trainer
+        return (tr.proximal_pass == "auto" and tr.epochs == 1 and tr.minibatches == 1 and a.anchor == "old"
+                and not registry.meta("correction", a.correction).reweights
+                and not (self.critic_enabled and self.critic.warmup_steps))
 
     @property
     def actors(self) -> dict[str, int]:

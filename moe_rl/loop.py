@@ -86,7 +86,8 @@ def main(cfg: RunConfig) -> int:
                     scores = models.score(batch, diagnostics=bool(diag) and (step + 1) % diag == 0)
                 with log.timer("advantages"):
                     tgt = targets(batch, scores, params)
-                fit_figures = models.fit(batch, tgt, step)
+                fit_figures, logp_policy = models.fit(batch, tgt, step)
+                scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
                 with log.timer("sync"):
                     rollouts.sync(models.policy, step + 1)
                 figures = [rollout_figures, step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]

@@ -3,7 +3,7 @@ Megatron ranks (cluster.TrainerGroup), and the update loops they own.
 
     models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
-    figures = models.fit(batch, targets, step)      # critic.fit, then policy.fit: epochs x minibatches
+    figures, logp = models.fit(batch, targets, step)  # critic.fit, then policy.fit: epochs x minibatches
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ class PolicyGroup(TrainerGroup):
                          trains=slot != "reference")
         self.cfg, self.loss, self.params = cfg, settings.policy_loss(cfg), settings.target_params(cfg)
 
-    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
-        """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures.
+    def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures, and with
+        RunConfig.proximal_from_update the policy's log-probs before the update ([B, S], routes
+        replayed: the update's own forward), else None.
 
         Under PPO-EWMA update n uses pi_{theta_bar_{n-1}}, the anchor as it is after the previous
         update: it is scored, and the correction recomputed, per minibatch (guide 000 section 7.2)."""
         cfg, p, t0 = self.cfg, self.params, time.perf_counter()
         full = batch.with_targets(t)
         updates, corrections, skipped, gap = [], [], 0, None
+        logp = torch.zeros(batch.input_ids_BS.shape) if cfg.proximal_from_update else None
         for rows in update_rows(cfg, batch.size, self.dp, step):
             mb = full.rows(rows)
             if p.ewma_anchor:
@@ -60,15 +63,21 @@ class PolicyGroup(TrainerGroup):
             denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
             if not float(denominators["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
                 skipped += 1
+                if logp is not None:  # no update to take pi_old from
+                    kept = self.score(mb.model_inputs())["logp"]
+                    logp[rows, :kept.shape[1]] = kept
                 continue
-            updates.append(self.train(mb, self.loss, denominators))
+            updates.append(self.train(mb, self.loss, denominators, keep_logp=logp is not None))
+            if logp is not None:
+                kept = updates[-1].pop("logp")
+                logp[rows, :kept.shape[1]] = kept
         out = role_figures("policy", updates)
         out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
         if gap is not None:
             out["policy/anchor_logp_gap"] = gap
-        return out
+        return out, logp
 
     def warm_start(self, batches: list[Batch], lr: float) -> dict[str, float]:
         """Supervised steps on demonstration batches at learning rate `lr`; their figures (warm_start/:
@@ -141,11 +150,12 @@ class Models:
                                   "reward_model": self.reward_model}.items() if g}
 
     def score(self, batch: Batch, diagnostics: bool) -> Scores:
-        """Forward passes over `batch`, each data-parallel replica on its shard: the policy and the
-        reference with the rollout's routes replayed, the critic and the reward model routing freely
-        (the reward model's value at each episode's last position is its score). With `diagnostics`
-        (and routes to replay) the policy also routes freely once, to measure what replay removes."""
-        scores = Scores(self.policy.score(batch.model_inputs())["logp"])
+        """Forward passes over `batch`, each data-parallel replica on its shard: the policy (unless the
+        step's one update gives pi_old: RunConfig.proximal_from_update) and the reference with the
+        rollout's routes replayed, the critic and the reward model routing freely (the reward model's
+        value at each episode's last position is its score). With `diagnostics` (and routes to replay)
+        the policy also routes freely once, to measure what replay removes."""
+        scores = Scores(None if self.cfg.proximal_from_update else self.policy.score(batch.model_inputs())["logp"])
         if diagnostics and batch.routes_BSLK is not None:
             free = self.policy.score(batch.model_inputs(routes=False), record_routes=True)
             scores.free_logp_BS, scores.free_routes_BSLK = free["logp"], free["routes"]
@@ -158,22 +168,25 @@ class Models:
             scores.reward_model_B = boundary_values(values, batch.lengths_B)  # the output at position length - 1
         return scores
 
-    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
-        """The critic's update, then (past critic.warmup_steps) the policy's. Their timings and the
-        policy's skip counts are figures of every step (0 for a model that did not train); the learning
-        rates, of the steps that trained."""
+    def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
+        """The critic's update, then (past critic.warmup_steps) the policy's; their figures and the
+        policy's log-probs before the update when its forward gave them (PolicyGroup.fit). Timings and
+        the policy's skip counts are figures of every step (0 for a model that did not train); the
+        learning rates, of the steps that trained."""
         t0 = time.perf_counter()
         out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
                "policy/skipped_nonfinite": 0}
         out |= self.critic.fit(batch, t, step) if self.critic else {}
+        logp = None
         if step >= self.cfg.critic.warmup_steps:
-            out |= self.policy.fit(batch, t, step)
+            figures, logp = self.policy.fit(batch, t, step)
+            out |= figures
         for role in ("reference", "reward_model"):  # they only score: their memory is asked for (the others
             if getattr(self, role):                 # report theirs with each update)
                 out |= role_figures(role, getattr(self, role).call("memory"))
         tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
         out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
-        return out
+        return out, logp
 
     def offload(self) -> dict[str, float]:
         """Colocated with cluster.offload: every trainer rank hands its device memory (parameters,

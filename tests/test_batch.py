@@ -11,7 +11,7 @@ import torch
 from moe_rl import batch as batching
 from moe_rl import settings
 from moe_rl.algos.targets import Scores, boundary_values, state_values, targets
-from moe_rl.config import AlgorithmSection, EnvironmentSection, RewardModelSection, RunConfig
+from moe_rl.config import AlgorithmSection, EnvironmentSection, RewardModelSection, RunConfig, TrainerSection
 from moe_rl.metrics import Metrics, reduce_updates
 from moe_rl.train.objectives import ValueLoss
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
@@ -167,7 +167,8 @@ def _policy_mb(weight, adv=0.0):
 def test_importance_weight_multiplies_the_policy_term_only():
     """With advantage 0 only the KL term is left: doubling w must not change it. k3 at
     d = logp_ref - logp = (-0.5, +1): e^d - d - 1 = 0.10653 and 0.71828; beta 0.1."""
-    fn = settings.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3")))
+    fn = settings.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3"),
+                                        trainer=TrainerSection(proximal_pass="separate")))  # logp_old given
     out = {"logp": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy": torch.zeros(1, 3)}
     one, _ = fn(out, _policy_mb(1.0))
     two, _ = fn(out, _policy_mb(2.0))

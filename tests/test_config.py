@@ -311,3 +311,18 @@ def test_engine_restarts_follow_the_weight_transfer():
     assert _err(nccl + ["rollout.max_engine_restarts=2"], cuda=True).startswith(
         "rollout.max_engine_restarts: 2 with weight_transfer=nccl: a replacement engine cannot join")
     assert _err(["rollout.max_engine_restarts=-1"]).startswith("rollout.max_engine_restarts: -1 is outside")
+
+
+@pytest.mark.parametrize("changes, fused", [
+    ({}, True),  # one epoch, one minibatch, anchor old, no correction
+    ({"algorithm": {"correction": "bypass"}}, True),  # pi_old is mu: the pass is only for figures, skipped too
+    ({"trainer": {"proximal_pass": "separate"}}, False),
+    ({"trainer": {"epochs": 2}}, False),  # the second epoch's ratio needs the policy before the first
+    ({"trainer": {"minibatches": 2}}, False),
+    ({"algorithm": {"anchor": "ewma", "correction": "tis_token"}, "trainer": {"epochs": 1}}, False),
+    ({"algorithm": {"correction": "tis_token"}}, False),  # the weights pi_old / mu come before the update
+    ({"algorithm": {"advantage": "gae"}, "critic": {"warmup_steps": 2}}, False),  # steps without a policy update
+    ({"algorithm": {"advantage": "gae"}}, True),
+])
+def test_pi_old_from_the_update_only_for_a_single_update_from_the_policy_as_it_is(changes, fused):
+    assert from_dict(changes).proximal_from_update is fused

@@ -327,6 +327,26 @@ def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
         assert hist[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
 
 
+def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):
+    """One update per step (epochs=1, minibatches=1), two data-parallel ranks: pi_old taken from the
+    update's own forward (trainer.proximal_pass=auto) trains exactly like scoring it first (separate),
+    step for step, with the replayed log-probs' figures the same; only the scoring pass's route bytes
+    are gone."""
+    one = ["trainer.epochs=1", "trainer.minibatches=1", "parallel.world_size=2", "run.steps=2", "checkpoint.every=0",
+           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2"]
+    run_train(tmp_path / "auto", *one)
+    run_train(tmp_path / "separate", *one, "trainer.proximal_pass=separate")
+    hist, ref = (torch.load(tmp_path / m / "history.pt", weights_only=False) for m in ("auto", "separate"))
+    assert len(hist) == len(ref) == 2 and not (tmp_path / "auto" / "checkpoints").exists()  # at_end=false: none
+    for h, r in zip(hist, ref, strict=True):
+        for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean", "policy/clipfrac_high", "critic/loss",
+                    "correction/logp_mismatch_mean", "correction/logp_mismatch_max"):
+            assert h[key] == r[key], key
+        assert h["routing/score_route_bytes_per_rank"] < r["routing/score_route_bytes_per_rank"]
+        assert h["correction/logp_mismatch_max"] < 1e-4  # R3: the update's forward replays the rollout's routes
+    assert hist[1]["routing/agreement"] == ref[1]["routing/agreement"]  # the free-routing diagnostic, step 2
+
+
 def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
     """stated_reward: each prompt states its reward, so V(s) is learnable exactly; the critic (actor
     held back by critic.warmup_steps) must explain > 80% of the return variance within 10 steps."""
@@ -379,6 +399,14 @@ def test_synchronous_check_runs_before_the_update(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "batch check 'sync_roles' failed" in proc.stderr and "Traceback" not in proc.stderr
+    # one update per step: pi_old is the update's own forward, and the loss checks mu = pi_old before
+    # the backward pass (nothing updated)
+    single = [*bf16, "trainer.epochs=1", "trainer.minibatches=1"]
+    proc = subprocess.run(train_cmd(tmp_path / "single", *single), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "batch check 'sync_roles' failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("moe-rl: error: batch check 'sync_roles' failed")
     run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token", "model.moe_aux_loss_coeff=0.01",
               "model.moe_z_loss_coeff=0.001")
     figures = torch.load(tmp_path / "tis" / "history.pt", weights_only=False)[0]

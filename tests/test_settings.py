@@ -93,7 +93,8 @@ CASES = {
         "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"), "clip_high": at("algorithm.clip_high"),
         "dual_clip": at("algorithm.dual_clip"), "aggregation": at("algorithm.aggregation"),
         "kl_coef": at("algorithm.kl_loss_coef"), "kl_estimator": at("algorithm.kl_loss_estimator"),
-        "entropy_coef": at("algorithm.entropy_coef"),
+        "entropy_coef": at("algorithm.entropy_coef"), "old_from_forward": at("proximal_from_update"),
+        "check_sync": lambda cfg: cfg.proximal_from_update and not cfg.rollout.async_mode,
     }, set()),
     "target_params": (settings.target_params, TargetParams, {
         "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),

@@ -96,18 +96,19 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     assert "env/lookups" in acc.Tags()["scalars"]
     trajs = kept_rollout(out, 1)
     for t in trajs:
-        for (_, end), (start, _) in zip(t.spans, t.spans[1:]):
+        for (_, end), (start, _) in zip(t.spans, t.spans[1:], strict=False):
             assert start > end + 1 and not any(t.response_mask[end + 1:start])  # the tool's result between: mask 0
     assert any(len(t.spans) > 1 for t in trajs), "no episode called the tool after the warm start"
 
 
 def test_math_word_problems_config_trains_and_evaluates(tmp_path):
     """configs/math_word_problems.yaml, shortened: the math environment on the JSONL word problems,
-    GRPO, evaluation on the held-out file with 4 samples per problem (pass@1, 2, 4)."""
+    GRPO, evaluation on the held-out file with 4 samples per problem (pass@1, 2, 4); no checkpoint at all."""
     out = tmp_path / "run"
     proc = train(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
-                 "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0")
+                 "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # at_end=false: none
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval/pass@1_after", "eval/pass@2_after", "eval/pass@4_after", "eval/mean@4_after"} <= set(summary)
     assert summary["eval/samples_before"] == 16

@@ -1,7 +1,8 @@
 """The guide's pre-update checklist (guide 000 section 7.4) as runtime validation of a batch.
 
 `check_batch` raises `BatchCheckError` naming the sample and the rule it breaks; nothing is repaired
-silently. It runs once per batch before the update (it synchronises with the host by design).
+silently. It runs once per batch before the update (it synchronises with the host by design); when
+pi_old is the update's own forward, `check_sync_roles` runs in the loss, before the backward pass.
 
 Non-finite rewards never get this far in the loop: the agent rejects such trajectories (counted as
 `rollout/rejected_rewards`, see types.validate_trajectory), because one NaN reward would spread
@@ -13,17 +14,36 @@ from __future__ import annotations
 
 import torch
 
+SYNC_TOLERANCE = 1e-3  # |log mu - log pi_old| a synchronous step allows on a model token
+
 
 class BatchCheckError(ValueError):
     def __init__(self, rule: str, sample: int | None, detail: str):
-        self.rule, self.sample = rule, sample
+        self.rule, self.sample, self.detail = rule, sample, detail
         where = f"sample {sample}: " if sample is not None else ""
         super().__init__(f"batch check '{rule}' failed: {where}{detail}")
+
+    def __reduce__(self):  # pickled by its own arguments (a rank raises it: Ray sends it to the driver)
+        return BatchCheckError, (self.rule, self.sample, self.detail)
 
 
 def _first(bad_B: torch.Tensor) -> int | None:
     idx = bad_B.nonzero()
     return int(idx[0, 0]) if idx.numel() else None
+
+
+def check_sync_roles(logp_behaviour_BT: torch.Tensor, logp_old_BT: torch.Tensor, mask_BT: torch.Tensor,
+                     tolerance: float = SYNC_TOLERANCE) -> None:
+    """sync_roles: in a synchronous step mu = pi_old on valid tokens, within `tolerance` (all [B, T]).
+    Checked with the batch (check_batch) or, when pi_old is the update's own forward, by the loss
+    before its backward pass (train.objectives.PolicyLoss): before the update either way."""
+    # torch.where, not * m: -inf - -inf = NaN on padding would make the row's max NaN (never > tol)
+    gap = torch.where(mask_BT.bool(), (logp_behaviour_BT - logp_old_BT).abs(), 0.0).amax(1)
+    s = _first(gap > tolerance)
+    if s is not None:
+        raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step "
+                              "(an objective without off-policy correction assumes they are equal; "
+                              "use a correction such as tis_token, or replay the rollout's routes)")
 
 
 def check_batch(
@@ -39,7 +59,7 @@ def check_batch(
     needs_reference: bool = False,
     needs_boundary: bool = False,
     synchronous: bool = False,
-    sync_tolerance: float = 1e-3,
+    sync_tolerance: float = SYNC_TOLERANCE,
 ) -> dict[str, int]:
     """Validate a batch against the checklist. Returns counts of what it saw ({"empty_samples": n, ...}).
 
@@ -84,13 +104,7 @@ def check_batch(
         if s is not None:
             raise BatchCheckError("policy_roles", s, f"{name} log-prob is not a finite value <= 0 on a model token")
     if synchronous and logp_behaviour_BT is not None and logp_old_BT is not None:
-        # torch.where, not * m: -inf - -inf = NaN on padding would make the row's max NaN (never > tol)
-        gap = torch.where(m, (logp_behaviour_BT - logp_old_BT).abs(), 0.0).amax(1)
-        s = _first(gap > sync_tolerance)
-        if s is not None:
-            raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step "
-                                  "(an objective without off-policy correction assumes they are equal; "
-                                  "use a correction such as tis_token, or replay the rollout's routes)")
+        check_sync_roles(logp_behaviour_BT, logp_old_BT, m, sync_tolerance)
     empty = ~m.any(1)
     if bool(empty.all()):
         raise BatchCheckError("empty_batch", None, "no sample has a model token; skip this update")

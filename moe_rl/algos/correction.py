@@ -89,9 +89,10 @@ def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tens
 
 @register("correction", "none", reads_behaviour=False)
 def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
-    """No correction: w = 1. (Synchronous PPO, where mu = pi_old.)"""
+    """No correction: w = 1. (Synchronous PPO, where mu = pi_old.) Reads neither log-prob's values:
+    logp_old_BT may be None (pi_old is then the update's own forward)."""
     m = mask_BT.bool()
-    return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m)
+    return Correction(torch.ones_like(logp_mu_BT, dtype=compute_dtype(logp_mu_BT)), m)
 
 
 @register("correction", "bypass", old_is_behaviour=True)

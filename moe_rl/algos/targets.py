@@ -12,6 +12,7 @@ logp_mu_BS); `scores` holds what the models computed on it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -52,12 +53,18 @@ class TargetParams:
 class Scores:
     """What the models computed on a batch ([B, S]; None where that model is absent)."""
 
-    logp_BS: torch.Tensor  # the policy before this step's updates, rollout routes replayed
+    # the policy before this step's updates, rollout routes replayed; None before a step of one update
+    # whose own forward gives it (RunConfig.proximal_from_update): `with_policy` adds it after the update
+    logp_BS: torch.Tensor | None
     logp_ref_BS: torch.Tensor | None = None
     critic_out_BS: torch.Tensor | None = None  # the critic's per-position outputs (see state_values)
     free_logp_BS: torch.Tensor | None = None  # diagnostics: the policy routing freely
     free_routes_BSLK: torch.Tensor | None = None
     reward_model_B: torch.Tensor | None = None  # a reward model's score of each episode (at its last token)
+
+    def with_policy(self, logp_BS: torch.Tensor | None) -> Scores:
+        """These scores with the policy's log-probs from the update's forward, when it gave them."""
+        return self if logp_BS is None else dataclasses.replace(self, logp_BS=logp_BS)
 
 
 @dataclass
@@ -65,8 +72,8 @@ class Targets:
     adv_BS: torch.Tensor  # float32, 0 off model tokens
     returns_BS: torch.Tensor | None  # critic targets (None without a critic)
     values_BS: torch.Tensor | None  # frozen pre-update V(s_t)
-    logp_old_BS: torch.Tensor | None  # pi_old; None under PPO-EWMA (scored per minibatch)
-    logp_policy_BS: torch.Tensor  # the policy before this step's updates (routes replayed)
+    logp_old_BS: torch.Tensor | None  # pi_old; None under PPO-EWMA (scored per minibatch) or from the update's forward
+    logp_policy_BS: torch.Tensor | None  # the policy before this step's updates (routes replayed), as Scores
     logp_ref_BS: torch.Tensor | None
     weight_BS: torch.Tensor | None  # the correction's weight (None under PPO-EWMA: per minibatch)
     keep_BS: torch.Tensor | None  # the correction's keep mask
@@ -143,7 +150,7 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
         values = state_values(scores.critic_out_BS)
         boundary = boundary_values(scores.critic_out_BS, batch.boundary_len_B)
     # pi_old: mu itself (the correction says so), the EWMA anchor (per minibatch), or the policy as
-    # scored before this step's updates
+    # scored before this step's updates (None: the update's own forward, which checks mu = pi_old itself)
     method = registry.meta("correction", p.correction)
     logp_old = batch.logp_mu_BS if method.old_is_behaviour else None if p.ewma_anchor else scores.logp_BS
     corr = None if p.ewma_anchor else correct(logp_old, batch.logp_mu_BS, batch.mask_BS, p)

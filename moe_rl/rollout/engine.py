@@ -249,6 +249,7 @@ class RolloutEngine:
         self.version = 0
         self.half_updated = False  # a weight update started and has not finished
         self.num_moe_layers = 0
+        self.route_calls = 0  # calls to the workers for captured routes (one per engine step that finished requests)
         if self.route_source == "capture":
             self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
         elif self.route_source == "vllm":
@@ -286,15 +287,22 @@ class RolloutEngine:
             self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
         return rid
 
-    def _result(self, out) -> GenerationResult:
+    def _results(self, finished: list) -> list[GenerationResult]:
+        """The requests an engine step finished; captured routes of them all in one call to the workers."""
+        captured = {}
+        if self.route_source == "capture" and finished:
+            self.route_calls += 1
+            wanted = [(o.request_id, self._meta[o.request_id][2]) for o in finished]
+            captured = self.llm.collective_rpc(_worker_pop_routes, args=(wanted,))[0]
+        return [self._result(o, captured.get(o.request_id)) for o in finished]
+
+    def _result(self, out, captured: RoutingRecord | None) -> GenerationResult:
         prompt, version, routes_from = self._meta.pop(out.request_id)
         comp = out.outputs[0]
         token_ids = list(comp.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids, strict=True)]
-        routes = None
-        if self.route_source == "capture":
-            routes = self.llm.collective_rpc(_worker_pop_routes, args=([(out.request_id, routes_from)],))[0][out.request_id]
-        elif self.route_source == "vllm" and comp.routed_experts is not None:
+        routes = captured
+        if self.route_source == "vllm" and comp.routed_experts is not None:
             routes = RoutingRecord.from_rows(moe_rows(comp.routed_experts, self.moe_hidden_layers), routes_from,
                                              route_dtype(self.num_experts))
         versions = [version] * len(token_ids)
@@ -313,13 +321,13 @@ class RolloutEngine:
             held, self._held = self._held, None
             for rid, prompt_ids, params in held:
                 self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
-        done = []
+        finished = []
         for o in self.engine.step():
             if o.finished:
-                done.append(self._result(o))
+                finished.append(o)
             else:
                 self._sampled[o.request_id] = len(o.outputs[0].token_ids)
-        return done
+        return self._results(finished)
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

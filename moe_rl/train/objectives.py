@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.algos import aggregate, losses, registry
+from moe_rl.algos import aggregate, checks, losses, registry
 from moe_rl.algos.targets import state_values
 
 
@@ -26,9 +26,12 @@ class PolicyLoss:
     the policy-gradient term only; the KL and entropy terms regularise pi_theta itself and are neither
     weighted nor rejected. D_pg is the (possibly self-normalised) denominator of the weighted term, D
     the plain one; the caller passes them as {"policy": D_pg, "regularizer": D}.
-    """
 
-    fields = ("pg_mask_BS", "loss_mask_BS", "adv_BS", "logp_old_BS", "is_weight_BS", "logp_ref_BS")
+    With `old_from_forward` (a step of one update, RunConfig.proximal_from_update) pi_old is this
+    forward's log pi_theta, detached: the same values a separate pass before the update computes, so
+    the same loss and gradients. `check_sync` then checks mu = pi_old (the checklist's sync_roles, on
+    the loss tokens) before the backward pass; mb then also carries logp_mu_BS.
+    """
 
     name: str
     clip_low: float
@@ -38,12 +41,26 @@ class PolicyLoss:
     kl_coef: float
     kl_estimator: str
     entropy_coef: float
+    old_from_forward: bool
+    check_sync: bool
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        if self.old_from_forward:
+            return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "is_weight_BS", "logp_ref_BS") + (
+                ("logp_mu_BS",) if self.check_sync else ())
+        return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "logp_old_BS", "is_weight_BS", "logp_ref_BS")
 
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
         hp = losses.PolicyLossParams(self.clip_low, self.clip_high, self.dual_clip)
         pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp"]
-        loss_BT, metrics = fn(logp, mb.logp_old_BS, mb.adv_BS, pg, hp)
+        logp_old = mb.logp_old_BS
+        if self.old_from_forward:
+            logp_old = logp.detach()
+            if self.check_sync:
+                checks.check_sync_roles(mb.logp_mu_BS, logp_old, reg)
+        loss_BT, metrics = fn(logp, logp_old, mb.adv_BS, pg, hp)
         numerators = {"policy": aggregate.loss_numerator(loss_BT, pg, self.aggregation, mb.is_weight_BS)}
         reg_BT = None
         if self.kl_coef:

@@ -257,10 +257,16 @@ class TrainWorker:
             self._recording = None
             replay.clear(self.replay_instances)
         B, S = batch.input_ids_BS.shape
+        out = self._whole(mbs, results, B, S)
+        if record_routes:
+            out["routes"] = self._gather_stage_routes(recorded, mbs, B, S)
+        return out
+
+    def _whole(self, mbs: list[Batch], results: list[dict[str, torch.Tensor]], B: int, S: int) -> dict[str, torch.Tensor]:
+        """The microbatches' per-token outputs (last stage) as [B, S] float32 tensors, on every stage."""
         out = {}
         if self.ps.is_pipeline_last_stage():
-            names = list(results[0].keys())
-            for name in names:
+            for name in results[0]:
                 full = torch.zeros(B, S, dtype=torch.float32)
                 row = 0
                 for mb, res in zip(mbs, results, strict=True):
@@ -270,10 +276,7 @@ class TrainWorker:
                     full[row:row + b, :s] = res[name][:b, :s].detach().float().cpu()
                     row += b
                 out[name] = full
-        out = self._broadcast_from_last_stage(out)
-        if record_routes:
-            out["routes"] = self._gather_stage_routes(recorded, mbs, B, S)
-        return out
+        return self._broadcast_from_last_stage(out)
 
     def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[Batch], B: int, S: int) -> torch.Tensor:
         K = self.config.moe_router_topk
@@ -337,8 +340,8 @@ class TrainWorker:
         dist.broadcast_object_list(box, src=last, group=self.ps.get_pipeline_model_parallel_group())
         return box[0]
 
-    def train_step(self, batch: Batch, loss_fn: Callable,
-                   denominator: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: Batch, loss_fn: Callable, denominator: torch.Tensor | dict[str, torch.Tensor],
+                   keep_logp: bool = False) -> dict:
         """One optimizer update on this shard.
 
         loss_fn(outputs: dict of [b, s] tensors, mb: Batch) -> (numerator, metrics dict)
@@ -346,6 +349,8 @@ class TrainWorker:
         A loss of several terms with their own denominators (e.g. an importance-weighted policy term
         and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
+        keep_logp: the result also holds "logp", the forward's log-probs before the update, [B, S]
+        (as `score` returns them), on every rank.
         """
         if self.optimizer is None:
             raise RuntimeError(f"this {self.role} model only scores (built with trains=False)")
@@ -358,9 +363,13 @@ class TrainWorker:
         # cp (it expects CP-local losses) while our CP ranks each compute the whole loss: cancel that too
         scale = len(mbs) * self.ps.get_data_parallel_world_size() / self.cp
         microbatch_metrics: list[dict[str, torch.Tensor]] = []
+        kept: list[dict[str, torch.Tensor]] = []  # keep_logp: each microbatch's, in order
 
         def loss_func(mb, output_tensor):
-            numerator, metrics = loss_fn(self._outputs(mb, output_tensor), mb)
+            outputs = self._outputs(mb, output_tensor)
+            if keep_logp:
+                kept.append({"logp": outputs["logp"].detach()})
+            numerator, metrics = loss_fn(outputs, mb)
             if has_tokens[id(mb)]:  # an empty microbatch (padding for the expert group) has no figures
                 microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
             if isinstance(numerator, dict):
@@ -395,7 +404,10 @@ class TrainWorker:
         metrics["update_ok"] = float(bool(ok))
         metrics["skipped_nonfinite"] = float(not finite)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])  # what the update used
-        return metrics | router_losses(len(mbs))
+        metrics |= router_losses(len(mbs))
+        if keep_logp:
+            metrics["logp"] = self._whole(cpu_mbs, kept, *batch.input_ids_BS.shape)["logp"]
+        return metrics
 
     def _finite(self, losses: list[dict]) -> bool:
         """Whether the loss (last pipeline stage) and every gradient on every rank of this model are

@@ -16,6 +16,7 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     engine = RolloutEngine(engine_settings(model_path, seed=0))
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
+    route_calls = engine.route_calls
     paths = sorted(p for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
     n = 0
     for p in paths:  # one bucket at a time, as a separate-process sync delivers them
@@ -48,7 +49,7 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     return {"before": before, "after": after, "restored": restored, "synced_tensors": n,
             "checkpoint_tensors": len(reader.names()), "buckets": len(paths),
             "turn2": turn2, "turn2_start": start, "whole": whole,
-            "layers": engine.num_moe_layers, "refused": refused}
+            "layers": engine.num_moe_layers, "refused": refused, "route_calls_before": route_calls}
 
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):

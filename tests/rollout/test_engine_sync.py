@@ -51,6 +51,9 @@ def test_routing_record_covers_every_computed_position(synced):
         assert rec.computed_P.all() and rec.experts_PLK.shape[0] == n - 1
         routes, tail = rec.to_replay(n, top_k=2)
         assert routes.shape == (n, gen["layers"], 2) and tail == 1
+    # the routes of the requests an engine step finished come back in one call (requests started together
+    # finish in the same step when they have as many tokens)
+    assert gen["route_calls_before"] == len({len(r.token_ids) for r in gen["before"]})
 
 
 def test_vllm_logprobs_match_megatron_with_replayed_routes(synced):

@@ -3,7 +3,16 @@ TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
-from train_jobs import B, S, batch_tensors, critic_job, critic_returns, hf_roundtrip_job, layout_job, reward_model_job
+from train_jobs import (
+    B,
+    S,
+    batch_tensors,
+    critic_job,
+    critic_returns,
+    hf_roundtrip_job,
+    layout_job,
+    reward_model_job,
+)
 
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.weights.hf import HFReader

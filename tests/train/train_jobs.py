@@ -285,3 +285,32 @@ def reward_model_job(rank, world, hf_path, layout):
     w = TrainWorker(spec, role="critic", optim=optim_settings(1e-3), value_head_from=hf_path, trains=False)
     ids, lengths, _, _ = batch_tensors()
     return boundary_values(w.score(Batch(ids, lengths))["values"], lengths)
+
+
+def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
+    """One policy update on this rank's shard (DP = world), routes replayed: pi_old scored first by a
+    forward of its own (from_forward=False) or taken from the update's own forward (True: keep_logp,
+    and mu = pi_old checked before the backward pass; mu is pi_old + mu_offset on model tokens)."""
+    import dataclasses
+
+    from moe_rl.algos.checks import BatchCheckError
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    routes = w.score(Batch(ids, lengths), record_routes=True)["routes"]
+    logp = w.score(Batch(ids, lengths, routes))["logp"]  # pi_old as the separate pass scores it
+    loss = dataclasses.replace(POLICY, old_from_forward=from_forward, check_sync=from_forward)
+    rows = parallel.dp_rows(B, rank, world)
+    shard = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=adv, logp_old_BS=logp,
+                  is_weight_BS=torch.ones(B, S), logp_mu_BS=logp + mu_offset * mask).rows(rows).only(loss.fields)
+    before = [p.detach().clone() for p in w.module.parameters()]
+    try:
+        step = w.train_step(shard, loss, Denominator(mask), keep_logp=from_forward)
+    except BatchCheckError as err:
+        return {"refused": str(err), "untouched": all(torch.equal(a, p) for a, p in zip(before, w.module.parameters(), strict=True))}
+    params = [p.detach().clone() for p in w.module.parameters()]
+    return {"step": step, "scored": logp[rows], "params": params, "fields": loss.fields,
+            "moved": sum(not torch.equal(a, p) for a, p in zip(before, params, strict=True))}

@@ -23,7 +23,14 @@ import inspect
 import math
 from dataclasses import dataclass
 
-from moe_rl.rollout.envs import EnvContext, EnvImportError, Environment, StepResult, import_object, register_env
+from moe_rl.rollout.envs import (
+    EnvContext,
+    EnvImportError,
+    Environment,
+    StepResult,
+    import_object,
+    register_env,
+)
 
 ROLES = ("system", "user", "assistant")
 
