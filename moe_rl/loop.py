@@ -234,8 +234,10 @@ def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict]
     if "best_eval_step" in summary:
         best = summary["best_eval_step"]
         ckpt = out / "checkpoints" / f"step_{best:06d}"
-        lines.append(f"best evaluation: step {best} (held-out reward {evals[best]['eval/reward_mean']:.3f}; "
-                     f"checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
+        reward, before = evals[best]["eval/reward_mean"], evals.get(0, {}).get("eval/reward_mean", float("-inf"))
+        lines.append(f"best evaluation: step {best} (held-out reward {reward:.3f}"
+                     + (f", below the {before:.3f} before RL" if before > reward else "")
+                     + f"; checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
     if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
         lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
                      f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")

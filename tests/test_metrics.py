@@ -126,3 +126,17 @@ def test_evaluation_figures_count_lost_samples_as_failures():
     assert figures["eval/reward_mean"] == pytest.approx(2.1 / 3) and figures["eval/rejected"] == 1
     nothing = evaluation_figures([], prompts=2, samples=2)
     assert math.isnan(nothing["eval/reward_mean"]) and nothing["eval/pass@2"] == 0.0
+
+
+def test_the_closing_lines_name_the_best_step_and_say_when_rl_ended_below_the_start(tmp_path, capsys):
+    from moe_rl.loop import report
+
+    def ev(r):
+        return {"eval/reward_mean": r, "eval/success_rate": r}
+
+    report(tmp_path, {}, {0: ev(0.3), 5: ev(0.25), 10: ev(0.2)}, [], 10)
+    out = capsys.readouterr().out
+    assert "best evaluation: step 5 (held-out reward 0.250, below the 0.300 before RL; checkpoint not kept)" in out
+    assert "held-out reward: 0.300 -> 0.200   success rate: 0.300 -> 0.200" in out
+    report(tmp_path, {}, {0: ev(0.1), 5: ev(0.25)}, [], 5)
+    assert "best evaluation: step 5 (held-out reward 0.250; checkpoint not kept)" in capsys.readouterr().out
