@@ -143,6 +143,13 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(dump_yaml(cfg))
     torch.manual_seed(cfg.run.seed)
+    t0 = t = time.perf_counter()
+    took = {}  # the start-up's phases, in seconds
+
+    def phase(name: str) -> None:
+        nonlocal t
+        took[name], t = time.perf_counter() - t, time.perf_counter()
+
     path = cfg.model.path
     if not path:
         from moe_rl.tiny import build_tiny_checkpoint
@@ -150,21 +157,27 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
     if cfg.reward_model.path:
         check_same_tokens(path, cfg.reward_model.path)
-    t = time.perf_counter()
+    phase("model")
     say("preparing the fused GAE kernel (compiled once per machine, then cached)")
     say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
         f"({time.perf_counter() - t:.1f} s)")
+    phase("GAE kernel")
     say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     cluster.start_ray(cfg)
+    phase("Ray")
     place = cluster.Placement(cfg, cfg.actors)
     models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
     models.started()  # the trainer ranks and the engines start side by side: wait for them all
+    phase("trainer ranks")
     rollouts.started()
+    phase("engines (beyond the ranks)")
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)}"]))
     rollouts.connect(models.policy)
+    phase("weight-sync connect")
     say(f"weight sync: {cfg.rollout.weight_transfer}")
+    say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()) + ")")
     return models, rollouts
 
 
