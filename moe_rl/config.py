@@ -370,7 +370,8 @@ class TrainerSection:
     # pi_old, the PPO ratio's anchor, is the policy before the step's updates. "auto": when a step makes
     # one update (epochs=1, minibatches=1, algorithm.anchor=old, a correction that does not weight by
     # pi_old / mu: none or bypass, the policy training from step 0) it is the update's own forward,
-    # detached: one forward pass fewer per step, the same loss and gradients. "separate": always a forward pass of its own before the update.
+    # detached: one forward pass fewer per step, the same loss and gradients. "separate": always a
+    # forward pass of its own before the update.
     proximal_pass: Literal["auto", "separate"] = "auto"
 
     def check(self) -> None:
