@@ -130,12 +130,12 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     from moe_rl.algos import aggregate
     from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
-    from moe_rl.config import RunConfig
+    from moe_rl.config import RunConfig, TrainerSection
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    cfg = RunConfig()
+    cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))  # the PPO step is given pi_old
     spec = dataclasses.replace(settings.model_spec(cfg, hf_path), dtype="bfloat16")
     optim = dataclasses.replace(settings.optim_settings(cfg, cfg.trainer.lr),
                                 micro_batch_tokens=plan.micro_batch_tokens)

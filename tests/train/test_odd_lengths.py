@@ -19,7 +19,7 @@ def odd_job(rank, world, hf_path, layout):
 
     from moe_rl import settings
     from moe_rl.batch import Batch
-    from moe_rl.config import RunConfig
+    from moe_rl.config import RunConfig, TrainerSection
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
@@ -37,7 +37,8 @@ def odd_job(rank, world, hf_path, layout):
     rows = slice(dp * B // dps, (dp + 1) * B // dps)
     full = Batch(ids, lengths, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=torch.randn(B, S, generator=g) * mask,
                  logp_old_BS=out[False]["logp"], is_weight_BS=torch.ones(B, S))
-    loss = settings.policy_loss(RunConfig())  # PPO-Clip, token mean, as configured by default
+    # PPO-Clip, token mean, as configured by default; pi_old given (scored by a pass of its own)
+    loss = settings.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
     out["step"] = w.train_step(full.rows(rows), loss, {"policy": mask.sum().double()})
     return out
 

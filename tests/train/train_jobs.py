@@ -5,7 +5,7 @@ from conftest import model_spec, optim_settings
 
 from moe_rl import settings
 from moe_rl.batch import Batch
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, TrainerSection
 
 B, S = 4, 12
 
@@ -21,8 +21,8 @@ def batch_tensors(seed: int = 0):
 
 
 # production's policy loss as configured by default (PPO-Clip, token mean, eps 0.2) and the loop's
-# global denominator
-POLICY = settings.policy_loss(RunConfig())
+# global denominator; pi_old is given (logp_old_BS, off the current policy), as a separate pass scores it
+POLICY = settings.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
 
 
 def policy_loss():
