@@ -61,15 +61,13 @@ class PolicyGroup(TrainerGroup):
                 mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
                                          pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
             denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
-            if not float(denominators["policy"]) > 0:  # nothing kept (or NaN): a skip, never an epsilon
+            trained = float(denominators["policy"]) > 0
+            if trained:
+                updates.append(self.train(mb, self.loss, denominators, keep_logp=logp is not None))
+            else:  # nothing kept (or NaN): a skip, never an epsilon
                 skipped += 1
-                if logp is not None:  # no update to take pi_old from
-                    kept = self.score(mb.model_inputs())["logp"]
-                    logp[rows, :kept.shape[1]] = kept
-                continue
-            updates.append(self.train(mb, self.loss, denominators, keep_logp=logp is not None))
-            if logp is not None:
-                kept = updates[-1].pop("logp")
+            if logp is not None:  # pi_old from the update's forward, or (no update) a pass of its own
+                kept = updates[-1].pop("logp") if trained else self.score(mb.model_inputs())["logp"]
                 logp[rows, :kept.shape[1]] = kept
         out = role_figures("policy", updates)
         out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean

@@ -46,10 +46,10 @@ class PolicyLoss:
 
     @property
     def fields(self) -> tuple[str, ...]:
-        if self.old_from_forward:
-            return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "is_weight_BS", "logp_ref_BS") + (
-                ("logp_mu_BS",) if self.check_sync else ())
-        return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "logp_old_BS", "is_weight_BS", "logp_ref_BS")
+        own = ("logp_mu_BS",) if self.check_sync else ()  # pi_old is this forward; mu to check it against
+        if not self.old_from_forward:
+            own = ("logp_old_BS",)
+        return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "is_weight_BS", "logp_ref_BS", *own)
 
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
