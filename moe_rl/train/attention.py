@@ -73,13 +73,38 @@ class SdpaAttention(MegatronModule):
 
     def _packed(self, query, key, value, params):
         """THD: query/key/value [t, heads, head_dim], sequences at params.cu_seqlens_q; each attends
-        causally within itself only. Returns [t, heads * head_dim]."""
+        causally within itself only. Returns [t, heads * head_dim].
+
+        Sequences of similar length run as one batched call: scattered into rows of the longest
+        length, padding at each row's end (a causal query never reaches the keys after it, so the
+        padding needs no mask); where that would more than double the attention's work (lengths far
+        apart), one call per sequence."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SdpaAttention: packed format {params.qkv_format!r}; only 'thd'")
         t, heads, hn = query.shape
         bounds = params.cu_seqlens_q.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        longest = max(lengths, default=0)
+        if self.causal and len(lengths) > 1 and len(lengths) * longest**2 <= 2 * sum(n * n for n in lengths):
+            return self._padded(query, key, value, lengths, longest).reshape(t, heads * hn)
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
             outs.append(self._sdpa(q, k, v, None, self.causal)[0].transpose(0, 1))  # [n, h, d]
         return torch.cat(outs).reshape(t, heads * hn)
+
+    def _padded(self, query, key, value, lengths: list[int], longest: int) -> torch.Tensor:
+        """The packed sequences (lengths, summing to t) as [n, longest] rows through one causal call;
+        [t, heads, head_dim] back in packed order."""
+        n, t = len(lengths), query.shape[0]
+        counts = torch.tensor(lengths, device=query.device)
+        starts = torch.cumsum(counts, 0) - counts
+        row = torch.repeat_interleave(torch.arange(n, device=query.device), counts)
+        slot = row * longest + torch.arange(t, device=query.device) - starts[row]  # token -> row-major slot
+
+        def rows(x):  # [t, h, d] -> [n, h, longest, d]
+            out = x.new_zeros(n * longest, *x.shape[1:]).index_copy(0, slot, x)
+            return out.view(n, longest, *x.shape[1:]).transpose(1, 2)
+
+        out = self._sdpa(rows(query), rows(key), rows(value), None, True)  # [n, h, longest, d]
+        return out.transpose(1, 2).reshape(n * longest, *query.shape[1:])[slot]

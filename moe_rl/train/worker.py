@@ -20,6 +20,7 @@ factor also divides out the cp megatron multiplies in.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -205,10 +206,11 @@ class TrainWorker:
 
         def step(data_iterator, model):
             mb = next(data_iterator)
-            out = self._forward(mb, model)
+            with native_torch(self.cp):
+                out = self._forward(mb, model)
             if loss_func is not None:
-                return out, partial(loss_func, mb)
-            return out, lambda o, non_loss_data=False: self._outputs(mb, o)
+                return out, partial(native, self.cp, loss_func, mb)
+            return out, lambda o, non_loss_data=False: native(self.cp, self._outputs, mb, o)
 
         S = max(int(mb.input_ids_BS.shape[1]) for mb in microbatches)
         B = max(int(mb.input_ids_BS.shape[0]) for mb in microbatches)
@@ -420,6 +422,17 @@ class TrainWorker:
         bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums else torch.zeros(1, device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
+
+
+def native_torch(cp: int):
+    """cpu_compat.native_torch, except under context parallelism (megatron's rotary embedding asks
+    for pinned memory there, which CudaToCpu drops)."""
+    return cpu_compat.native_torch() if cp == 1 else contextlib.nullcontext()
+
+
+def native(cp: int, fn, *args):
+    with native_torch(cp):
+        return fn(*args)
 
 
 def router_losses(microbatches: int) -> dict[str, float]:
