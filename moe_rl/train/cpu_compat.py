@@ -12,7 +12,9 @@ optimizer_step without Transformer Engine, CUDA or not; none on a GPU with TE.
   cuda_streams       torch.cuda.Stream/Event/current_stream/synchronize and Tensor.record_stream as
                      no-ops (MoE dispatchers, DDP and the optimizer create them)
   cuda_device        torch.cuda.current_device() -> "cpu" (used as a device in many places, some inside
-                     autograd backward); a TorchFunctionMode maps device="cuda" literals to cpu
+                     autograd backward); a TorchFunctionMode maps device="cuda" literals to cpu.
+                     `native_torch` lifts it for a model's forward and loss (its one literal there,
+                     the CP rotary index's pinned memory, keeps it: `_rope_cp_index`)
   te_names           names megatron imports from Transformer Engine / apex bound to None
   optimizer_type     the optimizer asserts param.type() == 'torch.cuda.FloatTensor'
   gloo_all_to_all    gloo's all_to_all_single wants split sizes as lists, the dispatcher passes tensors
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -196,13 +199,35 @@ def _cuda_device() -> None:
     torch.nn.Module.cuda = lambda self, *a, **k: self
     _MODE = CudaToCpu()
     _MODE.__enter__()  # process-wide, for megatron's literal device="cuda" factories
+    _rope_cp_index()
+
+
+def _rope_cp_index() -> None:
+    """The context-parallel rotary embedding builds its index with pin_memory=True inside the forward,
+    where `native_torch` lifts the mode: that function runs under a CudaToCpu of its own, wherever
+    megatron imported it."""
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+
+    @functools.wraps(original)
+    def rewritten(*args, **kwargs):
+        with CudaToCpu():
+            return original(*args, **kwargs)
+
+    for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        mod.get_pos_emb_on_this_cp_rank = rewritten
 
 
 @contextlib.contextmanager
 def native_torch():
     """The block's torch calls skip CudaToCpu: a Python hook on every torch call costs a few
     microseconds each, and a model's forward makes thousands (about 3,400 calls per training step at
-    quickstart size, a fifth of its time). Used around the model's forward and the loss: megatron's
+    quickstart size, a tenth of its time). Used around the model's forward and the loss: megatron's
     literal device="cuda" factories sit in its schedules and optimizer, outside the block."""
     from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 
@@ -212,6 +237,17 @@ def native_torch():
         return
     with _pop_mode_temporarily():
         yield
+
+
+def natively(fn: Callable) -> Callable:
+    """`fn` with its torch calls under `native_torch`."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with native_torch():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ factor also divides out the cp megatron multiplies in.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -204,13 +203,15 @@ class TrainWorker:
         fb = get_forward_backward_func()
         self._packings = {}  # per call: keyed by the microbatches of this call, alive until it returns
 
+        outputs = cpu_compat.natively(self._outputs)
+
         def step(data_iterator, model):
             mb = next(data_iterator)
-            with native_torch(self.cp):
+            with cpu_compat.native_torch():
                 out = self._forward(mb, model)
             if loss_func is not None:
-                return out, partial(native, self.cp, loss_func, mb)
-            return out, lambda o, non_loss_data=False: native(self.cp, self._outputs, mb, o)
+                return out, cpu_compat.natively(partial(loss_func, mb))
+            return out, lambda o, non_loss_data=False: outputs(mb, o)
 
         S = max(int(mb.input_ids_BS.shape[1]) for mb in microbatches)
         B = max(int(mb.input_ids_BS.shape[0]) for mb in microbatches)
@@ -422,17 +423,6 @@ class TrainWorker:
         bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums else torch.zeros(1, device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
-
-
-def native_torch(cp: int):
-    """cpu_compat.native_torch, except under context parallelism (megatron's rotary embedding asks
-    for pinned memory there, which CudaToCpu drops)."""
-    return cpu_compat.native_torch() if cp == 1 else contextlib.nullcontext()
-
-
-def native(cp: int, fn, *args):
-    with native_torch(cp):
-        return fn(*args)
 
 
 def router_losses(microbatches: int) -> dict[str, float]:
