@@ -8,7 +8,7 @@ setup:
 	@bash tools/setup_env.sh
 
 quickstart: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/moe-rl train configs/quickstart.yaml
+	$(VENV)/bin/moe-rl train configs/quickstart.yaml
 
 test: setup
 	@bash tools/setup_slurm.sh

@@ -4,8 +4,9 @@
 #
 #   launch/local.sh configs/quickstart.yaml run.steps=50
 #
-# Knobs: MOE_RL_VENV (default: the checkout's .venv), OMP_NUM_THREADS (default 1: trainer ranks and
-# engines share the cores), MOE_RL_LOG (default runs/<time>.log; the console shows it too),
+# Knobs: MOE_RL_VENV (default: the checkout's .venv), OMP_NUM_THREADS (unset: each trainer rank and
+# engine computes with its share of the cores, cluster.trainer_threads / engine_threads; set: at most
+# that many threads each), MOE_RL_LOG (default runs/<time>.log; the console shows it too),
 # MOE_RL_RETRIES (default 0: after a process died or hung, run again from the last checkpoint up to
 # this many times; launch/retry.sh).
 set -euo pipefail
@@ -16,7 +17,7 @@ VENV=${MOE_RL_VENV:-$REPO/.venv}
 LOG=${MOE_RL_LOG:-$REPO/runs/$(date +%Y%m%d-%H%M%S).log}
 [ -x "$VENV/bin/moe-rl" ] || { echo "launch/local.sh: no environment at $VENV (run: make setup)" >&2; exit 1; }
 mkdir -p "$(dirname "$LOG")"
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 cd "$REPO"
 source "$REPO/launch/retry.sh"
 for attempt in $(seq 0 "$RETRIES"); do

@@ -166,6 +166,49 @@ def _free_address() -> tuple[str, int]:
 _node_address = ray.remote(num_cpus=0)(_free_address)
 
 
+def thread_counts(bundles: list[tuple[str, str]], node_cpus: dict[str, float], engine_workers: int, overlap: bool,
+                  cap: int | None = None) -> list[int]:
+    """CPU threads for the process(es) of each bundle [(role, node)]: the node's CPUs divided among the
+    processes computing at the same time there, at least 1, at most `cap`.
+
+    A model's ranks compute together, one model at a time (the driver scores and trains the policy,
+    critic, reference and reward model one after another); an engine is `engine_workers` processes
+    (rollout.engine_tp), and a node's engines generate together. Synchronous runs (`overlap` False)
+    alternate generation and training, so a rank shares its node with its own model's ranks there, an
+    engine with the engines' processes there; asynchronous runs train while the engines generate, and
+    both count.
+
+        thread_counts([("policy", "n"), ("critic", "n"), ("engine", "n")], {"n": 4}, 1, False) == [4, 4, 4]
+        thread_counts([("policy", "n"), ("critic", "n"), ("engine", "n")], {"n": 4}, 1, True) == [2, 2, 2]
+    """
+    procs: dict[str, Counter] = {}
+    for role, node in bundles:
+        procs.setdefault(node, Counter())[role] += engine_workers if role == "engine" else 1
+    out = []
+    for role, node in bundles:
+        here = procs[node]
+        if role == "engine":
+            sharers = here["engine"] + overlap * max((n for r, n in here.items() if r != "engine"), default=0)
+        else:
+            sharers = here[role] + overlap * here["engine"]
+        n = max(1, int(node_cpus[node] // sharers))
+        out.append(n if cap is None else min(n, cap))
+    return out
+
+
+def use_threads(n: int) -> None:
+    """This process computes with n CPU threads (torch intra-op and OpenMP, read again by libraries that
+    start later, e.g. vLLM's CPU worker)."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def thread_cap() -> int | None:
+    """OMP_NUM_THREADS of the driver's environment, where set: the most threads automatic counts give."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, int(value)) if value.isdigit() else None
+
+
 class Placement:
     """The run's placement group: one bundle per trainer rank and per engine, in the order given.
 
@@ -204,6 +247,23 @@ class Placement:
         if not ready:
             raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
                                f"cluster resources: {ray.cluster_resources()}")
+        self.threads = self._threads(cfg, [role for role, n in counts.items() for _ in range(n)])
+
+    def _threads(self, cfg: RunConfig, roles: list[str]) -> list[int]:
+        """Each bundle's CPU threads: cluster.trainer_threads / engine_threads, or `thread_counts` over
+        the nodes Ray placed the bundles on."""
+        from ray.util.placement_group import placement_group_table
+
+        on = placement_group_table(self.pg)["bundles_to_node_id"]
+        cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["Alive"]}
+        auto = thread_counts([(role, on[i]) for i, role in enumerate(roles)], cpus, cfg.rollout.engine_tp,
+                             cfg.rollout.async_mode, thread_cap())
+        given = {"engine": cfg.cluster.engine_threads}
+        return [given.get(role, cfg.cluster.trainer_threads) or n for role, n in zip(roles, auto, strict=True)]
+
+    def threads_of(self, role: str, i: int) -> int:
+        """CPU threads of the role's i-th actor (an engine: of each of its workers)."""
+        return self.threads[self.slots[role][i]]
 
     def options(self, role: str, i: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -223,14 +283,14 @@ class RankActor:
     forward and update) plus the EWMA anchor, weight export and checkpoint I/O of that rank."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
-                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+                 threads: int, load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
         from moe_rl.train import parallel
 
         # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
         device = parallel.local_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids())
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if device is None else device),
                           MASTER_ADDR=addr, MASTER_PORT=str(port))
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        use_threads(threads)
         from moe_rl.train.worker import TrainWorker
 
         parallel.init_distributed(layout)
@@ -240,8 +300,9 @@ class RankActor:
                                   value_head_from=value_head_from, trains=trains)
         self.anchor = None
 
-    def node(self) -> str:
-        return ray.util.get_node_ip_address()
+    def placed(self) -> tuple[str, int]:
+        """(this rank's node IP, its CPU threads)."""
+        return ray.util.get_node_ip_address(), torch.get_num_threads()
 
     def score(self, batch, record_routes: bool = False, anchor: bool = False):
         if anchor and self.anchor is not None:
@@ -362,20 +423,21 @@ class TrainerGroup:
         layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
         world = par.world_size
         addr, port = place.address(slot)
-        self.actors = [RankActor.options(**place.options(slot, r)).remote(r, world, addr, port, spec, role, optim, seed,
-                                                                         layout, load_weights, value_head_from, trains)
-                       for r in range(world)]
+        self.actors = [RankActor.options(**place.options(slot, r)).remote(
+            r, world, addr, port, spec, role, optim, seed, layout, place.threads_of(slot, r), load_weights,
+            value_head_from, trains) for r in range(world)]
         self.dp = par.dp
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
-        self._nodes = [a.node.remote() for a in self.actors]  # answered once each rank has built its model
+        self._placed = [a.placed.remote() for a in self.actors]  # answered once each rank has built its model
         self.nodes: list[str] = []
+        self.threads: list[int] = []  # each rank's CPU threads
         self.route_bytes = self.new_route_counters()
 
     def started(self) -> None:
         """Wait until every rank has started (its model built and loaded)."""
-        self.nodes = self._gather("start", self._nodes)
+        self.nodes, self.threads = map(list, zip(*self._gather("start", self._placed), strict=True))
 
     def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
         """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""
@@ -501,13 +563,14 @@ class RolloutActor:
     update arriving meanwhile runs between engine steps (in-flight conversations pause, then resume
     with the new weights; each trajectory keeps the version it started with)."""
 
-    def __init__(self, settings, agent_settings, env):
+    def __init__(self, settings, agent_settings, env, threads: int):
+        use_threads(threads)  # before vLLM starts: its CPU worker refuses later changes
         from transformers import AutoTokenizer
 
         from moe_rl.rollout.agent import Agent
         from moe_rl.rollout.engine import RolloutEngine
 
-        self.engine = RolloutEngine(settings)
+        self.engine = RolloutEngine(settings, threads)
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         self.agent = Agent(self.engine, tok, env, agent_settings)  # env: rollout.envs.EnvSpec
         self.top_k = self.engine.top_k
@@ -583,5 +646,5 @@ class RolloutActor:
     def info(self) -> dict:
         return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts, "moe_layers": self.engine.num_moe_layers,
                 "version": self.engine.version,
-                "node": ray.util.get_node_ip_address(),
+                "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),
                 "workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size}

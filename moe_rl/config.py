@@ -462,10 +462,19 @@ class ClusterSection:
     # the GPU nodes the run is meant for: `moe-rl plan` and `check-config --assume-cuda` size it against them
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
+    # CPU threads (torch intra-op, OpenMP) of each trainer rank and of each engine worker; null: the
+    # node's CPUs (as Ray counts them) divided among the processes that compute at the same time there
+    # (synchronous runs alternate a model's ranks and the engines, asynchronous runs overlap them), at
+    # most OMP_NUM_THREADS where the driver's environment sets it
+    trainer_threads: int | None = None
+    engine_threads: int | None = None
 
     def check(self) -> None:
         if self.num_cpus is not None:
             positive("cluster.num_cpus", self.num_cpus)
+        for name in ("trainer_threads", "engine_threads"):
+            if getattr(self, name) is not None:
+                positive(f"cluster.{name}", getattr(self, name))
         positive("cluster.gpus_per_node", self.gpus_per_node)
         in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)

@@ -172,13 +172,20 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     phase("trainer ranks")
     rollouts.started()
     phase("engines (beyond the ranks)")
-    say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)}" for k, g in models.groups().items()]
-                                  + [f"engines on {', '.join(rollouts.nodes)}"]))
+    say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})" for k, g in models.groups().items()]
+                                  + [f"engines on {', '.join(rollouts.nodes)} ({threads(rollouts.threads)})"]))
     rollouts.connect(models.policy)
     phase("weight-sync connect")
     say(f"weight sync: {cfg.rollout.weight_transfer}")
     say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()) + ")")
     return models, rollouts
+
+
+def threads(counts: list[int]) -> str:
+    """'2 threads each', or each process's count where they differ."""
+    if len(set(counts)) == 1:
+        return f"{counts[0]} thread{'s' if counts[0] > 1 else ''}{' each' if len(counts) > 1 else ''}"
+    return "threads " + ", ".join(map(str, counts))
 
 
 def check_same_tokens(policy_path: str, reward_model_path: str) -> None:

@@ -166,12 +166,12 @@ class Rollouts:
         """Wait until every engine has started (vLLM loaded its model)."""
         infos = self._gather("start", self._infos)
         self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
-        self.workers = [i["workers"] for i in infos]
+        self.workers, self.threads = [i["workers"] for i in infos], [i["threads"] for i in infos]
 
     def _start_engine(self, i: int):
         cfg = self.cfg
         return RolloutActor.options(**self.place.options("engine", i)).remote(
-            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env)
+            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env, self.place.threads_of("engine", i))
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""

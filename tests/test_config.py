@@ -52,6 +52,7 @@ def test_out_of_range():
     assert _err(["algorithm.dual_clip=0.5"]).startswith("algorithm.dual_clip: 0.5 must be > 1")
     assert _err(["run.steps=0"]).startswith("run.steps:")
     assert _err(["model.tiny.head_dim=16"]).startswith("model.tiny.head_dim:")
+    assert _err(["cluster.trainer_threads=0"]) == "cluster.trainer_threads: 0 must be a positive integer"
 
 
 def test_unregistered_method_names_are_rejected_with_choices():

