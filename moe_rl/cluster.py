@@ -7,8 +7,8 @@ Colocated (the default) bundles reserve almost no CPU, so trainers and engines t
 box; separate placement gives each actor a CPU (and a GPU where there is one).
 
 Inside a trainer group, torch.distributed (gloo on CPU, NCCL on GPU) connects the ranks through rank
-0's node. Weight sync writes safetensors buckets to each trainer node's /dev/shm; an engine on the
-same node reads the files, an engine on another node receives the bytes through Ray's object store.
+0's node. Weight sync puts each rank's buckets in Ray's object store: an engine on the same node reads
+them where they lie (shared memory, no copy), an engine on another node receives them from Ray.
 """
 
 from __future__ import annotations
@@ -340,34 +340,27 @@ class RankActor:
 
         self.anchor = EwmaAnchor(self.worker.local_params(), beta)
 
-    def export_weights(self, directory: str, bucket_mb: float) -> list[str]:
-        """Write the tensors this rank owns (each (pp, ep) shard once) as buckets in `directory` on this
-        node; all ranks take part (TP shards are gathered)."""
+    def export_weights(self, bucket_mb: float) -> list:
+        """The tensors this rank owns (each (pp, ep) shard once) as buckets in Ray's object store
+        (weights.sync.as_buffers), a ref each; all ranks take part (TP shards are gathered). The store
+        frees a bucket once the engines have loaded it and the driver lets go of its ref."""
         from moe_rl.train.hf_io import export_hf_weights
-        from moe_rl.weights.sync import buckets, write_bucket
+        from moe_rl.weights.sync import as_buffers, buckets
 
         offloaded = self.worker.offloaded  # a replacement engine's weights, asked for during a rollout
         if offloaded:
             self.onload()
         try:
             named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
-            mine = os.path.join(directory, f"rank{self.rank:05d}")  # ranks on one node share `directory`
-            paths = []
+            refs = []
             for i, b in enumerate(buckets(named, bucket_mb)):
-                paths.append(str(write_bucket(b, mine, i)))
+                refs.append(ray.put(as_buffers(b)))  # copied into the store here: the weights may change after
                 if i == 0:
                     failpoint("trainer_export")  # once per export, after its first bucket
-            return paths
+            return refs
         finally:
             if offloaded:
                 self.offload()
-
-    def bucket_bytes(self, path: str) -> bytes:
-        """A bucket's bytes, for an engine on another node."""
-        return open(path, "rb").read()
-
-    def drop_weights(self, directory: str) -> None:
-        shutil.rmtree(directory, ignore_errors=True)
 
     def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int]) -> None:
         """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export)."""
@@ -439,18 +432,9 @@ class TrainerGroup:
         """Wait until every rank has started (its model built and loaded)."""
         self.nodes, self.threads = map(list, zip(*self._gather("start", self._placed), strict=True))
 
-    def export_weights(self, directory: str, bucket_mb: float) -> list[tuple[str, str, object]]:
-        """[(node IP, bucket path, writer actor)] for the whole model, written on the ranks' nodes."""
-        paths = self.call("export_weights", directory, bucket_mb)
-        return [(node, p, a) for node, a, ps in zip(self.nodes, self.actors, paths, strict=True) for p in ps]
-
-    @staticmethod
-    def buckets_for(exported: list[tuple[str, str, object]], node: str) -> list:
-        """What an engine on `node` reads: paths on its own node, object refs to the bytes otherwise."""
-        return [p if n == node else a.bucket_bytes.remote(p) for n, p, a in exported]
-
-    def drop_weights(self, directory: str) -> None:
-        self.call("drop_weights", directory)
+    def export_weights(self, bucket_mb: float) -> list:
+        """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks."""
+        return [ref for refs in self.call("export_weights", bucket_mb) for ref in refs]
 
     def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int]) -> None:
         """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker."""
@@ -601,37 +585,29 @@ class RolloutActor:
         return [t for g in groups for t in g], agent.stats
 
     async def update_weights(self, buckets: list, version: int) -> int:
-        """Load weight buckets: paths on this node (files stay for the other engines; the trainers
-        remove them), or refs to bucket bytes from trainers on other nodes. The bytes are fetched
-        first; the update itself is one engine call between two engine steps (in-flight conversations
-        pause, never see half-updated weights, and resume with the new version)."""
-        from moe_rl.weights.sync import read_bucket
+        """Load weight buckets: refs to them in Ray's object store (TrainerGroup.export_weights), read
+        where they lie on this node, received from other nodes. They are fetched first; the update
+        itself is one engine call between two engine steps (in-flight conversations pause, never see
+        half-updated weights, and resume with the new version)."""
+        from moe_rl.weights.sync import from_buffers, shm_dir, write_bucket
 
-        sources = [await b if isinstance(b, ray.ObjectRef) else b for b in buckets]
+        sources = [await b for b in buckets]
         if self.engine.settings.tensor_parallel_size == 1:  # the engine's one worker is this process
             def tensors():
                 for k, src in enumerate(sources):
                     if k == len(sources) // 2:
                         failpoint("engine_update")  # halfway: some layers new, the rest old
-                    yield from read_bucket(src, delete=False)
+                    yield from from_buffers(src)
 
             return self.engine.update_weights(tensors(), version)
-        # tensor parallel: the engine's workers are processes of their own, and read files; bytes from
-        # trainers on other nodes are written on this node first, and removed after the update
-        from moe_rl.weights.sync import shm_dir
-
-        paths, written = [], []
-        for i, src in enumerate(sources):
-            if isinstance(src, bytes):
-                written.append(shm_dir() / f"moe_rl_remote_{os.getpid()}_{version}_{i}.safetensors")
-                written[-1].write_bytes(src)
-                src = written[-1]
-            paths.append(str(src))
+        # tensor parallel: the engine's workers are processes of their own, and read files on this node
+        # (written here, removed after the update)
+        directory = shm_dir() / f"moe_rl_update_{os.getpid()}_{version}"
         try:
+            paths = [str(write_bucket(from_buffers(src), directory, i)) for i, src in enumerate(sources)]
             return self.engine.update_weights_from_files(paths, version)
         finally:
-            for path in written:
-                path.unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
 
     def sleep(self) -> None:
         self.engine.sleep()

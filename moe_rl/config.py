@@ -155,11 +155,11 @@ class RolloutSection:
     # where routes come from: vLLM's own routed-experts output (GPU builds), our router capture hook
     # (CPU), or auto (vllm with CUDA, capture without)
     route_source: Literal["auto", "vllm", "capture"] = "auto"
-    # how the trainer's weights reach the engines: files (safetensors buckets in /dev/shm, the object
-    # store across nodes; everywhere), or vLLM's weight transfer from trainer rank 0 (CUDA): nccl (a
-    # broadcast; trainer rank 0 and the engines on different GPUs; any layout) or ipc (CUDA IPC
-    # handles; trainer and engine share GPUs; pp=1, ep=1)
-    weight_transfer: Literal["files", "nccl", "ipc"] = "files"
+    # how the trainer's weights reach the engines: store (buckets through Ray's object store: shared
+    # memory on a node, read without a copy, sent between nodes; everywhere), or vLLM's weight transfer
+    # from trainer rank 0 (CUDA): nccl (a broadcast; trainer rank 0 and the engines on different GPUs;
+    # any layout) or ipc (CUDA IPC handles; trainer and engine share GPUs; pp=1, ep=1)
+    weight_transfer: Literal["store", "nccl", "ipc"] = "store"
     # Asynchronous mode: rollouts continue while the trainer trains, at most `max_staleness` versions old
     # (>= 1: a rollout that overlaps a training step is at least one version old).
     async_mode: bool = False
@@ -180,7 +180,7 @@ class RolloutSection:
     sleep_engines: bool = False
     # an engine that dies (or whose weight update fails) is replaced on its resources with the current
     # weights and its lost work regenerated; this many failures of one engine in a row stop the run.
-    # null: 3 with weight_transfer=files, 0 with nccl | ipc (a replacement cannot join vLLM's transfer
+    # null: 3 with weight_transfer=store, 0 with nccl | ipc (a replacement cannot join vLLM's transfer
     # group mid-run: the run stops and a launcher retry resumes it from the last checkpoint)
     max_engine_restarts: int | None = None
 
@@ -188,15 +188,15 @@ class RolloutSection:
     def engine_restarts(self) -> int:
         if self.max_engine_restarts is not None:
             return self.max_engine_restarts
-        return 3 if self.weight_transfer == "files" else 0
+        return 3 if self.weight_transfer == "store" else 0
 
     def check(self) -> None:
         if self.max_engine_restarts is not None:
             in_range("rollout.max_engine_restarts", self.max_engine_restarts, 0, None)
-            if self.max_engine_restarts and self.weight_transfer != "files":
+            if self.max_engine_restarts and self.weight_transfer != "store":
                 raise ConfigError("rollout.max_engine_restarts", f"{self.max_engine_restarts} with weight_transfer="
                                   f"{self.weight_transfer}: a replacement engine cannot join vLLM's transfer group "
-                                  "mid-run; use 0 (a launcher retry resumes the run) or weight_transfer=files")
+                                  "mid-run; use 0 (a launcher retry resumes the run) or weight_transfer=store")
         if self.engine_ep and self.engine_tp == 1:
             raise ConfigError("rollout.engine_ep", "true with rollout.engine_tp=1: expert parallelism spreads experts over "
                               "an engine's tensor-parallel ranks; raise engine_tp")

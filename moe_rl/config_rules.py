@@ -27,7 +27,7 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         if cfg.model.fp8 != "none":
             raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
         if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'files' on CPU")
+            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
         if cfg.rollout.route_source == "vllm":
             raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
                               "CUDA; use 'capture' or 'auto' on CPU")
@@ -51,11 +51,11 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                           "use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
-                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'files'")
+                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'store'")
     if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
         raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one NCCL group, "
                           "and NCCL refuses two ranks on one GPU, which cluster.colocate=true gives them; use 'ipc' "
-                          "(same GPU) or 'files', or cluster.colocate=false")
+                          "(same GPU) or 'store', or cluster.colocate=false")
     if cfg.cluster.offload and not cfg.cluster.colocate:
         raise ConfigError("cluster.offload", "true without cluster.colocate: the trainer frees its GPUs for engines "
                           "that share them; with engines on their own GPUs there is nothing to free them for")

@@ -89,7 +89,7 @@ def main(cfg: RunConfig) -> int:
                 fit_figures, logp_policy = models.fit(batch, tgt, step)
                 scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
                 with log.timer("sync"):
-                    rollouts.sync(models.policy, step + 1)
+                    log.add(rollouts.sync(models.policy, step + 1))
                 figures = [rollout_figures, step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
             log.step(step + 1, *figures)
             if checkpoints.due(step + 1):

@@ -10,8 +10,6 @@ Evaluation (held-out prompts) and the warm start's scripted-expert demonstration
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from dataclasses import dataclass
 
@@ -160,7 +158,6 @@ class Rollouts:
         self.policy = None  # where the engines' current weights come from, once a sync gave them any
         self.restarts = 0  # engines replaced in this run
         self.failures = [0] * len(self.engines)  # failures in a row, per engine
-        self._exports = itertools.count()
 
     def started(self) -> None:
         """Wait until every engine has started (vLLM loaded its model)."""
@@ -175,7 +172,7 @@ class Rollouts:
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""
-        if self.transfer != "files":
+        if self.transfer != "store":
             policy.start_transfer(self.transfer, self.engines, self.workers)
 
     def _gather(self, what: str, refs: list) -> list:
@@ -318,26 +315,25 @@ class Rollouts:
         if self.cfg.rollout.sleep_engines:
             self._all("wake", part)
 
-    def sync(self, policy, version: int) -> None:
-        """The policy's current weights into every engine, as weight version `version`."""
+    def sync(self, policy, version: int) -> dict[str, float]:
+        """The policy's current weights into every engine, as weight version `version`; with files, how
+        long the trainer's export and the engines' loading took (timing/sync_export_s, sync_load_s)."""
         self.wake("weights")  # a sleeping engine's weights are in host memory: back on the GPU first
         self.version, self.policy = version, policy
-        if self.transfer != "files":  # vLLM's transfer from trainer rank 0 into every engine worker
+        if self.transfer != "store":  # vLLM's transfer from trainer rank 0 into every engine worker
             policy.send_weights(version)
-            return
-        self._load_weights(policy, range(len(self.engines)))
+            return {}
+        return self._load_weights(policy, range(len(self.engines)))
 
-    def _load_weights(self, policy, engines, settle: bool = True) -> None:
-        """The policy's weights, as files, into the given engines, as version `self.version`."""
-        from moe_rl.weights.sync import shm_dir
-
-        d = str(shm_dir() / f"moe_rl_sync_{os.getpid()}_{next(self._exports)}")  # one directory per export
-        exported = policy.export_weights(d, self.cfg.rollout.weight_sync_bucket_mb)
-        try:
-            self._run([self._submit(Call(i, "update_weights", (policy.buckets_for(exported, self.nodes[i]), self.version),
-                                         "weight update")) for i in engines], settle)
-        finally:
-            policy.drop_weights(d)
+    def _load_weights(self, policy, engines, settle: bool = True) -> dict[str, float]:
+        """The policy's weights, through Ray's object store, into the given engines, as version
+        `self.version` (the store frees them once the refs are gone, after the update)."""
+        t0 = time.perf_counter()
+        exported = policy.export_weights(self.cfg.rollout.weight_sync_bucket_mb)
+        t1 = time.perf_counter()
+        self._run([self._submit(Call(i, "update_weights", (exported, self.version), "weight update")) for i in engines],
+                  settle)
+        return {"timing/sync_export_s": t1 - t0, "timing/sync_load_s": time.perf_counter() - t1}
 
     # -- evaluation and demonstrations ---------------------------------------------------------------
 

@@ -316,10 +316,13 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
 @pytest.mark.parametrize("tp", [2, 1])
 def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
     """TP2 (sequence parallel, odd and even lengths in the batch) and DP2 (each replica scores and
-    trains on its half of the rows; results gathered once) score and train like one rank."""
+    trains on its half of the rows; results gathered once) score and train like one rank. Beside TP2
+    trainers the engine is TP2 too: two vLLM worker processes, which load the warm start's weights from
+    files the engine actor writes (they sample what one worker samples: tests/rollout/test_engine_tp.py)."""
     ref_out, _ = reference
     out = tmp_path / f"tp{tp}"
-    run_train(out, f"parallel.tp={tp}", "parallel.world_size=2", "run.steps=1", "checkpoint.every=0")
+    run_train(out, f"parallel.tp={tp}", "parallel.world_size=2", "run.steps=1", "checkpoint.every=0",
+              *(["rollout.engine_tp=2"] if tp == 2 else []))
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
     keys = ["reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm",

@@ -46,7 +46,7 @@ class EngineSettings:
     record_routes: bool  # rollout.*
     kv_cache_gb: float | None  # rollout.*; None: see engine_kwargs
     route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
-    weight_transfer: str  # rollout.*; files: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    weight_transfer: str  # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
     max_num_seqs: int  # rollout.*
     max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
     gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
@@ -111,7 +111,7 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     kwargs["max_num_batched_tokens"] = budget
     if route_source == "vllm":
         kwargs["enable_return_routed_experts"] = True
-    if settings.weight_transfer != "files":
+    if settings.weight_transfer != "store":
         kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
     if settings.sleep:
         kwargs["enable_sleep_mode"] = True
@@ -242,8 +242,8 @@ class RolloutEngine:
         self.top_k = hf.num_experts_per_tok
         cuda = torch.cuda.is_available()
         self.route_source = resolve_route_source(settings.route_source, cuda) if settings.record_routes else None
-        if settings.weight_transfer != "files" and not cuda:
-            raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'files' on CPU")
+        if settings.weight_transfer != "store" and not cuda:
+            raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'store' on CPU")
         if settings.sleep and not cuda:
             raise ValueError("vLLM's sleep mode needs CUDA; use rollout.sleep_engines=false on CPU")
         kwargs = engine_kwargs(settings, self.route_source, cuda)

@@ -2,9 +2,12 @@
 
     for bucket in buckets(export_hf_weights(bridge, model), bucket_mb=64): ...  # moe_rl.train.hf_io
 
-In-process, buckets of HF-named tensors go straight to `RolloutEngine.update_weights`. Across
-processes (a Ray actor, a separate engine process) a bucket travels as a safetensors file in shared
-memory (/dev/shm): the writer saves it, the reader memory-maps it — no pickling of tensors.
+In-process, buckets of HF-named tensors go straight to `RolloutEngine.update_weights`. Between Ray
+actors a bucket travels through Ray's object store as `as_buffers` gives it: each tensor's bytes a
+NumPy view, which pickle hands the store out of band (one copy into shared memory; the reader on the
+same node gets views of it, `from_buffers`; another node receives the bytes). Engine worker processes
+of their own (tensor parallelism) read safetensors files in shared memory (/dev/shm):
+`write_bucket` / `read_bucket`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -62,6 +66,21 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float,
         cur.extend(group_items)
     if cur:
         yield cur
+
+
+def as_buffers(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], object]]:
+    """A bucket for Ray's object store: (name, dtype, shape, the tensor's bytes as a uint8 NumPy array
+    viewing it, no copy) per tensor."""
+    return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+             t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) for n, t in bucket]
+
+
+def from_buffers(items: list[tuple[str, str, tuple[int, ...], object]]) -> list[tuple[str, torch.Tensor]]:
+    """`as_buffers`' tensors again, viewing the arrays (no copy; the object store's read-only memory:
+    readers copy out of them, never write)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [(n, torch.from_numpy(b).view(getattr(torch, dtype)).view(shape)) for n, dtype, shape, b in items]
 
 
 def shm_dir() -> Path:

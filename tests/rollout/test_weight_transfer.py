@@ -42,7 +42,7 @@ def test_engine_ranks_follow_the_sender():
 
 
 def test_weight_transfer_choice():
-    assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "files"
+    assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "store"
     ep2 = ["parallel.ep=2", "parallel.world_size=2"]
     nccl = ["rollout.weight_transfer=nccl", "cluster.colocate=false"]  # NCCL: trainer and engines on their own GPUs
     assert from_dict({}, [*nccl, *ep2], cuda_available=True).rollout.weight_transfer == "nccl"
