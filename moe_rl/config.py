@@ -352,7 +352,9 @@ class TrainerSection:
     grad_clip: float = 1.0
     epochs: int = 1
     minibatches: int = 1
-    micro_batch_tokens: int = 2048
+    # tokens of one microbatch (a forward and backward pass; its activations are what a rank holds at
+    # once): fewer, larger microbatches make larger matrix products (a small step is one microbatch)
+    micro_batch_tokens: int = 8192
     # THD packing: each microbatch's sequences end to end in one row (no compute on padding); not with
     # model.moe_dispatcher=allgather under expert parallelism, which needs equal-shaped microbatches,
     # nor with context parallelism (rows are split into CP chunks instead)
