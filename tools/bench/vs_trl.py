@@ -98,8 +98,14 @@ def run_ours(out: Path, model: Path, prompts: Path, size: str) -> dict:
     steps = sorted(ea.Scalars("timing/step_s"), key=lambda e: e.step)
     first = steps[0]
     threads = re.search(r"placement: (.*)", proc.stdout)
-    return {"startup_s": first.wall_time - first.value - launched, "step_s": statistics.median(e.value for e in steps[1:]),
-            "steps": len(steps), "threads": threads.group(1) if threads else "?"}
+
+    def median(tag):  # of the steps after the first
+        return statistics.median(e.value for e in sorted(ea.Scalars(tag), key=lambda e: e.step)[1:])
+
+    parts = {"generate": median("timing/generate_wait_s"), "train": median("timing/actor_train_s"),
+             "sync": median("timing/sync_s")}
+    return {"startup_s": first.wall_time - first.value - launched, "step_s": median("timing/step_s"),
+            "steps": len(steps), "threads": threads.group(1) if threads else "?", "parts": parts}
 
 
 def run_trl(out: Path, model: Path, prompts: Path, size: str) -> dict:
@@ -183,6 +189,8 @@ def main() -> None:
             print(f"  {name:7s} start-up {r['startup_s']:6.1f} s   steady {r['step_s']:.3f} s/step "
                   f"({SIZES[size]['prompts'] * SAMPLES / r['step_s']:.0f} samples/s, {r['steps']} steps; {r['threads']})",
                   flush=True)
+        print("  moe_rl's step: " + ", ".join(f"{k} {v:.3f} s" for k, v in ours["parts"].items())
+              + f", the rest {ours['step_s'] - sum(ours['parts'].values()):.3f} s", flush=True)
         line[f"step_ratio_{size}"] = round(ours["step_s"] / theirs["step_s"], 3)
         line[f"startup_ratio_{size}"] = round(ours["startup_s"] / theirs["startup_s"], 3)
     if "startup_ratio_tiny" in line:
