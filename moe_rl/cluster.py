@@ -26,6 +26,7 @@ import torch
 
 from moe_rl.config import RunConfig
 
+_round_trips = 0  # the driver's waits on remote calls (`gather`)
 FAILPOINT = "MOE_RL_FAILPOINT"  # fault injection for tests: "<point>:<n>:<token file>" (see `failpoint`)
 _passed: Counter = Counter()
 
@@ -99,6 +100,12 @@ def fault_line(err: BaseException) -> str | None:
     return None
 
 
+def round_trips() -> int:
+    """How many times this process has waited on remote calls so far: one per `gather`, whose calls
+    travel together (the loop logs the count per step, timing/round_trips)."""
+    return _round_trips
+
+
 def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> list:
     """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
     died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a
@@ -108,6 +115,8 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
     `retry(index, err)`, where given, is asked first about a call that failed (its actor lost, or the
     call raised): it returns a new ref to wait on instead (the call submitted again, with `timeout_s`
     from now), or None to fail as above."""
+    global _round_trips
+    _round_trips += 1
     labels = {ref: (i, label) for i, (label, ref) in enumerate(calls)}
     pending, results, deadline = [ref for _, ref in calls], {}, time.monotonic() + timeout_s
     while pending:

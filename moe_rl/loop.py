@@ -35,6 +35,8 @@ def say(msg: str) -> None:
 
 
 def main(cfg: RunConfig) -> int:
+    from moe_rl.cluster import round_trips
+
     out, tr = Path(cfg.run.output_dir), cfg.trainer
     prompts, eval_prompts = preflight(cfg, out)
     models, rollouts = start(cfg, out, prompts, eval_prompts)
@@ -72,6 +74,7 @@ def main(cfg: RunConfig) -> int:
         return rollouts.generate(step)
 
     # an asynchronous run's checkpoint holds the rollout it had in flight: resumed, the next step trains on it
+    trips = round_trips()  # the driver's waits on remote calls, counted from one step's log to the next
     pending = checkpoints.in_flight or (rollout(first) if first < cfg.run.steps else None)
     try:
         for step in range(first, cfg.run.steps):
@@ -91,7 +94,8 @@ def main(cfg: RunConfig) -> int:
                 with log.timer("sync"):
                     log.add(rollouts.sync(models.policy, step + 1))
                 figures = [rollout_figures, step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
-            log.step(step + 1, *figures)
+            log.step(step + 1, *figures, {"timing/round_trips": round_trips() - trips})
+            trips = round_trips()
             if checkpoints.due(step + 1):
                 if pending:  # asynchronous: the next rollout, finished, goes into the checkpoint
                     pending = rollouts.finish(pending)

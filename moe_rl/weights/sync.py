@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load, load_file, save_file
 
@@ -71,8 +72,23 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float,
 def as_buffers(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], object]]:
     """A bucket for Ray's object store: (name, dtype, shape, the tensor's bytes as a uint8 NumPy array
     viewing it, no copy) per tensor."""
-    return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-             t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) for n, t in bucket]
+    return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), _bytes_of(t.detach().cpu().contiguous()))
+            for n, t in bucket]
+
+
+class _Bytes:
+    """A contiguous CPU tensor's memory through NumPy's array interface; the array made from it keeps
+    the tensor alive. Not `t.numpy()`: that marks the tensor's storage unresizable for good, and
+    offloading (train/offload.py) empties the storages of exported parameters."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel() * t.element_size(),),
+                                    "typestr": "|u1", "version": 3}
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    return np.asarray(_Bytes(t)) if t.numel() else np.empty(0, dtype=np.uint8)  # an empty one has no address
 
 
 def from_buffers(items: list[tuple[str, str, tuple[int, ...], object]]) -> list[tuple[str, torch.Tensor]]:

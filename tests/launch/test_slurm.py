@@ -73,7 +73,7 @@ def test_quickstart_runs_across_both_nodes_and_a_fault_is_retried_on_the_same_cl
     placement = next(line for line in driver.splitlines() if "placement:" in line)
     for ip in NODES.values():  # workers on both nodes took part
         assert ip in placement, placement
-    policy_nodes = placement.split("policy ranks on ")[1].split(";")[0]
+    policy_nodes = placement.split("policy ranks on ")[1].split(" (")[0]  # "a, b (1 thread each); ..."
     assert sorted(policy_nodes.split(", ")) == sorted(NODES.values())  # one gloo group across the nodes
     assert "run finished: 3 steps" in driver
     for node in NODES:  # per-node logs

@@ -50,3 +50,15 @@ def test_buckets_through_the_object_store_keep_every_tensor_bitwise():
     assert [n for n, _ in back] == [n for n, _ in named]
     for (_, t), (_, u) in zip(named, back, strict=True):
         assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+
+
+def test_exported_weights_can_still_be_offloaded():
+    """The arrays as_buffers makes leave the weights' storage resizable: cluster.offload empties a
+    parameter's storage after it was exported (torch's .numpy() would pin its size for good)."""
+    from moe_rl.weights.sync import as_buffers
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    buffers = as_buffers([("p", p.data)])
+    assert buffers[0][3].tobytes() == bytes(p.data.reshape(-1).view(torch.uint8).tolist())
+    p.data.untyped_storage().resize_(0)
+    assert p.data.untyped_storage().nbytes() == 0

@@ -67,7 +67,9 @@ def main() -> None:
         ratios[f"{prefix}route_bytes_ratio"] = round(old / sent, 2) if sent else float("nan")
         print(f"routes per policy rank and step{' (scoring)' if prefix else ''}: {sent / 2**10:.1f} KiB sent, "
               f"{old / 2**10:.1f} KiB on the old path: ratio {ratios[f'{prefix}route_bytes_ratio']} (dp={cfg.parallel.dp})")
-    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp,
+    trips = statistics.median(h["timing/round_trips"] for h in hist)
+    print(f"Ray round trips per step (the driver's waits on remote calls): {trips:g}")
+    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp, "round_trips": trips,
                **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, **ratios}
     if args.colocated:  # the offload runs between steps (before the rollout), the onload inside them
         offload = statistics.median(h["timing/offload_s"] for h in hist)
