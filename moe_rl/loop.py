@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -154,22 +155,18 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         nonlocal t
         took[name], t = time.perf_counter() - t, time.perf_counter()
 
-    path = cfg.model.path
-    if not path:
-        from moe_rl.tiny import build_tiny_checkpoint
-
-        path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
-    if cfg.reward_model.path:
-        check_same_tokens(path, cfg.reward_model.path)
-    phase("model")
     say("preparing the fused GAE kernel (compiled once per machine, then cached)")
     say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
         f"({time.perf_counter() - t:.1f} s)")
     phase("GAE kernel")
-    say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
-        f"{cfg.rollout.num_engines} vLLM engine(s)")
-    cluster.start_ray(cfg)
-    phase("Ray")
+    with ThreadPoolExecutor(1) as pool:  # the model (at tiny size, mostly importing transformers) beside Ray's start
+        model = pool.submit(model_path, cfg, out)
+        say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
+            f"{cfg.rollout.num_engines} vLLM engine(s)")
+        cluster.start_ray(cfg)
+        phase("Ray")
+        path = model.result()
+        phase("model (beyond Ray)")
     place = cluster.Placement(cfg, cfg.actors)
     models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
     models.started()  # the trainer ranks and the engines start side by side: wait for them all
@@ -183,6 +180,18 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     say(f"weight sync: {cfg.rollout.weight_transfer}")
     say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()) + ")")
     return models, rollouts
+
+
+def model_path(cfg: RunConfig, out: Path) -> str:
+    """The run's model: model.path, or a tiny one built from model.tiny in run.output_dir."""
+    path = cfg.model.path
+    if not path:
+        from moe_rl.tiny import build_tiny_checkpoint
+
+        path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
+    if cfg.reward_model.path:
+        check_same_tokens(path, cfg.reward_model.path)
+    return path
 
 
 def threads(counts: list[int]) -> str:
