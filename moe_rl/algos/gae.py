@@ -20,6 +20,7 @@ values at mask-0 positions are ignored (selected away with torch.where, so NaN o
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -99,12 +100,19 @@ def masked_gae(
     return adv, torch.where(m_bool, adv + values, 0.0)
 
 
+def kernel_name(src: Path) -> str:
+    """The kernel's name in torch's extension cache, one per checkout: torch keys its cache by name and
+    rebuilds (~30 s) when the source's path changes, so two clones on one machine sharing a name would
+    rebuild each time the other ran."""
+    return f"moe_rl_gae_kernel_{hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:12]}"
+
+
 @functools.cache
 def _build_kernel():
     from torch.utils.cpp_extension import load
 
     src = Path(__file__).with_name("gae_kernel.cpp")
-    return load(name="moe_rl_gae_kernel", sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    return load(name=kernel_name(src), sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def prepare_kernel() -> bool:

@@ -206,3 +206,15 @@ def test_half_precision_inputs_are_computed_in_float32(backend, dtype):
     torch.testing.assert_close(ret, ref_ret, rtol=0, atol=0)
     empty, _ = gae.masked_gae(rewards[:, :0], values[:, :0], mask[:, :0], terminated, boundary, 0.99, 0.95, backend=backend)
     assert empty.shape == (3, 0) and empty.dtype == torch.float32
+
+
+def test_each_checkout_builds_its_own_kernel(tmp_path):
+    """Two clones of the project on one machine get two entries in torch's extension cache (one name
+    for both made each rebuild the kernel, ~30 s, whenever the other had run); one checkout keeps its
+    name, however its path is spelt."""
+    from pathlib import Path
+
+    here = Path(gae.__file__).with_name("gae_kernel.cpp")
+    other = tmp_path / "clone" / "moe_rl" / "algos" / "gae_kernel.cpp"
+    assert gae.kernel_name(here) != gae.kernel_name(other)
+    assert gae.kernel_name(here) == gae.kernel_name(here.parent / ".." / "algos" / "gae_kernel.cpp")
