@@ -155,12 +155,15 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         nonlocal t
         took[name], t = time.perf_counter() - t, time.perf_counter()
 
-    say("preparing the fused GAE kernel (compiled once per machine, then cached)")
-    say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
-        f"({time.perf_counter() - t:.1f} s)")
-    phase("GAE kernel")
     with ThreadPoolExecutor(1) as pool:  # the model (at tiny size, mostly importing transformers) beside Ray's start
         model = pool.submit(model_path, cfg, out)
+        if cfg.reward_model.path:  # its tokenizer must be the policy's: checked before anything starts
+            check_same_tokens(model.result(), cfg.reward_model.path)
+            phase("model")
+        say("preparing the fused GAE kernel (compiled once per machine, then cached)")
+        say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
+            f"({time.perf_counter() - t:.1f} s)")
+        phase("GAE kernel")
         say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
             f"{cfg.rollout.num_engines} vLLM engine(s)")
         cluster.start_ray(cfg)
@@ -189,8 +192,6 @@ def model_path(cfg: RunConfig, out: Path) -> str:
         from moe_rl.tiny import build_tiny_checkpoint
 
         path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
-    if cfg.reward_model.path:
-        check_same_tokens(path, cfg.reward_model.path)
     return path
 
 
