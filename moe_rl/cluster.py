@@ -71,7 +71,8 @@ def start_ray(cfg: RunConfig) -> None:
     else:  # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             lambda record: not record.getMessage().startswith("Token authentication is enabled"))
-        ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False, runtime_env=env,
+        # the CPUs this process may use (a SLURM step's or a container's share), not the machine's
+        ray.init(num_cpus=cfg.cluster.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False, runtime_env=env,
                  log_to_driver=False)
 
 
@@ -102,7 +103,8 @@ def fault_line(err: BaseException) -> str | None:
 
 def round_trips() -> int:
     """How many times this process has waited on remote calls so far: one per `gather`, whose calls
-    travel together (the loop logs the count per step, timing/round_trips)."""
+    travel together (the loop logs the count from one step's log to the next, timing/round_trips: a
+    checkpoint or an evaluation between two steps counts in the later one)."""
     return _round_trips
 
 
@@ -207,7 +209,8 @@ def thread_counts(bundles: list[tuple[str, str]], node_cpus: dict[str, float], e
 
 def use_threads(n: int) -> None:
     """This process computes with n CPU threads (torch intra-op and OpenMP, read again by libraries that
-    start later, e.g. vLLM's CPU worker)."""
+    start later, e.g. vLLM's CPU worker), at most as many as the CPUs it may run on."""
+    n = max(1, min(n, len(os.sched_getaffinity(0))))
     os.environ["OMP_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
 

@@ -316,8 +316,9 @@ class Rollouts:
             self._all("wake", part)
 
     def sync(self, policy, version: int) -> dict[str, float]:
-        """The policy's current weights into every engine, as weight version `version`; with files, how
-        long the trainer's export and the engines' loading took (timing/sync_export_s, sync_load_s)."""
+        """The policy's current weights into every engine, as weight version `version`; through the
+        object store (weight_transfer=store), how long the trainer's export and the engines' loading
+        took (timing/sync_export_s, sync_load_s)."""
         self.wake("weights")  # a sleeping engine's weights are in host memory: back on the GPU first
         self.version, self.policy = version, policy
         if self.transfer != "store":  # vLLM's transfer from trainer rank 0 into every engine worker

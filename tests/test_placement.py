@@ -60,3 +60,16 @@ def test_a_placement_hands_out_the_counts_of_its_nodes(two_cpus, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads() == [1, 1, 1]  # the driver's OMP_NUM_THREADS bounds the automatic counts
     assert threads("cluster.engine_threads=2") == [1, 1, 2]  # not the given ones
+
+
+def test_a_process_never_takes_more_threads_than_cpus_it_may_run_on():
+    """Under a SLURM step's or a container's CPU share (here: this process pinned to one core) a count
+    larger than that share (a node's CPU count, or a user's setting) is cut to it."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from moe_rl.cluster import use_threads; use_threads(4); "
+            "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
