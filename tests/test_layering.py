@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "moe_rl"
-STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "logging", "pathlib", "typing", "collections"}
+STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "hashlib", "logging", "pathlib", "typing", "collections"}
 
 
 def module_name(path: Path) -> str:
