@@ -259,16 +259,16 @@ class Placement:
         if not ready:
             raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
                                f"cluster resources: {ray.cluster_resources()}")
+        from ray.util.placement_group import placement_group_table
+
+        self.node_of = placement_group_table(self.pg)["bundles_to_node_id"]  # bundle index -> Ray node id
         self.threads = self._threads(cfg, [role for role, n in counts.items() for _ in range(n)])
 
     def _threads(self, cfg: RunConfig, roles: list[str]) -> list[int]:
         """Each bundle's CPU threads: cluster.trainer_threads / engine_threads, or `thread_counts` over
         the nodes Ray placed the bundles on."""
-        from ray.util.placement_group import placement_group_table
-
-        on = placement_group_table(self.pg)["bundles_to_node_id"]
         cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["Alive"]}
-        auto = thread_counts([(role, on[i]) for i, role in enumerate(roles)], cpus, cfg.rollout.engine_tp,
+        auto = thread_counts([(role, self.node_of[i]) for i, role in enumerate(roles)], cpus, cfg.rollout.engine_tp,
                              cfg.rollout.async_mode, thread_cap())
         given = {"engine": cfg.cluster.engine_threads}
         return [given.get(role, cfg.cluster.trainer_threads) or n for role, n in zip(roles, auto, strict=True)]
@@ -286,9 +286,7 @@ class Placement:
     def address(self, role: str) -> tuple[str, int]:
         """IP and a free port of the node holding the role's first bundle (its rank 0): found here when
         that is the driver's node (a task would start a worker process first, seconds on a small box)."""
-        from ray.util.placement_group import placement_group_table
-
-        if placement_group_table(self.pg)["bundles_to_node_id"][self.slots[role][0]] == ray.get_runtime_context().get_node_id():
+        if self.node_of[self.slots[role][0]] == ray.get_runtime_context().get_node_id():
             return _free_address()
         ref = _node_address.options(**{**self.options(role, 0), "num_cpus": 0, "num_gpus": 0}).remote()
         return gather([(f"{role} rank 0's node (address)", ref)], self.call_timeout_s)[0]

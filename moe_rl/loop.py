@@ -95,8 +95,8 @@ def main(cfg: RunConfig) -> int:
                 with log.timer("sync"):
                     log.add(rollouts.sync(models.policy, step + 1))
                 figures = [rollout_figures, step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
-            log.step(step + 1, *figures, {"timing/round_trips": round_trips() - trips})
-            trips = round_trips()
+            trips, before = round_trips(), trips
+            log.step(step + 1, *figures, {"timing/round_trips": trips - before})
             if checkpoints.due(step + 1):
                 if pending:  # asynchronous: the next rollout, finished, goes into the checkpoint
                     pending = rollouts.finish(pending)
