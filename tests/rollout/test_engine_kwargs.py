@@ -84,5 +84,9 @@ def test_cpu_engine_workers_bind_disjoint_cores():
     # each worker's thread count (the placement's share) takes the first cores; more than there are: all
     assert cpu_thread_binding(list(range(16)), 2, threads=3) == "0-2|3-5"
     assert cpu_thread_binding(list(range(4)), 2, threads=4) == "0-1|2-3"
+    # the second engine of a node starts after the first one's cores; too few left: all of them
+    assert cpu_thread_binding(list(range(8)), 2, threads=2, first=4) == "4-5|6-7"
+    assert cpu_thread_binding([2, 3, 4, 5, 6, 7], 2, threads=1, first=2) == "4|5"
+    assert cpu_thread_binding(list(range(8)), 2, threads=2, first=6) == "0-3|4-7"
     with pytest.raises(ValueError, match="2 engine workers need 2 cores"):
         cpu_thread_binding([0], 2)
