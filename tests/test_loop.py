@@ -296,7 +296,7 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     below 1. Scoring the anchor once per step would give w = 1 for all four (ESS fraction 1)."""
     # two tensor-parallel ranks: each holds its own shards of the anchor, saved and restored per rank
     ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token",
-            "parallel.tp=2", "parallel.world_size=2"]
+            "parallel.tp=2", "parallel.world_size=2", "algorithm.advantage=grpo"]  # the policy's anchor: no critic
     import shutil
 
     full = tmp_path / "full"
@@ -339,13 +339,13 @@ def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):
     step for step, with the replayed log-probs' figures the same; only the scoring pass's route bytes
     are gone."""
     one = ["trainer.epochs=1", "trainer.minibatches=1", "parallel.world_size=2", "run.steps=2", "checkpoint.every=0",
-           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2"]
+           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2", "algorithm.advantage=grpo"]  # the policy's pi_old
     run_train(tmp_path / "auto", *one)
     run_train(tmp_path / "separate", *one, "trainer.proximal_pass=separate")
     hist, ref = (torch.load(tmp_path / m / "history.pt", weights_only=False) for m in ("auto", "separate"))
     assert len(hist) == len(ref) == 2 and not (tmp_path / "auto" / "checkpoints").exists()  # at_end=false: none
     for h, r in zip(hist, ref, strict=True):
-        for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean", "policy/clipfrac_high", "critic/loss",
+        for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean", "policy/clipfrac_high",
                     "correction/logp_mismatch_mean", "correction/logp_mismatch_max"):
             assert h[key] == r[key], key
         assert h["routing/score_route_bytes_per_rank"] < r["routing/score_route_bytes_per_rank"]
