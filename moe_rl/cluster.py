@@ -254,6 +254,7 @@ class Placement:
                 raise PlacementError(f"the run needs {need:g} {kind} for {len(bundles)} actors ({counts}), the Ray cluster "
                                    f"has {have.get(kind, 0):g}; use cluster.colocate=true or a larger cluster")
         self.call_timeout_s = cfg.cluster.call_timeout_s
+        self.engine_workers = cfg.rollout.engine_tp  # processes per engine
         self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -277,12 +278,12 @@ class Placement:
         """CPU threads of the role's i-th actor (an engine: of each of its workers)."""
         return self.threads[self.slots[role][i]]
 
-    def first_core(self, i: int, engine_workers: int) -> int:
+    def first_core(self, i: int) -> int:
         """Where the i-th engine's workers start binding their threads among its node's cores: after
         the threads of the engines before it on that node (engines of one node generate together)."""
         slots = self.slots["engine"]
         node = self.node_of[slots[i]]
-        return sum(self.threads[s] * engine_workers for s in slots[:i] if self.node_of[s] == node)
+        return sum(self.threads[s] * self.engine_workers for s in slots[:i] if self.node_of[s] == node)
 
     def options(self, role: str, i: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -169,7 +169,7 @@ class Rollouts:
         cfg = self.cfg
         return RolloutActor.options(**self.place.options("engine", i)).remote(
             settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env, self.place.threads_of("engine", i),
-            self.place.first_core(i, cfg.rollout.engine_tp))
+            self.place.first_core(i))
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""

@@ -70,7 +70,7 @@ def test_the_engines_of_a_node_bind_their_threads_to_cores_of_their_own(two_cpus
         cfg = load_config(ROOT / "configs" / "quickstart.yaml", list(overrides))
         place = Placement(cfg, cfg.actors)
         ray.util.remove_placement_group(place.pg)
-        return [place.first_core(i, cfg.rollout.engine_tp) for i in range(cfg.actors["engine"])]
+        return [place.first_core(i) for i in range(cfg.actors["engine"])]
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert first_cores() == [0]
