@@ -21,6 +21,7 @@ from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
 from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather, last_line
 from moe_rl.config import RunConfig
+from moe_rl.rollout.seeds import sample_seed
 from moe_rl.types import Outcome, trajectory_from_state, trajectory_state
 
 
@@ -237,7 +238,7 @@ class Rollouts:
         self.data_pos += n
         k = len(self.engines)
         bounds = [n * i // k for i in range(k + 1)]
-        seed = cfg.run.seed * 1000 + step
+        seed = sample_seed(cfg.run.seed, "step", step)
         return [self._submit(Call(i, "collect", (prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed,
                                                  rounds, bounds[i]), f"rollout of step {step + 1}"))
                 for i in range(k) if bounds[i + 1] > bounds[i]]
@@ -342,8 +343,8 @@ class Rollouts:
     def evaluate(self) -> dict[str, float]:
         """The held-out prompts, trainer.eval_samples samples each (seeded apart from training), on
         engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
-        n = self.cfg.trainer.eval_samples
-        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, 99991, 0), "evaluation"))])[0]
+        n, seed = self.cfg.trainer.eval_samples, sample_seed(self.cfg.run.seed, "eval")  # the same at every evaluation
+        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0), "evaluation"))])[0]
         return evaluation_figures(trajs, len(self.eval_prompts), n)
 
     def demonstrations(self, steps: int, rows: int) -> list[Batch]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from moe_rl.rollout.engine import Sampling
 from moe_rl.rollout.envs import EnvSpec
+from moe_rl.rollout.seeds import sample_seed
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Agent:
                 break
             sampling = Sampling(max_tokens=min(s.max_tokens_per_turn, budget_left, context_left - 1),
                                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=(self.eos,),
-                                seed=None if seed is None else seed * 1000 + turn,
+                                seed=None if seed is None else sample_seed(seed, "turn", turn),
                                 routes_from=0 if routes is None else routes.num_positions)
             res = await self.engine.agenerate(ids, sampling)
             version = res.weight_version if version is None else version
@@ -206,7 +207,8 @@ class Agent:
     async def run_groups(self, prompts: list[dict], samples_per_prompt: int, seed: int | None = None,
                          first_group_id: int = 0) -> list[list[Trajectory]]:
         """n samples per prompt, all conversations in flight together. Returns validated groups."""
-        tasks = [self.run_episode(p, first_group_id + g, k, None if seed is None else seed + 7919 * (first_group_id + g) + k)
+        tasks = [self.run_episode(p, first_group_id + g, k,
+                                  None if seed is None else sample_seed(seed, "sample", first_group_id + g, k))
                  for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
         done = await asyncio.gather(*tasks)
         kept = self.accept(list(done))
@@ -228,7 +230,8 @@ class Agent:
             if need <= 0:
                 break
             prompts = next_prompts(need)
-            for group in await self.run_groups(prompts, samples_per_prompt, None if seed is None else seed + round_, gid):
+            for group in await self.run_groups(prompts, samples_per_prompt,
+                                               None if seed is None else sample_seed(seed, "round", round_), gid):
                 rewards = {round(t.total_reward, 9) for t in group}
                 if len(group) > 1 and len(rewards) == 1:
                     self.stats.dropped_groups += 1
