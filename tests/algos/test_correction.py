@@ -11,6 +11,81 @@ def corr(name, old, mu, mask, **kw):
     return registry.get("correction", name)(old, mu, mask, CorrectionParams(**kw))
 
 
+def _ess(ws: list[float]) -> float:
+    """(sum w)^2 / sum w^2, 0 when every weight is 0; in Python floats."""
+    s2 = sum(w * w for w in ws)
+    return sum(ws) ** 2 / s2 if s2 > 0 else 0.0
+
+
+def _ess_of_logs(log_ws: list[float]) -> float:
+    """_ess of exp(log w), shifted by the largest log w so that nothing overflows."""
+    top = max(log_ws, default=-math.inf)
+    return 0.0 if top == -math.inf else _ess([math.exp(x - top) for x in log_ws])
+
+
+def slow_correction(name, old, mu, mask, hp: CorrectionParams):
+    """The slow reference: each correction's docstring equation, a Python loop in float64 over the valid
+    (mask-1) tokens. Returns ({(b, t): weight}, {(b, t): keep}, metrics) for the valid tokens."""
+    B, T = mask.shape
+    valid = [(b, t) for b in range(B) for t in range(T) if bool(mask[b, t])]
+    log_r = {bt: float(old[bt]) - float(mu[bt]) for bt in valid}  # log pi_old - log mu
+    n = len(valid)
+    frac = (lambda x: x / n) if n else (lambda x: 0.0)
+    metrics: dict[str, float] = {}
+    keep = dict.fromkeys(valid, True)
+    if name in ("none", "bypass"):  # w = 1
+        weight = dict.fromkeys(valid, 1.0)
+    elif name == "tis_token":  # w_t = min(pi_old / mu, c_IS)
+        weight = {bt: min(math.exp(log_r[bt]), hp.is_cap) for bt in valid}
+        metrics["tis_truncated_frac"] = frac(sum(math.exp(log_r[bt]) > hp.is_cap for bt in valid))
+        metrics["ess_token_raw"] = _ess_of_logs(list(log_r.values()))
+        metrics["ess_frac_token_raw"] = frac(metrics["ess_token_raw"])
+        metrics["ess_token_truncated"] = _ess(list(weight.values()))
+        metrics["ess_frac_token_truncated"] = frac(metrics["ess_token_truncated"])
+    elif name == "tis_seq":  # log w_i = sum_t m_t log r_t; w_i = exp(min(log w_i, log c_seq)) on each token
+        rows = sorted({b for b, _ in valid})
+        log_w = {b: sum(log_r[bt] for bt in valid if bt[0] == b) for b in rows}
+        w_i = {b: math.exp(min(log_w[b], math.log(hp.seq_is_cap))) for b in rows}
+        weight = {bt: w_i[bt[0]] for bt in valid}
+        per_row = (lambda x: x / len(rows)) if rows else (lambda x: 0.0)
+        metrics["seq_is_truncated_frac"] = per_row(sum(log_w[b] > math.log(hp.seq_is_cap) for b in rows))
+        metrics["ess_seq_raw"] = _ess_of_logs(list(log_w.values()))
+        metrics["ess_frac_seq_raw"] = per_row(metrics["ess_seq_raw"])
+        metrics["ess_seq_truncated"] = _ess(list(w_i.values()))
+        metrics["ess_frac_seq_truncated"] = per_row(metrics["ess_seq_truncated"])
+    elif name == "icepop":  # keep t iff c_min <= pi_old / mu <= c_max, weight 1
+        keep = {bt: hp.icepop_min <= math.exp(log_r[bt]) <= hp.icepop_max for bt in valid}
+        weight = {bt: float(keep[bt]) for bt in valid}
+        metrics["rejection_rate"] = frac(sum(not k for k in keep.values()))
+        metrics["ess_token_raw"] = _ess_of_logs(list(log_r.values()))
+        metrics["ess_frac_token_raw"] = frac(metrics["ess_token_raw"])
+        metrics["ess_token_post_rejection"] = _ess(list(weight.values()))
+        metrics["ess_frac_token_post_rejection"] = frac(metrics["ess_token_post_rejection"])
+    else:
+        raise AssertionError(f"no slow reference for correction {name!r}")
+    return weight, keep, metrics
+
+
+RATES = {"tis_truncated_frac", "seq_is_truncated_frac", "rejection_rate"}
+
+
+def assert_matches_slow_reference(name, old, mu, mask, rel=1e-5, **kw):
+    """The registered correction of (old, mu, mask) equals `slow_correction`: weights and keep flags of
+    the valid tokens (to `rel`), no mask-0 token kept, every metric (the same names)."""
+    hp = CorrectionParams(**kw)
+    c = registry.get("correction", name)(old, mu, mask, hp)
+    weight, keep, metrics = slow_correction(name, old, mu, mask, hp)
+    for bt, w in weight.items():
+        assert float(c.weight_BT[bt]) == pytest.approx(w, rel=rel, abs=0), (name, bt)
+        assert bool(c.keep_BT[bt]) == keep[bt], (name, bt)
+    assert not c.keep_BT[~mask.bool()].any(), name
+    assert set(c.metrics) == set(metrics), name
+    for k, v in metrics.items():  # rates are counts over counts, divided in torch's default float32
+        tol = max(rel, 1e-6) if k in RATES else rel
+        assert float(c.metrics[k]) == pytest.approx(v, rel=tol, abs=0), (name, k)
+    return c
+
+
 def test_token_tis_truncates_and_detaches():
     mu = torch.log(torch.tensor([[0.5, 0.1, 0.4]]))
     old = torch.log(torch.tensor([[0.5, 0.4, 0.2]])).requires_grad_(True)
@@ -105,7 +180,26 @@ def test_corrections_compute_half_precision_inputs_in_float32(name):
         assert torch.equal(lo.keep_BT, hi.keep_BT)
         for k in hi.metrics:
             torch.testing.assert_close(lo.metrics[k], hi.metrics[k], rtol=0, atol=0)
+        # and the float32 result is the equation's, computed slowly in float64 from the same inputs
+        assert_matches_slow_reference(name, old.to(dtype).float(), mu.to(dtype).float(), mask, **kw)
     assert corr(name, old.double(), mu.double(), mask, **kw).weight_BT.dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", ["none", "bypass", "tis_token", "tis_seq", "icepop"])
+def test_corrections_equal_their_equations_computed_slowly(name):
+    """Random log-probs, ratios on both sides of every bound, empty rows, one all-padding batch: the fast
+    path equals a Python loop over the docstring's equation (float32 to rel 1e-5, float64 to 1e-12)."""
+    g = torch.Generator().manual_seed(11)
+    kw = dict(is_cap=1.5, seq_is_cap=3.0, icepop_min=0.6, icepop_max=1.6)
+    for B, T in ((5, 9), (3, 1), (8, 40)):
+        mu = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+        old = mu + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)
+        mask = torch.rand(B, T, generator=g) < 0.6
+        mask[0] = False  # a row without model tokens
+        for dtype, rel in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            assert_matches_slow_reference(name, old.to(dtype), mu.to(dtype), mask, rel=rel, **kw)
+    c = assert_matches_slow_reference(name, old, mu, torch.zeros(B, T, dtype=torch.bool), **kw)
+    assert all(float(v) == 0.0 for v in c.metrics.values())  # nothing valid: every rate and ESS is 0
 
 
 def test_corrections_ignore_non_finite_logprobs_at_mask0_positions():
@@ -116,6 +210,21 @@ def test_corrections_ignore_non_finite_logprobs_at_mask0_positions():
         c = corr(name, old, mu, mask)
         assert torch.isfinite(c.weight_BT).all(), name
         assert all(torch.isfinite(v).all() for v in c.metrics.values()), name
+        # the valid tokens' figures are those of the two valid tokens alone (log r = 0.5, -0.5)
+        assert_matches_slow_reference(name, old, mu, mask)
+    # by hand, default caps (c_IS 2, c_seq 10, band [0.5, 2]): both ratios e^0.5 = 1.65, e^-0.5 = 0.61 are
+    # inside every bound; the sequence's log w = 0.5 - 0.5 = 0
+    r = math.exp(0.5)
+    ess_raw = (r + 1 / r) ** 2 / (r * r + 1 / (r * r))  # 1.78: the two ratios are unequal
+    c = corr("tis_token", old, mu, mask)
+    assert c.weight_BT[0, 0::2].tolist() == pytest.approx([r, 1 / r], rel=1e-6, abs=0)
+    assert float(c.metrics["ess_token_raw"]) == pytest.approx(ess_raw, rel=1e-6, abs=0)
+    assert float(c.metrics["tis_truncated_frac"]) == 0.0
+    c = corr("tis_seq", old, mu, mask)
+    assert c.weight_BT[0, 0::2].tolist() == [1.0, 1.0] and float(c.metrics["ess_seq_raw"]) == 1.0
+    c = corr("icepop", old, mu, mask)
+    assert c.keep_BT.tolist() == [[True, False, True]] and float(c.metrics["rejection_rate"]) == 0.0
+    assert float(c.metrics["ess_token_post_rejection"]) == 2.0
 
 
 def test_icepop_band():
