@@ -499,11 +499,6 @@ class RewardModelSection:
     weight: float = 1.0
     rule_weight: float = 1.0  # the environment's rewards (terminal and per turn)
 
-    def check(self) -> None:
-        if not self.path and (self.weight != 1.0 or self.rule_weight != 1.0):
-            raise ConfigError("reward_model.weight" if self.weight != 1.0 else "reward_model.rule_weight",
-                              "has no effect without reward_model.path")
-
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -1,9 +1,13 @@
 """The rules between a config's sections (config.py holds each section's own): the parallel layout
-against the model's shape, GPU-only features against this machine, and the algorithm's methods
-against each other and the run, asked of the method registry (what each method needs)."""
+against the model's shape, GPU-only features against this machine, the algorithm's methods against
+each other and the run, asked of the method registry (what each method needs), and one rule for
+settings that nothing in the run reads (`check_settings_are_read`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.schema import ConfigError
@@ -68,10 +72,6 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
     alg = cfg.algorithm
-    if alg.lam_critic is not None and "lam_critic" not in _meta("advantage", alg.advantage).params:
-        raise ConfigError("algorithm.lam_critic", f"decoupled GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
-    if alg.length_adaptive_alpha is not None and "length_adaptive_alpha" not in _meta("advantage", alg.advantage).params:
-        raise ConfigError("algorithm.length_adaptive_alpha", f"length-adaptive GAE needs algorithm.advantage=gae, not '{alg.advantage}'")
     if cfg.critic.enabled is False and alg.uses_critic:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
     if cfg.critic.enabled and not alg.uses_critic:
@@ -86,10 +86,7 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if alg.self_normalize and alg.aggregation == "seq_sum_const":
         raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean aggregation "
                           "(seq_sum_const divides by a fixed constant)")
-    if cfg.critic.warmup_steps and not cfg.critic_enabled:
-        raise ConfigError("critic.warmup_steps", f"{cfg.critic.warmup_steps} holds the actor back for critic-only steps, "
-                          "and this run has no critic; use 0")
-    if cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
+    if cfg.critic_enabled and cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
         raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
                           "(no config.json); use 'policy' or such a directory")
     if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
@@ -97,6 +94,10 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
         raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
                           "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
+    if cfg.environment.token_budget < cfg.rollout.max_new_tokens:
+        raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}, whose excess could then never be sampled (no turn runs past the "
+                          "episode's budget); raise it, or lower rollout.max_new_tokens")
     if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
         raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
                           f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
@@ -112,9 +113,8 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if cfg.reward_model.path and cfg.environment.dynamic_sampling:
         raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all equal, before "
                           "the reward model scores them (reward_model.path): use one or the other")
-    if (tr.eval_every or tr.eval_dataset or tr.eval_samples > 1) and not tr.eval_prompts:
-        field = "eval_every" if tr.eval_every else "eval_dataset" if tr.eval_dataset else "eval_samples"
-        raise ConfigError(f"trainer.{field}", "has no effect without evaluation: set trainer.eval_prompts")
+
+    check_settings_are_read(cfg)
 
 
 def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers: int) -> None:
@@ -133,3 +133,93 @@ def check_layout_fits_hf_config(par, hf: dict) -> None:
     heads = hf.get("num_attention_heads", 1)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
     check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts, hf.get("num_hidden_layers", 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings that nothing in the run reads
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A choice, other than a registered method, on which some settings depend: they are read only when
+    it is on (`on(cfg)`). `reads`: field paths; 'section.sub.*' stands for every field below it."""
+
+    choice: str  # the choice, as a message names it
+    on: Callable
+    reads: tuple[str, ...]
+
+
+def _critic(cfg) -> bool:
+    return cfg.critic_enabled
+
+
+SWITCHES = (
+    Switch("algorithm.aggregation=seq_sum_const", lambda c: c.algorithm.aggregation == "seq_sum_const",
+           ("algorithm.loss_constant",)),
+    Switch("algorithm.anchor=ewma", lambda c: c.algorithm.anchor == "ewma", ("algorithm.ewma_decay",)),
+    Switch("algorithm.overlong_buffer > 0", lambda c: c.algorithm.overlong_buffer > 0, ("algorithm.overlong_penalty",)),
+    Switch("algorithm.kl_reward_coef > 0", lambda c: c.algorithm.kl_reward_coef > 0, ("algorithm.kl_reward_estimator",)),
+    Switch("algorithm.kl_loss_coef > 0", lambda c: c.algorithm.kl_loss_coef > 0, ("algorithm.kl_loss_estimator",)),
+    Switch("a critic (algorithm.advantage=gae)", _critic,
+           ("critic.init_from", "critic.lr", "critic.value_clip", "critic.warmup_steps")),
+    Switch("the tiny model (model.path empty)", lambda c: not c.model.path, ("model.tiny.*",)),
+    Switch("rollout.async_mode=true", lambda c: c.rollout.async_mode, ("rollout.max_staleness",)),
+    Switch("environment.dynamic_sampling=true", lambda c: c.environment.dynamic_sampling,
+           ("environment.max_resample_rounds",)),
+    Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
+           ("trainer.warm_start_lr", "trainer.warm_start_batch")),
+    Switch("evaluation (trainer.eval_prompts > 0)", lambda c: c.trainer.eval_prompts > 0,
+           ("trainer.eval_every", "trainer.eval_dataset", "trainer.eval_samples")),
+    # packing is for variable-length rows of one CP rank: CP splits rows into chunks, and megatron-core's
+    # allgather dispatcher under expert parallelism needs equal-shaped microbatches
+    Switch("parallel.cp=1 without model.moe_dispatcher=allgather under parallel.ep > 1",
+           lambda c: c.parallel.cp == 1 and not (c.model.moe_dispatcher == "allgather" and c.parallel.ep > 1),
+           ("trainer.pack_sequences",)),
+    Switch("reward_model.path", lambda c: bool(c.reward_model.path), ("reward_model.weight", "reward_model.rule_weight")),
+)
+
+
+def leaf_paths(obj, prefix: str = "") -> dict[str, object]:
+    """Every leaf field of a config dataclass tree: dotted path -> value."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value, path = getattr(obj, f.name), f"{prefix}{f.name}"
+        out |= leaf_paths(value, path + ".") if dataclasses.is_dataclass(value) else {path: value}
+    return out
+
+
+def conditional_readers(cfg) -> dict[str, list[tuple[str, bool]]]:
+    """The settings that only some choices read: path -> [(choice, whether this config makes it)], from
+    the method registry (each method's declared `params`, fields of the algorithm section) and SWITCHES."""
+    from moe_rl.algos import registry
+
+    paths = list(leaf_paths(cfg))
+    algorithm_fields = {f.name for f in dataclasses.fields(cfg.algorithm)}
+    readers: dict[str, list[tuple[str, bool]]] = {}
+    for kind in registry.KINDS:
+        chosen = getattr(cfg.algorithm, kind)
+        for name in registry.names(kind):
+            for param in sorted(registry.meta(kind, name).params & algorithm_fields):
+                readers.setdefault(f"algorithm.{param}", []).append((f"algorithm.{kind}={name}", name == chosen))
+    for switch in SWITCHES:
+        on = bool(switch.on(cfg))
+        for pattern in switch.reads:
+            matched = [p for p in paths if p == pattern or (pattern.endswith(".*") and p.startswith(pattern[:-1]))]
+            if not matched:
+                raise KeyError(f"Switch {switch.choice!r} reads {pattern!r}, which is no config field")
+            for path in matched:
+                readers.setdefault(path, []).append((switch.choice, on))
+    return readers
+
+
+def check_settings_are_read(cfg) -> None:
+    """A setting set away from its default that no choice of this run reads is refused, in one line
+    naming the setting and the choices that read it: a value without effect is a mistake to show, not
+    to keep (algorithm.dual_clip with gspo, critic.lr without a critic, ...)."""
+    values, defaults = leaf_paths(cfg), leaf_paths(type(cfg)())
+    for path, readers in conditional_readers(cfg).items():
+        if values[path] != defaults[path] and not any(on for _, on in readers):
+            choices = " or ".join(choice for choice, _ in readers)
+            raise ConfigError(path, f"{values[path]!r} has no effect in this run: only {choices} reads it "
+                              f"(leave it at its default, {defaults[path]!r})")

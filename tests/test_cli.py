@@ -88,7 +88,7 @@ def test_gae_benchmark_runs_and_ends_with_json():
 def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):
     """Separate placement on 2 CPUs: policy, critic and engine each need a CPU of their own."""
     out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", "cluster.colocate=false",
-              "cluster.num_cpus=2", "trainer.warm_start_steps=0")
+              "cluster.num_cpus=2", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: the run needs 3 CPU for 3 actors")
 

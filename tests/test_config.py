@@ -200,7 +200,7 @@ def test_refused_settings(overrides, start):
 
 
 def test_accepted_neighbours_of_refused_settings():
-    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"], ["rollout.max_staleness=0"],
+    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"], ["rollout.async_mode=true", "rollout.max_staleness=2"],
           ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean"],
           ["algorithm.advantage=grpo", "critic.enabled=false"], ["algorithm.advantage=gae", "critic.enabled=true"],
           ["algorithm.anchor=ewma", "algorithm.correction=tis_token"], ["algorithm.anchor=ewma", "algorithm.correction=icepop"],
@@ -222,7 +222,8 @@ def test_removed_fields_are_unknown_keys(field):
 def test_dynamic_sampling_with_a_reward_model_is_refused():
     msg = _err(["trainer.warm_start_steps=0", "environment.dynamic_sampling=true", "reward_model.path=/rm"], {})
     assert msg.startswith("environment.dynamic_sampling: drops groups whose environment rewards are all equal")
-    assert _err(["reward_model.weight=0.5"], {}).startswith("reward_model.weight: has no effect without reward_model.path")
+    assert _err(["reward_model.weight=0.5"], {}).startswith("reward_model.weight: 0.5 has no effect in this run: only "
+                                                            "reward_model.path reads it")
 
 
 @pytest.mark.parametrize("data, start", [
@@ -293,7 +294,8 @@ def test_environment_option_declarations(monkeypatch):
     (["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_sum_const"], "algorithm.aggregation"),
     (["algorithm.correction=tis_token", "algorithm.self_normalize=true", "algorithm.aggregation=seq_sum_const"],
      "algorithm.self_normalize"),
-    (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.warmup_steps=3"], "critic.warmup_steps"),
+    (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2",
+      "critic.warmup_steps=3"], "critic.warmup_steps"),
     (["critic.init_from=/nonexistent/reward_model"], "critic.init_from"),
     (["run.name=../elsewhere"], "run.name"),
 ])

@@ -55,7 +55,8 @@ def test_a_placement_hands_out_the_counts_of_its_nodes(two_cpus, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads() == [2, 2, 2]  # policy, critic, engine on Ray's 2 CPUs, one at a time
     assert threads("rollout.async_mode=true") == [1, 1, 1]
-    assert threads("parallel.world_size=2", "algorithm.advantage=grpo", "rollout.samples_per_prompt=2") == [1, 1, 2]
+    assert threads("parallel.world_size=2", "algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5",
+                   "critic.value_clip=0.2") == [1, 1, 2]
     assert threads("cluster.trainer_threads=3", "cluster.engine_threads=5") == [3, 3, 5]  # as given
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads() == [1, 1, 1]  # the driver's OMP_NUM_THREADS bounds the automatic counts

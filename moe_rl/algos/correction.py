@@ -103,7 +103,7 @@ def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) ->
     return Correction(torch.ones_like(logp_old_BT, dtype=compute_dtype(logp_old_BT)), m)
 
 
-@register("correction", "tis_token")
+@register("correction", "tis_token", params=frozenset({"is_cap"}))
 def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """Token TIS: w_t = min(pi_old(a_t) / mu(a_t), c_IS), detached."""
     m = mask_BT.bool()
@@ -116,7 +116,7 @@ def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correct
     return Correction(torch.where(m, w, 0.0), m, metrics)
 
 
-@register("correction", "tis_seq")
+@register("correction", "tis_seq", params=frozenset({"seq_is_cap"}))
 def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """Sequence IS in log space, truncated: log w_i = sum_t m_t (log pi_old - log mu);
     w_i = exp(min(log w_i, log c_seq)); every token of sample i carries w_i. The raw ESS is computed
@@ -132,7 +132,7 @@ def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Corr
     return Correction(torch.where(m, w_B.unsqueeze(1), 0.0), m, metrics)
 
 
-@register("correction", "icepop")
+@register("correction", "icepop", params=frozenset({"icepop_min", "icepop_max"}))
 def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
     """IcePop / masked IS: keep token t only if c_min <= pi_old(a_t) / mu(a_t) <= c_max (weight 1)."""
     m = mask_BT.bool()

@@ -71,7 +71,7 @@ def _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT):
     return _masked(logp_BT, m, dtype), _masked(logp_old_BT, m, dtype), _masked(adv_BT, m, dtype), m
 
 
-@register("policy_loss", "ppo")
+@register("policy_loss", "ppo", params=frozenset({"clip_low", "clip_high", "dual_clip"}))
 def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """PPO-Clip with clip-higher and optional dual-clip, [B, T] -> [B, T]:
 
@@ -97,7 +97,7 @@ def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     return torch.where(m, loss, 0.0), metrics
 
 
-@register("policy_loss", "gspo", sequence_level=True)
+@register("policy_loss", "gspo", sequence_level=True, params=frozenset({"clip_low", "clip_high"}))
 def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """GSPO: length-normalised sequence ratio, clipped at the sequence level, [B, T] -> [B, T]:
 
@@ -128,7 +128,7 @@ def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     return torch.where(m, loss, 0.0), metrics
 
 
-@register("policy_loss", "gmpo", sequence_level=True)
+@register("policy_loss", "gmpo", sequence_level=True, params=frozenset({"clip_low", "clip_high"}))
 def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """GMPO: geometric mean of the clipped token objectives (token-level ratios, clipped in log space),
     [B, T] -> [B, T]:
@@ -153,7 +153,7 @@ def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     return torch.where(m, loss, 0.0), metrics
 
 
-@register("policy_loss", "cispo")
+@register("policy_loss", "cispo", params=frozenset({"clip_low", "clip_high"}))
 def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """CISPO: REINFORCE with a clipped, detached importance weight, so clipped tokens still get gradient,
     [B, T] -> [B, T]:

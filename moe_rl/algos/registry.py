@@ -7,7 +7,11 @@
     meta("advantage", "grpo")  # -> AdvantageMeta(needs_critic=False, min_group_size=2, params=frozenset({'eps'}))
 
 Configs select methods by these names; `names(kind)` lists what a config may choose and `meta` what a
-choice implies (for config checks and the driver), so no caller compares method names. The method
+choice implies (for config checks and the driver), so no caller compares method names. Every kind's
+`params` names the fields of its hyperparameter dataclass (AdvantageParams, PolicyLossParams,
+CorrectionParams) that the method reads; the config refuses a setting of that name that the chosen
+method does not read (moe_rl.config_rules), and tests/algos/test_registry.py checks each declaration
+against what the function does. The method
 modules (advantages, correction, losses) register on import; the package moe_rl.algos imports them,
 and importing this module runs the package first, so the registries are complete for every caller.
 """
@@ -34,6 +38,7 @@ class AdvantageMeta:
 class CorrectionMeta:
     reads_behaviour: bool = True  # needs mu's log-probs (the rollout's), as a weight or as pi_old
     old_is_behaviour: bool = False  # pi_old := mu: the PPO ratio is pi_theta / mu (no proximal pass)
+    params: frozenset[str] = frozenset()  # the CorrectionParams fields it reads
 
     @property
     def reweights(self) -> bool:
@@ -44,6 +49,7 @@ class CorrectionMeta:
 @dataclass(frozen=True)
 class PolicyLossMeta:
     sequence_level: bool = False  # defined per sequence (one ratio or objective per sample): seq_mean aggregation
+    params: frozenset[str] = frozenset()  # the PolicyLossParams fields it reads
 
 
 META = {"advantage": AdvantageMeta, "policy_loss": PolicyLossMeta, "correction": CorrectionMeta}

@@ -133,9 +133,14 @@ class TrainWorker:
         sp = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         return token_multiple(sp, self.cp, FP8_ALIGN[self.spec.fp8])
 
+    def _packs(self) -> bool:
+        """Microbatches run packed (THD): trainer.pack_sequences, where the layout allows it (not under
+        context parallelism, whose rows are split into CP chunks, nor with uniform microbatches)."""
+        return self.optim_settings.pack_sequences and not self._uniform_microbatches() and self.cp == 1
+
     def _packing(self, mb: Batch) -> Packing | None:
         """The microbatch's packing, computed once (forward and loss both need it; it reads lengths)."""
-        if not self.optim_settings.pack_sequences or self._uniform_microbatches() or self.cp > 1:
+        if not self._packs():
             return None
         if id(mb) not in self._packings:
             self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], self._token_multiple())
@@ -231,7 +236,7 @@ class TrainWorker:
             rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
             per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
             return batch.uniform_microbatches(per_mb, -(-rows // per_mb), length)
-        mbs = batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self.optim_settings.pack_sequences)
+        mbs = batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self._packs())
         if self.ps.get_expert_model_parallel_world_size() > 1:
             # every forward runs the experts' all-to-all over the expert group, whose ranks hold other
             # data-parallel shards: each must run as many microbatches (an empty one computes nothing)

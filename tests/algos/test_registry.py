@@ -15,6 +15,7 @@ from moe_rl.algos.losses import PolicyLossParams
 from moe_rl.algos.registry import AdvantageMeta, CorrectionMeta, PolicyLossMeta
 
 GAE_PARAMS = frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"})
+CLIP = frozenset({"clip_low", "clip_high"})
 EXPECTED = {
     "advantage": {
         "gae": AdvantageMeta(needs_critic=True, params=GAE_PARAMS),  # reads values_BT
@@ -28,15 +29,15 @@ EXPECTED = {
     "correction": {
         "none": CorrectionMeta(reads_behaviour=False),
         "bypass": CorrectionMeta(old_is_behaviour=True),  # pi_old := mu
-        "tis_token": CorrectionMeta(),
-        "tis_seq": CorrectionMeta(),
-        "icepop": CorrectionMeta(),
+        "tis_token": CorrectionMeta(params=frozenset({"is_cap"})),
+        "tis_seq": CorrectionMeta(params=frozenset({"seq_is_cap"})),
+        "icepop": CorrectionMeta(params=frozenset({"icepop_min", "icepop_max"})),
     },
     "policy_loss": {
-        "ppo": PolicyLossMeta(),
-        "gspo": PolicyLossMeta(sequence_level=True),  # one length-normalised ratio per sequence
-        "gmpo": PolicyLossMeta(sequence_level=True),  # geometric mean over a sequence's tokens
-        "cispo": PolicyLossMeta(),
+        "ppo": PolicyLossMeta(params=CLIP | {"dual_clip"}),
+        "gspo": PolicyLossMeta(sequence_level=True, params=CLIP),  # one length-normalised ratio per sequence
+        "gmpo": PolicyLossMeta(sequence_level=True, params=CLIP),  # geometric mean over a sequence's tokens
+        "cispo": PolicyLossMeta(params=CLIP),  # clips the detached weight
     },
 }
 
@@ -120,6 +121,31 @@ def test_correction_metadata_matches_what_the_correction_reads(name):
     a, b = fn(old, mu, mask, hp), fn(old, old, mask, hp)  # mu != pi_old, mu = pi_old
     differs = not (torch.equal(a.weight_BT, b.weight_BT) and torch.equal(a.keep_BT, b.keep_BT))
     assert differs == meta.reweights  # bypass reads mu as pi_old, not as a weight
+    # params: exactly the declared hyperparameters change the weights or the kept tokens (caps and band
+    # chosen so that every bound binds on this batch: token weights pi_old/mu from 1/3 to 4, the first
+    # sequence's product 2)
+    hp = CorrectionParams(is_cap=1.5, seq_is_cap=1.5, icepop_min=0.6, icepop_max=1.6)
+    base = fn(old, mu, mask, hp)
+    other = {"is_cap": 3.0, "seq_is_cap": 30.0, "icepop_min": 0.3, "icepop_max": 3.0}
+    for field in dataclasses.fields(CorrectionParams):
+        c = fn(old, mu, mask, dataclasses.replace(hp, **{field.name: other[field.name]}))
+        same = torch.equal(c.weight_BT, base.weight_BT) and torch.equal(c.keep_BT, base.keep_BT)
+        assert same != (field.name in meta.params), field.name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
+def test_policy_loss_metadata_matches_what_the_loss_reads(name):
+    """Exactly the declared hyperparameters change the loss (token ratios from 0.17 to 1.8, sequence ratios
+    1.25 and 0.58, a negative advantage at ratio 1.8: every bound binds)."""
+    fn, meta = registry.get("policy_loss", name), registry.meta("policy_loss", name)
+    logp = torch.log(torch.tensor([[0.9, 0.35, 0.25, 0.1], [0.05, 0.35, 0.7, 0.1]]))
+    adv = torch.tensor([[-1.0, -2.0, 1.0, 0.0], [-1.0, 0.5, -1.5, 0.0]])
+    hp = PolicyLossParams(clip_low=0.1, clip_high=0.1, dual_clip=1.5)
+    base, _ = fn(logp, OLD, adv, MASK, hp)
+    other = {"clip_low": 0.5, "clip_high": 0.9, "dual_clip": 4.0}
+    for field in dataclasses.fields(PolicyLossParams):
+        loss, _ = fn(logp, OLD, adv, MASK, dataclasses.replace(hp, **{field.name: other[field.name]}))
+        assert torch.equal(loss, base) != (field.name in meta.params), field.name
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
