@@ -6,6 +6,7 @@ our runtime needs (CPU initialisation, dispatcher, router replay, recompute, FP8
 spec ourselves: megatron-core's local spec on CPU, Transformer Engine's on GPU.
 
 The critic is the same backbone with the vocabulary projection replaced by a scalar value head.
+The pad token's embedding row trains as in transformers (`keep_pad_row_fixed`).
 """
 
 from __future__ import annotations
@@ -170,6 +171,46 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
+def pad_row(hf_config) -> int | None:
+    """The embedding row transformers builds as `nn.Embedding(..., padding_idx=config.pad_token_id)` (every
+    causal LM mbridge maps: Qwen2/3(-MoE), Mixtral, Llama, DeepSeek-V3, GLM-4-MoE, ...), as a row index;
+    None without a pad token (or with one outside the vocabulary, which transformers would refuse)."""
+    pad, vocab = getattr(hf_config, "pad_token_id", None), hf_config.vocab_size
+    if not isinstance(pad, int) or not -vocab <= pad < vocab:
+        return None
+    return pad % vocab  # nn.Embedding counts a negative padding_idx from the end
+
+
+def keep_pad_row_fixed(word_embeddings, pad_id: int):
+    """transformers' `padding_idx` semantics on megatron's VocabParallelEmbedding: looking up `pad_id`
+    sends no gradient into its row (which transformers initialises to zero and never trains from the
+    lookup). Megatron's embedding has no such notion, so when a policy samples the pad token, the
+    gradient of the normalised zero row dominates the update and its norm. Returns the hook's handle.
+
+    The gradient reaching the lookup's output is zeroed at the positions whose id is the pad token, so
+    the rows' gradients are unchanged except the pad row's, which gets nothing from the lookup. That
+    is exactly padding_idx: a tied LM head's gradient into the row still flows (it does not pass
+    through the lookup). Layouts: the output is the full [b, s, h] after the TP all-reduce, or with
+    sequence parallelism this TP rank's [s/tp, b, h] chunk after the reduce-scatter (whose backward
+    all-gathers the masked chunks, so the shard that holds the row sees zeros at every pad position).
+    Forward-only passes (scoring) skip it; no host sync either way.
+    """
+
+    def lookup_without_pad_gradient(module, args, output):
+        if not output.requires_grad:
+            return None
+        is_pad = args[0] == pad_id  # [b, s]
+        if module.reduce_scatter_embeddings:
+            chunk = output.shape[0]
+            start = module.tp_group.rank() * chunk
+            is_pad = is_pad.t()[start:start + chunk]  # [s/tp, b]
+        is_pad = is_pad.unsqueeze(-1)
+        output.register_hook(lambda grad: grad.masked_fill(is_pad, 0.0))
+        return None
+
+    return word_embeddings.register_forward_hook(lookup_without_pad_gradient)
+
+
 def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | None = None):
     """One pipeline stage of the policy (or critic) for this rank."""
     from megatron.core import parallel_state as ps
@@ -191,6 +232,9 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
         rotary_base=hf.rope_theta,
         parallel_output=True,
     )
+    pad = pad_row(hf)
+    if pre and pad is not None:
+        keep_pad_row_fixed(model.embedding.word_embeddings, pad)
     if critic and post:
         # on the device megatron built the model on (DDP moves parameters only under the distributed optimizer)
         model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel,
