@@ -7,10 +7,12 @@ One episode: the chat template is applied once to the environment's opening mess
 is sampled by the engine from the exact token prefix (the model's own tokens are never decoded and
 re-encoded); the decoded text of the turn goes to the environment; its observation is tokenised as the
 next chat message plus the assistant header and appended with response mask 0. The episode ends when
-the environment says so (completed / tool_error), the token budget or context limit is reached
+the environment says so (completed), the environment's `max_tool_errors` steps report a failed tool
+call (tool_error), the token budget or context limit is reached
 (truncated_budget / truncated_context, bootstrapped from the boundary state), the turns run out
 (truncated_turns, bootstrapped too), the model repeats itself
-(repetition), or the environment fails (env_error; counted, not trained on).
+(repetition), or the environment fails (env_error; counted, not trained on). A machine that cannot run
+the tool sandbox (SandboxUnavailable) is no episode's outcome: it stops the rollout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 from moe_rl.rollout.engine import Sampling
 from moe_rl.rollout.envs import EnvSpec
+from moe_rl.rollout.sandbox import SandboxUnavailable
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
 
@@ -104,6 +107,8 @@ class Agent:
         env = self.env.make(self.env_options)
         try:
             messages = await asyncio.wait_for(env.reset(prompt), s.env_timeout_s)
+        except SandboxUnavailable:
+            raise  # the machine's failure, not the episode's: the run stops
         except Exception as err:
             return self._failed(prompt, group_id, sample_index, f"reset: {type(err).__name__}: {err}")
         ids = self._prompt_ids(messages)
@@ -144,6 +149,8 @@ class Agent:
             text = self.tok.decode(res.token_ids, skip_special_tokens=True)
             try:
                 step = await asyncio.wait_for(env.step(text), s.env_timeout_s)
+            except SandboxUnavailable:
+                raise  # never an observation or a counted env_error: the run stops
             except Exception as err:
                 turn_rewards.append(0.0)
                 outcome = Outcome.ENV_ERROR
@@ -151,7 +158,8 @@ class Agent:
                 break
             turn_rewards.append(float(step.reward))
             tool_errors += int(step.tool_error)
-            if step.done:
+            too_many = step.tool_error and env.max_tool_errors is not None and tool_errors >= env.max_tool_errors
+            if step.done or too_many:  # too many failed tool calls: the framework ends it, for every environment
                 terminal = float(step.final_reward or 0.0)
                 figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}  # bools: 0/1
                 outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED

@@ -12,8 +12,11 @@ CPU, memory, process, file-size and wall-time limits.
   process limit for the user (a fork bomb stops there);
 - memory (address space), CPU seconds, file size and wall time limits.
 
-If the machine cannot do this (not root, no unshare / setpriv, no interpreter the unprivileged user
-can run), `run_python` raises `SandboxUnavailable` rather than run code unconfined.
+If the machine cannot do this (not root, root without CAP_SYS_ADMIN as in most containers, no unshare /
+setpriv, no interpreter the unprivileged user can run), `run_python` raises `SandboxUnavailable` rather
+than run code unconfined. That is the machine's fault, not the model's: it stops the run (the agent
+loop lets it through, the CLI says it in one line, exit code 2), and `check()` says it when the config
+loads, for an environment whose tools run here (`Environment.sandboxed_tools`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ _ENTER = ("mount -t tmpfs -o size=16m,mode=1777 none /tmp && mount -t tmpfs -o s
 
 
 class SandboxUnavailable(RuntimeError):
-    pass
+    """This machine cannot run tool code isolated; one line saying why. Never a tool's result: it
+    stops the run."""
 
 
 @dataclass
@@ -64,8 +68,15 @@ def _prefix() -> tuple[str, ...]:
             return (*prefix, python)
         lines = probe.stderr.decode(errors="replace").strip().splitlines()
         problems.append(f"{python}: {lines[-1] if lines else f'exit code {probe.returncode}'}")
-    raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces as an unprivileged "
-                             f"user; code-executing tools need root): {'; '.join(problems)}")
+    raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces, then an unprivileged "
+                             "user: code-executing tools need root with CAP_SYS_ADMIN, which containers usually drop): "
+                             f"{'; '.join(problems)}")
+
+
+def check() -> None:
+    """Whether tool code can run here: the sandbox entered once for real (then remembered).
+    SandboxUnavailable (one line) if not."""
+    _prefix()
 
 
 def _limits(cpu_s: int, memory_mb: int, file_mb: int):

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from moe_rl.rollout.agent import Agent
 from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
-from moe_rl.rollout.envs import EnvContext, Environment, EnvSpec, env_names, get_env
+from moe_rl.rollout.envs import EnvContext, Environment, EnvSpec, StepResult, env_names, get_env
+from moe_rl.rollout.sandbox import SandboxUnavailable
 from moe_rl.types import Outcome, RoutingRecord, validate_trajectory
 
 
@@ -159,6 +160,78 @@ def test_repeated_tool_errors_end_the_episode(tok):
                   agent_settings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "q", "answer": 1}))
     assert t.outcome is Outcome.TOOL_ERROR and t.info["tool_errors"] == 3 and t.terminated
+
+
+class FlakyTool(Environment):
+    """A user environment whose tool fails on every call and which never ends an episode itself: the
+    limit on failed tool calls is the agent loop's, for every environment."""
+
+    max_tool_errors = 2
+
+    async def reset(self, prompt):
+        return [{"role": "user", "content": "call the tool"}]
+
+    async def step(self, action_text):
+        failed = action_text != "ok"
+        return StepResult("tool failed" if failed else "fine", tool_error=failed, info={"calls": 1})
+
+
+def test_max_tool_errors_ends_a_user_environment_episode(tok):
+    settings = agent_settings(max_turns=6, token_budget=400, max_model_len=512, max_tokens_per_turn=8)
+    # failed calls count over the episode, not in a row: the 2nd failure (turn 3) ends it
+    agent = Agent(ScriptedPolicy(tok, ["bad", "ok", "bad", "ok", "bad", "ok"]), tok, EnvSpec(FlakyTool), settings)
+    t = run(agent.run_episode({}))
+    assert t.outcome is Outcome.TOOL_ERROR and t.terminated and len(t.spans) == 3 and t.info["tool_errors"] == 2
+    assert t.info["figures"] == {"calls": 1.0} and t.terminal_reward == 0.0 and agent.stats.tool_errors == 2
+    assert tok.decode(t.token_ids).endswith("bad<|im_end|>")  # the ending step's observation is not appended
+    assert agent.accept([t]) == [t]  # trained on, as a terminated episode
+
+    class Patient(FlakyTool):
+        max_tool_errors = None  # no limit: the turns run out
+
+    agent = Agent(ScriptedPolicy(tok, [f"bad {i}" for i in range(6)]), tok, EnvSpec(Patient), settings)
+    t = run(agent.run_episode({}))
+    assert t.outcome is Outcome.TRUNCATED_TURNS and t.info["tool_errors"] == 6
+
+    class Wrong(FlakyTool):
+        max_tool_errors = 0
+
+    with pytest.raises(ValueError, match=r"Wrong.max_tool_errors=0 must be a positive integer or None"):
+        Agent(ScriptedPolicy(tok, []), tok, EnvSpec(Wrong), settings)
+
+
+def test_calculator_leaves_the_tool_error_limit_to_the_agent():
+    """The calculator reports each failed call and never ends the episode over them itself."""
+    env = get_env("calculator")(context=EnvContext(tool_timeout_s=2))
+    run(env.reset({"question": "q", "answer": 1}))
+    steps = [run(env.step("<calc>1/0</calc>")) for _ in range(env.max_tool_errors + 1)]
+    assert all(s.tool_error and not s.done for s in steps)
+
+
+class NoSandbox(Environment):
+    """Stands for an environment whose tool found that this machine cannot run the sandbox."""
+
+    fail_in = "step"
+
+    async def reset(self, prompt):
+        if self.fail_in == "reset":
+            raise SandboxUnavailable("cannot run tool code isolated (test)")
+        return [{"role": "user", "content": "hi"}]
+
+    async def step(self, action_text):
+        raise SandboxUnavailable("cannot run tool code isolated (test)")
+
+
+def test_sandbox_unavailable_stops_the_rollout_instead_of_becoming_an_episode(tok):
+    """Neither an observation nor a counted env_error: the rollout stops (the CLI names it, exit code 2)."""
+    class InReset(NoSandbox):
+        fail_in = "reset"
+
+    for env in (NoSandbox, InReset):
+        agent = Agent(ScriptedPolicy(tok, ["x", "y"]), tok, EnvSpec(env), agent_settings())
+        with pytest.raises(SandboxUnavailable, match="cannot run tool code isolated"):
+            run(agent.run_groups([{}], samples_per_prompt=2))
+        assert not agent.stats.outcomes and not agent.stats.rejected
 
 
 def test_sandbox_limits_and_no_network():

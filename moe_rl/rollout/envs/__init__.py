@@ -75,7 +75,12 @@ class Environment:
         loads. This one takes none."""
 
     role_for_observations = "user"  # chat role under which observations are appended
-    max_tool_errors = 3  # after this many failed tool calls the episode ends with outcome tool_error
+    # after this many steps with tool_error=True the agent loop ends the episode (outcome tool_error);
+    # None: no limit. An instance may set its own (e.g. from its options) in reset
+    max_tool_errors: int | None = 3
+    # its tools run code through moe_rl.rollout.sandbox: the sandbox is tried when the config loads and
+    # when an engine starts (check_context), and a machine that cannot run it stops the run there
+    sandboxed_tools: ClassVar[bool] = False
     required_fields: ClassVar[tuple[str, ...]] = ()  # fields every dataset row must carry
 
     def __init__(self, options: Any = None, context: EnvContext | None = None):
@@ -90,7 +95,20 @@ class Environment:
 
     @classmethod
     def check_context(cls, context: EnvContext) -> None:
-        """The environment's rules over the run-level settings it reads; ValueError (one line) if not met."""
+        """The environment's rules over the run-level settings it reads and the machine it runs on;
+        ValueError (one line) if not met. Called when the config loads and when each engine starts.
+        This one checks `max_tool_errors` and, for `sandboxed_tools`, that the sandbox runs here: an
+        override calls it too (`super().check_context(context)`)."""
+        limit = cls.max_tool_errors
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{cls.__name__}.max_tool_errors={limit!r} must be a positive integer or None (no limit)")
+        if cls.sandboxed_tools:
+            from moe_rl.rollout.sandbox import SandboxUnavailable, check
+
+            try:
+                check()
+            except SandboxUnavailable as err:
+                raise ValueError(f"{cls.__name__} runs its tools in the sandbox, and this machine {err}") from None
 
     @classmethod
     def has_expert(cls) -> bool:

@@ -4,7 +4,9 @@ The model may call the tool any number of times, `<calc>12*7+3</calc>`, and sees
 (or `<result>tool_error: ...</result>`) as the next observation; it finishes with `<answer>87</answer>`.
 Reward 1.0 for a correct final answer. The expression is evaluated in the sandbox (a subprocess with
 CPU, memory and time limits and no network) by a restricted evaluator (numbers and + - * / // % **
-with bounded exponents only) — a timeout, crash or bad expression becomes a tool_error observation.
+with bounded exponents only) — a timeout, crash or bad expression becomes a tool_error observation (the
+agent loop ends the episode after `max_tool_errors` of them). A machine that cannot run the sandbox is
+not the model's error: the config is refused when it loads, and `SandboxUnavailable` stops a run.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ class Calculator(Environment):
                 raise ValueError(f"max_operand={self.max_operand} must be >= 2")
 
     required_fields = ("question", "answer")
+    sandboxed_tools = True
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
         self.timeout = self.context.tool_timeout_s
-        self.errors = 0
         return [{"role": "system", "content": "Use <calc>expr</calc> to compute, then reply <answer>n</answer>."},
                 {"role": "user", "content": str(prompt["question"])}]
 
@@ -67,18 +69,13 @@ class Calculator(Environment):
         if not call:
             return StepResult("Reply with <calc>expr</calc> or <answer>n</answer>.", reward=-0.05)
         result = await self.calculate(call.group(1))
-        if result.startswith("tool_error"):
-            self.errors += 1
-            if self.errors >= self.max_tool_errors:
-                return StepResult(f"<result>{result}</result>", done=True, final_reward=0.0, tool_error=True)
-            return StepResult(f"<result>{result}</result>", tool_error=True)
-        return StepResult(f"<result>{result}</result>")
+        return StepResult(f"<result>{result}</result>", tool_error=result.startswith("tool_error"))
 
     async def calculate(self, expression: str) -> str:
-        try:
-            res = await run_python(_EVALUATOR, stdin=expression[:200], timeout_s=self.timeout, cpu_s=max(1, int(self.timeout)))
-        except Exception as err:  # the tool itself failed to start: still the model's observation
-            return f"tool_error: {type(err).__name__}"
+        """The tool's answer to the model's expression, or `tool_error: why` (the model's call failed).
+        SandboxUnavailable (stops the run) and a tool that does not start at all (OSError: the episode's
+        env_error) are raised: the machine failed, not the model's call."""
+        res = await run_python(_EVALUATOR, stdin=expression[:200], timeout_s=self.timeout, cpu_s=max(1, int(self.timeout)))
         if not res.ok:
             last = res.stderr.strip().splitlines()[-1:] or [res.reason]
             return f"tool_error: {res.reason or 'failed'}: {last[0][:120]}"
