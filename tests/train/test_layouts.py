@@ -93,6 +93,7 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     ({"ep": 2}, "allgather", True),  # needs equal-shaped microbatches: stays padded
     # context parallelism: each rank holds two chunks of every row, keys/values gathered in attention
     ({"cp": 2}, "alltoall", False),
+    ({"cp": 2}, "alltoall", True),  # packing asked for: CP rows stay padded, and are cut by their padded size
 ])
 def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pack):
     routes, ref = reference
@@ -106,6 +107,8 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
                 torch.testing.assert_close(res[key][name] * valid, ref[key][name] * valid, **TOL, msg=f"{key}/{name}")
         v = valid[:, :, None, None]
         torch.testing.assert_close(res["free"]["routes"] * v, ref["free"]["routes"] * v)  # padding routes are arbitrary
+    if "cp" in layout:
+        assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
     # EP2 is data-parallel 2: each rank's loss is its shard's share of the global loss
     total = sum(losses) if "ep" in layout else losses[0]

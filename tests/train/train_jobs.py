@@ -1,5 +1,7 @@
 """Rank functions for the Megatron tests (run in spawned gloo ranks by moe_rl.train.launch_local)."""
 
+import dataclasses
+
 import torch
 from conftest import model_spec, optim_settings
 
@@ -83,6 +85,11 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     out["after_replay"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(free, record_routes=True)
     out["mbs"] = len(shard.microbatches(24))
+    # how the worker cuts the shard: rows it packs are counted by their tokens, rows it pads by their padded
+    # size (a budget of 30 tokens cuts the lengths 12, 7, 10, 9 as 3 + 1 rows packed, 2 + 2 padded)
+    w.optim_settings = dataclasses.replace(w.optim_settings, micro_batch_tokens=30)
+    out["worker_mbs"] = [mb.size for mb in w._microbatches(shard)]
+    out["padded_mbs"] = [mb.size for mb in shard.microbatches(30, packed=False)]
     return out
 
 
