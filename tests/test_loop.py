@@ -101,11 +101,37 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
 
 
+def score_checkpoint_job(rank, world, step_dir, ids_BS):
+    """One rank (spawned by run_ranks): the run's own trainers, policy and critic, built without HF
+    weights and loaded from a checkpoint of the run, score whole rows of ids_BS (routers choosing
+    freely, as transformers does): {"logp": the policy's [B, S], "values": the critic's [B, S]}."""
+    from conftest import model_spec, optim_settings
+
+    from moe_rl.batch import Batch
+    from moe_rl.train import checkpoint, parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    batch = Batch(ids_BS, torch.full((ids_BS.shape[0],), ids_BS.shape[1]))
+    optim = optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False)
+    out = {}
+    for role, key in (("policy", "logp"), ("critic", "values")):
+        ckpt = Path(step_dir) / role
+        spec = model_spec(ckpt / "hf_config", routing_replay=False)
+        worker = TrainWorker(spec, role=role, load_weights=False, optim=optim)
+        checkpoint.load(worker, ckpt, optimizer=False)
+        out[key] = worker.score(batch)[key]
+    return out
+
+
 def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     """`moe-rl convert mcore-to-hf` on an RL checkpoint: the policy as a causal LM with updated
-    weights, the critic as a one-label token-classification model; both load in transformers."""
+    weights, the critic as a one-label token-classification model; both load in transformers and score
+    a batch as the run's trainers, loaded from the same checkpoint, score it (fp32: to 1e-5)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from moe_rl.train.hf_parity import hf_token_logprobs
+    from moe_rl.train.launch_local import run_ranks
     from moe_rl.weights.hf import HFReader
 
     out, _ = reference
@@ -125,6 +151,17 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
         assert torch.isfinite(AutoModelForCausalLM.from_pretrained(tmp_path / "policy")(ids).logits).all()
         values = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")(ids).logits
     assert values.shape == (1, 5, 1) and float(values.abs().max()) > 0  # the value head starts at 0: trained
+    # the exports compute what the trainers compute: log-probs and values of the same rows, token by token
+    chat = torch.tensor([[257, 117, 115, 101, 114, 10, 53, 258, 10, 257, 97, 10]])  # ChatML: specials, bytes
+    ids_BS = torch.cat([chat, torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(5))])
+    trainer = run_ranks(score_checkpoint_job, 1, (str(step), ids_BS))[0]
+    exported_logp = hf_token_logprobs(tmp_path / "policy", ids_BS)
+    torch.testing.assert_close(exported_logp[:, 1:], trainer["logp"][:, 1:], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        exported_values = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")(ids_BS).logits
+    torch.testing.assert_close(exported_values[..., 0], trainer["values"], atol=1e-5, rtol=0)
+    # ... and not those of the starting checkpoint: the base model scores these rows differently
+    assert float((hf_token_logprobs(out / "base_model", ids_BS) - exported_logp)[:, 1:].abs().max()) > 1e-3
 
 
 def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_each_time(reference, tmp_path):
