@@ -486,7 +486,8 @@ class TrainerGroup:
     @staticmethod
     def new_route_counters() -> dict[str, dict[str, int]]:
         """Bytes of routes sent to the ranks per call kind: as sent (each rank its shard, in the routes'
-        compact dtype) and on the path before 2026-12 (int64; scoring sent the whole batch to every rank)."""
+        compact dtype; measured) and, computed rather than measured, what the path before 2026-12 would
+        have sent (8 bytes x elements, int64; scoring sent the whole batch to every rank)."""
         return {kind: {"sent": 0, "old_path": 0} for kind in ("score", "train")}
 
     def _send(self, batch, kind: str) -> list:
@@ -495,6 +496,7 @@ class TrainerGroup:
         if batch.routes_BSLK is not None:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
+            # computed, not measured: the int64 bytes the old path would have sent for the same routes
             count["old_path"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
         return shards
 

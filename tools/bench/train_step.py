@@ -4,17 +4,20 @@ CPU path vs the same model trained with plain transformers, same threads, batch 
 Model: Qwen3-MoE, hidden 256, 4 layers, 8 experts top-2, sequence 512 (defaults). Figures, measured
 side by side in this one process (medians over --steps after warm-up):
 
-  megatron_vs_hf       Megatron tokens/s / transformers tokens/s (target >= 0.7)
-  replay_overhead      step time with router replay / without - 1 (target <= 0.03): the median of
-                       paired ratios, pairs run in alternating order (free-replay, replay-free) so drift
-                       and ordering effects hit both alike
+  megatron_vs_hf       Megatron tokens/s / transformers tokens/s (target >= 0.7): medians of --pairs
+                       steps each, transformers' and Megatron's steps interleaved (one round: a
+                       transformers step, a free-routing step, a replay step; every other round in
+                       reverse order), so drift and ordering effects hit both alike
+  replay_overhead      step time with router replay / without - 1 (target <= 0.03): the median of the
+                       rounds' paired ratios (free-replay, then replay-free, alternately)
   packed_speedup       variable-length rows (lengths uniform in [seq/8, seq]): step time right-padded /
-                       packed (THD), same rows, same loss
+                       packed (THD), same rows, same loss, interleaved; medians of --steps each
 
-The transformers run happens before megatron-core's CPU shims are installed in this process, so it is
-measured on untouched torch. Both paths use --threads torch threads (default 1: on 2-core VMs a
-2-thread step swings by +-8% from step to step as the other vCPU is shared, which drowns a 3% effect;
-one thread keeps the spread near 1%).
+transformers runs in a child process, spawned before megatron-core's CPU shims are installed in this
+one, so it computes on untouched torch; it steps only when this process asks, and the two never
+compute at once (each step is timed where it runs). Both paths use --threads torch threads (default 1:
+on 2-core VMs a 2-thread step swings by +-8% from step to step as the other vCPU is shared, which
+drowns a 3% effect; one thread keeps the spread near 1%).
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ import statistics
 import tempfile
 
 import torch
-from _timing import median_time, timed
+from _timing import timed
 
 
-def transformers_step_time(path, ids: torch.Tensor, steps: int) -> float:
-    """Median seconds of one forward + backward + clip + Adam step of the HF model on `ids`."""
+def transformers_steps(conn, path: str, ids: torch.Tensor, threads: int) -> None:
+    """Child process: the HF model and its Adam; on each request one forward + backward + clip + Adam
+    step on `ids`, its wall time sent back (None ends it). One untimed step first."""
+    import time
+
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.train()
     opt = torch.optim.Adam(hf.parameters(), lr=1e-6)
@@ -45,7 +52,12 @@ def transformers_step_time(path, ids: torch.Tensor, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
 
-    return median_time(hf_step, steps, warmup=1)
+    hf_step()
+    conn.send(torch.get_num_threads())
+    while conn.recv() is not None:
+        t0 = time.perf_counter()
+        hf_step()
+        conn.send(time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -55,8 +67,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--pairs", type=int, default=16, help="free/replay step pairs for the replay overhead")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps of each arm for the packed/padded comparison")
+    ap.add_argument("--pairs", type=int, default=16,
+                    help="interleaved rounds (a transformers, a free-routing and a replay step each)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,8 +88,18 @@ def main() -> None:
     print(f"train step: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-2, "
           f"batch {args.batch} x seq {args.seq}, threads {torch.get_num_threads()}")
 
-    # 1. plain transformers
-    t_hf = transformers_step_time(path, ids, args.steps)
+    # 1. plain transformers, in a child process (started before this one installs megatron's shims)
+    import multiprocessing
+
+    conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=transformers_steps,
+                                                         args=(child_conn, str(path), ids, args.threads), daemon=True)
+    child.start()
+    hf_threads = conn.recv()  # loaded and warmed up
+
+    def hf_step_time(acc: list) -> None:
+        conn.send(True)
+        acc.append(conn.recv())
 
     # 2. Megatron CPU path (one rank, gloo)
     from moe_rl.batch import Batch
@@ -100,13 +123,17 @@ def main() -> None:
     free = Batch(ids, lengths, mask_BS=mask)
     routes = w.score(free, record_routes=True)["routes"]
     replayed = Batch(ids, lengths, routes, mask_BS=mask)
-    t_free, t_replay = [], []
+    t_hf, t_free, t_replay = [], [], []
     w.train_step(free, nll, denom)
     w.train_step(replayed, nll, denom)
-    for i in range(args.pairs):  # alternating order, so machine drift and ordering hit both alike
-        for batch, acc in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
-            timed(w.train_step, acc, batch, nll, denom)
-    t_mg, t_rp = statistics.median(t_free), statistics.median(t_replay)
+    rounds = (lambda: hf_step_time(t_hf), lambda: timed(w.train_step, t_free, free, nll, denom),
+              lambda: timed(w.train_step, t_replay, replayed, nll, denom))
+    for i in range(args.pairs):  # interleaved, every other round reversed: drift and ordering hit all alike
+        for run in rounds[:: 1 if i % 2 == 0 else -1]:
+            run()
+    conn.send(None)
+    child.join(timeout=60)
+    t_hf_med, t_mg, t_rp = statistics.median(t_hf), statistics.median(t_free), statistics.median(t_replay)
     replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
 
     # 3. variable-length rows: right-padded microbatches vs packed (THD) ones
@@ -119,8 +146,9 @@ def main() -> None:
     padded_settings = w.optim_settings
     packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)
     t_pad, t_pack, loss = [], [], {}
-    for i in range(args.steps + 1):
-        for name, settings, acc in (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack)):
+    for i in range(args.steps + 1):  # alternating order, round 0 untimed
+        arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
+        for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
             w.optim_settings = settings
             loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom)["loss"]  # round 0 warms up
     w.optim_settings = padded_settings
@@ -129,14 +157,15 @@ def main() -> None:
 
     figures = {
         "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
-        "seq": args.seq, "batch": args.batch, "hf_tokens_per_s": round(tokens / t_hf, 1),
-        "megatron_tokens_per_s": round(tokens / t_mg, 1), "megatron_vs_hf": round(t_hf / t_mg, 3),
+        "seq": args.seq, "batch": args.batch, "rounds": args.pairs, "hf_tokens_per_s": round(tokens / t_hf_med, 1),
+        "megatron_tokens_per_s": round(tokens / t_mg, 1), "megatron_vs_hf": round(t_hf_med / t_mg, 3),
         "replay_overhead": round(replay_overhead, 4), "threads": args.threads,
         "variable_rows": rows, "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
         "packed_speedup": round(t_pd / t_pk, 3),
     }
-    print(f"transformers   {t_hf * 1e3:8.1f} ms/step  {tokens / t_hf:8.0f} tokens/s")
-    print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf / t_mg:.2f}x transformers; target >= 0.7)")
+    print(f"transformers   {t_hf_med * 1e3:8.1f} ms/step  {tokens / t_hf_med:8.0f} tokens/s  (child process, "
+          f"{hf_threads} threads; median of {args.pairs} steps interleaved with Megatron's)")
+    print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf_med / t_mg:.2f}x transformers; target >= 0.7)")
     print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * replay_overhead:+.1f}%, median of {args.pairs} pairs; target <= 3%)")
     print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when right-padded): "
           f"padded {t_pd * 1e3:.1f} ms/step, packed {t_pk * 1e3:.1f} ms/step ({t_pd / t_pk:.2f}x); "

