@@ -488,7 +488,7 @@ class TrainerGroup:
         """Bytes of routes sent to the ranks per call kind: as sent (each rank its shard, in the routes'
         compact dtype; measured) and, computed rather than measured, what the path before 2026-12 would
         have sent (8 bytes x elements, int64; scoring sent the whole batch to every rank)."""
-        return {kind: {"sent": 0, "old_path": 0} for kind in ("score", "train")}
+        return {kind: {"sent": 0, "int64_computed": 0} for kind in ("score", "train")}
 
     def _send(self, batch, kind: str) -> list:
         """This batch's shard for each rank, counting the route bytes it carries."""
@@ -497,7 +497,7 @@ class TrainerGroup:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
             # computed, not measured: the int64 bytes the old path would have sent for the same routes
-            count["old_path"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
+            count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
         return shards
 
     def score(self, batch, **kw) -> dict:

@@ -206,8 +206,8 @@ class Models:
         g, out = self.policy, {}
         for kind, prefix in (("score", "routing/score_"), (None, "routing/")):
             sent = sum(v["sent"] for k, v in g.route_bytes.items() if kind in (None, k))
-            old = sum(v["old_path"] for k, v in g.route_bytes.items() if kind in (None, k))
-            out |= {f"{prefix}route_bytes_per_rank": sent / g.world, f"{prefix}route_bytes_per_rank_old_path": old / g.world}
+            old = sum(v["int64_computed"] for k, v in g.route_bytes.items() if kind in (None, k))
+            out |= {f"{prefix}route_bytes_per_rank": sent / g.world, f"{prefix}route_bytes_per_rank_int64_computed": old / g.world}
         for group in self.groups().values():
             group.route_bytes = group.new_route_counters()
         return out

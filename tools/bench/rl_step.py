@@ -74,7 +74,7 @@ def main() -> None:
     ratios = {}
     for prefix in ("", "score_"):
         sent = statistics.median(h[f"routing/{prefix}route_bytes_per_rank"] for h in hist)
-        old = statistics.median(h[f"routing/{prefix}route_bytes_per_rank_old_path"] for h in hist)
+        old = statistics.median(h[f"routing/{prefix}route_bytes_per_rank_int64_computed"] for h in hist)
         ratios[f"{prefix}route_bytes_per_rank"] = sent
         ratios[f"{prefix}route_bytes_ratio_computed"] = round(old / sent, 2) if sent else float("nan")
         print(f"routes per policy rank and step{' (scoring)' if prefix else ''}: {sent / 2**10:.1f} KiB sent (measured); "
