@@ -28,6 +28,12 @@ SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "tra
          "logging.heatmap_every=3"]
 
 
+# switches turned off from the quickstart: the settings only they read go back to their defaults (a
+# setting that nothing reads is refused)
+NO_CRITIC = ["algorithm.advantage=grpo", "critic.lr=1e-5", "critic.value_clip=0.2"]
+NO_WARM_START = ["trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
+
+
 def train_cmd(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL, *extra]
 
@@ -333,7 +339,7 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     below 1. Scoring the anchor once per step would give w = 1 for all four (ESS fraction 1)."""
     # two tensor-parallel ranks: each holds its own shards of the anchor, saved and restored per rank
     ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token",
-            "parallel.tp=2", "parallel.world_size=2", "algorithm.advantage=grpo"]  # the policy's anchor: no critic
+            "parallel.tp=2", "parallel.world_size=2", *NO_CRITIC]  # the policy's anchor: no critic
     import shutil
 
     full = tmp_path / "full"
@@ -376,7 +382,7 @@ def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):
     step for step, with the replayed log-probs' figures the same; only the scoring pass's route bytes
     are gone."""
     one = ["trainer.epochs=1", "trainer.minibatches=1", "parallel.world_size=2", "run.steps=2", "checkpoint.every=0",
-           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2", "algorithm.advantage=grpo"]  # the policy's pi_old
+           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2", *NO_CRITIC]  # the policy's pi_old
     run_train(tmp_path / "auto", *one)
     run_train(tmp_path / "separate", *one, "trainer.proximal_pass=separate")
     hist, ref = (torch.load(tmp_path / m / "history.pt", weights_only=False) for m in ("auto", "separate"))
@@ -396,7 +402,7 @@ def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
     The trainer ranks compute with the threads cluster.trainer_threads gives them, the engine with its
     automatic count (OMP_NUM_THREADS=1 bounds it), as each process reports."""
     out = tmp_path / "stated"
-    proc = run_train(out, "environment.name=stated_reward", "environment.options={}", "trainer.warm_start_steps=0",
+    proc = run_train(out, "environment.name=stated_reward", "environment.options={}", *NO_WARM_START,
                      "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10", "critic.warmup_steps=10",
                      "checkpoint.every=0", "cluster.trainer_threads=2")
     ev = [h["critic/explained_variance"] for h in torch.load(out / "history.pt", weights_only=False)]
@@ -443,7 +449,7 @@ def test_synchronous_check_runs_before_the_update(tmp_path):
     before the backward pass, on the rank: refused in one line, exit 2 (the driver's check of a separate
     pass: tests/algos/test_targets.py). With token TIS the same run trains (here with megatron's
     load-balancing and z-loss on, whose values are logged)."""
-    bf16 = ["model.dtype=bfloat16", "run.steps=1", "checkpoint.every=0", "trainer.warm_start_steps=0"]
+    bf16 = ["model.dtype=bfloat16", "run.steps=1", "checkpoint.every=0", *NO_WARM_START]
     proc = subprocess.run(train_cmd(tmp_path / "none", *bf16, "trainer.epochs=1", "trainer.minibatches=1"), cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-3000:]
