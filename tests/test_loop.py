@@ -107,6 +107,22 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
 
 
+def test_run_summary_reports_the_runs_figures(reference):
+    """tools/run_summary.py, which prints the quickstart figures the README reports, on the reference run:
+    each figure recomputed here from history.pt."""
+    out, _ = reference
+    proc = subprocess.run([sys.executable, "tools/run_summary.py", str(out), "--window", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)
+    import json
+
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    hist = torch.load(out / "history.pt", weights_only=False)
+    r = [h["reward/mean"] for h in hist]
+    assert s["steps"] == 3 and s["train_reward_windows"] == pytest.approx([(r[0] + r[1]) / 2, r[2]], abs=1e-4)
+    assert s["logp_mismatch_max"] == pytest.approx(max(h["correction/logp_mismatch_max"] for h in hist), rel=1e-2)
+    assert s["explained_variance_mean"] == pytest.approx(sum(h["critic/explained_variance"] for h in hist) / 3, abs=1e-4)
+
+
 def score_checkpoint_job(rank, world, step_dir, ids_BS):
     """One rank (spawned by run_ranks): the run's own trainers, policy and critic, built without HF
     weights and loaded from a checkpoint of the run, score whole rows of ids_BS (routers choosing
