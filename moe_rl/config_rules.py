@@ -53,6 +53,10 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if cuda_available and cfg.rollout.route_source == "capture":
         raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds do not "
                           "use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
+    if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
+        raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys by the "
+                          "sender's GPU: it needs engines on their trainer ranks' GPUs (cluster.colocate=true); with "
+                          "engines on GPUs of their own use 'nccl' or 'store'")
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
                           f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'store'")

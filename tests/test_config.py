@@ -116,6 +116,18 @@ def test_nccl_weight_transfer_needs_separate_gpus():
     assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).cluster.colocate
 
 
+def test_ipc_weight_transfer_needs_colocation():
+    """vLLM keys CUDA IPC handles by the sender's GPU: engines on GPUs of their own could not open them, and
+    the run would fail at its first weight sync instead of here."""
+    assert _err(["rollout.weight_transfer=ipc", "cluster.colocate=false"], cuda=True) == (
+        "rollout.weight_transfer: 'ipc' hands engines CUDA IPC handles, which vLLM keys by the sender's GPU: it "
+        "needs engines on their trainer ranks' GPUs (cluster.colocate=true); with engines on GPUs of their own "
+        "use 'nccl' or 'store'")
+    for other in ("nccl", "store"):  # what the message offers instead passes
+        cfg = from_dict({}, [f"rollout.weight_transfer={other}", "cluster.colocate=false"], cuda_available=True)
+        assert cfg.rollout.weight_transfer == other
+
+
 def test_bad_override_syntax_and_files(tmp_path):
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         parse_overrides(["algorithm.gamma"])
