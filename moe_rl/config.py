@@ -483,8 +483,9 @@ class ClusterSection:
 
     @property
     def gpu_share(self) -> float:
-        """GPUs per actor (trainer rank or engine) where there are GPUs: colocated actors share one in two."""
-        return 0.5 if self.colocate else 1.0
+        """GPUs of each trainer rank and each engine worker: a whole one. Colocation does not split an
+        actor's GPU, it puts the roles on the same GPUs (RunConfig.gpus; cluster.gpu_layout)."""
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -538,13 +539,12 @@ class RunConfig:
 
     @property
     def gpus(self) -> int:
-        """GPUs the run needs on a GPU cluster: cluster.gpu_share of one per trainer rank, of engine_tp
-        per engine."""
-        import math
-
+        """GPUs the run needs on a GPU cluster: one per trainer rank of each model and per engine worker
+        (engine_tp per engine). Colocated, the roles share them (rank i of every model and engine worker i
+        on GPU i): as many as the largest role needs; separate, each its own: the sum."""
         a = self.actors
-        devices = sum(n for role, n in a.items() if role != "engine") + a["engine"] * self.rollout.engine_tp
-        return math.ceil(devices * self.cluster.gpu_share)
+        per_role = [n for role, n in a.items() if role != "engine"] + [a["engine"] * self.rollout.engine_tp]
+        return max(per_role) if self.cluster.colocate else sum(per_role)
 
     @property
     def uses_reference(self) -> bool:

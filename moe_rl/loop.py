@@ -171,11 +171,19 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         path = model.result()
         phase("model (beyond Ray)")
     place = cluster.Placement(cfg, cfg.actors)
-    models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
-    models.started()  # the trainer ranks and the engines start side by side: wait for them all
-    phase("trainer ranks")
-    rollouts.started()
-    phase("engines (beyond the ranks)")
+    if place.engines_first:  # colocated on GPUs: each engine profiles its GPUs' memory alone (cluster.engines_first)
+        rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
+        rollouts.started()
+        phase("engines")
+        models = Models(cfg, place, path)
+        models.started()
+        phase("trainer ranks (after the engines)")
+    else:
+        models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
+        models.started()  # the trainer ranks and the engines start side by side: wait for them all
+        phase("trainer ranks")
+        rollouts.started()
+        phase("engines (beyond the ranks)")
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)} ({threads(rollouts.threads)})"]))
     rollouts.connect(models.policy)

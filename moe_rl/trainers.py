@@ -139,7 +139,8 @@ class Models:
                 cfg.run.seed + 3, value_head_from=rm, trains=False)
 
     def started(self) -> None:
-        """Wait for every group's ranks (they start side by side, and beside the engines)."""
+        """Wait for every group's ranks (they start side by side, and beside the engines unless those
+        start first: cluster.engines_first)."""
         for group in self.groups().values():
             group.started()
 
