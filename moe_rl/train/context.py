@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 
-def local_positions(S: int, cp: int, rank: int) -> torch.Tensor:
-    """[2 * S / (2 * cp)] global positions held by CP rank `rank`, in local order."""
+def local_positions(S: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[2 * S / (2 * cp)] global positions held by CP rank `rank`, in local order, on `device` (the
+    device of the tensors they index: `index_copy_` / `index_select` refuse an index elsewhere)."""
     if S % (2 * cp):
         raise ValueError(f"sequence length {S} must be a multiple of 2 * cp = {2 * cp}")
     c = S // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -36,7 +38,7 @@ class _GatherSequence(torch.autograd.Function):
         shape[dim] = S
         full = x.new_empty(shape)
         for r, part in enumerate(parts):
-            full.index_copy_(dim, local_positions(S, cp, r), part)
+            full.index_copy_(dim, local_positions(S, cp, r, x.device), part)
         ctx.dim, ctx.S, ctx.group, ctx.rank, ctx.cp = dim, S, group, rank, cp
         return full
 
@@ -44,7 +46,7 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)  # every rank used the full tensor
-        return grad.index_select(ctx.dim, local_positions(ctx.S, ctx.cp, ctx.rank)), None, None, None
+        return grad.index_select(ctx.dim, local_positions(ctx.S, ctx.cp, ctx.rank, grad.device)), None, None, None
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -60,11 +60,17 @@ def moe_layer_ids(module, config) -> list[int]:
     return ids
 
 
+def _positions(B: int, S: int, device: torch.device) -> torch.Tensor:
+    """[B, S] position of each slot in its row, on `device`: the routes' (masks are built where the
+    routes are; lengths may arrive from the host)."""
+    return torch.arange(S, device=device).expand(B, S)
+
+
 def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor, num_experts: int) -> None:
     """Raise MissingRoutes naming the first valid position (row, position) without a route: an id < 0
     (unrecorded) or one naming no expert of the model (>= num_experts)."""
     B, S = routes_BSLK.shape[:2]
-    valid = torch.arange(S, device=lengths_B.device).expand(B, S) < lengths_B.unsqueeze(1)
+    valid = _positions(B, S, routes_BSLK.device) < lengths_B.to(routes_BSLK.device).unsqueeze(1)
     missing = ((routes_BSLK < 0) | (routes_BSLK >= num_experts)).flatten(2).any(-1) & valid
     if bool(missing.any()):
         b, s = (int(x) for x in missing.nonzero()[0])
@@ -87,7 +93,7 @@ def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Te
     duplicated expert) are filled."""
     B, S, _, K = routes_BSLK.shape
     routes = routes_BSLK.long()
-    pad = (torch.arange(S, device=routes.device).expand(B, S) >= lengths_B.unsqueeze(1))[:, :, None, None]
+    pad = (_positions(B, S, routes.device) >= lengths_B.to(routes.device).unsqueeze(1))[:, :, None, None]
     ids = routes.sort(-1).values
     has_route = (ids[..., :1] >= 0) & (ids[..., 1:] != ids[..., :-1]).all(-1, keepdim=True)
     return torch.where(pad & ~has_route, torch.arange(K, device=routes.device).expand_as(routes), routes)
