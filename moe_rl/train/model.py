@@ -68,6 +68,52 @@ def _map_dense_mlps(bridge) -> None:
     bridge._weight_name_mapping_mlp = mapping
 
 
+def kernel_settings(layer_spec: str, fused_wgrad: bool) -> dict[str, bool]:
+    """TransformerConfig's kernel and fusion flags for a layer spec (`fused_wgrad`: whether apex's
+    fused_weight_gradient_mlp_cuda extension is importable, see below).
+
+    local (megatron-core's own layers: CPU, and GPU without Transformer Engine): none. Its
+    bias-activation and bias-dropout-add fusions are functions megatron-core wraps in `torch.compile`
+    (`megatron.core.jit.jit_fuser`, torch >= 2.2), which every rank would compile at its first step and
+    again for new shapes: the local experts (SequentialMLP) run one MLP per expert on that expert's
+    tokens, a count that changes with every microbatch. The other fusions are Transformer Engine's
+    (RoPE, token permutation, grouped GEMM) or apex's (masked softmax, which SdpaAttention does not use;
+    persistent layer norm, which the torch norms refuse).
+
+    transformer_engine: what Megatron-LM trains MoE models with (its MoE README's performance flags,
+    the Mixtral and Qwen3 example scripts, over Megatron-LM's own defaults): grouped GEMM, fused token
+    permutation (TE >= 2.1, checked by megatron-core when the config is built), fused RoPE (TE >= 1.4),
+    gradient accumulation fused into the weight-gradient GEMMs, persistent layer norm, bias-activation
+    and bias-dropout-add fusions (compiled once per rank, and once more with dynamic shapes when token
+    counts change), masked-softmax fusion off (the scripts' --no-masked-softmax-fusion: TE's attention
+    has its own softmax). Router fusion (--moe-router-fusion) stays off: megatron-core's fused top-k
+    bypasses RouterReplay, so routes would be neither replayed (R3) nor recorded.
+    Gradient-accumulation fusion: TE's linears fuse by themselves, but megatron-core's own
+    ColumnParallelLinear (the output layer) refuses the flag unless apex's extension is importable
+    (as in upstream Megatron-LM): without apex the flag stays off (a speed difference, same results).
+    """
+    if layer_spec == "local":
+        return dict(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False, apply_rope_fusion=False,
+                    gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+                    bias_dropout_fusion=False, masked_softmax_fusion=False)
+    if layer_spec == "transformer_engine":
+        return dict(moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_fusion=False, apply_rope_fusion=True,
+                    gradient_accumulation_fusion=fused_wgrad, persist_layer_norm=True, bias_activation_fusion=True,
+                    bias_dropout_fusion=True, masked_softmax_fusion=False)
+    raise ValueError(f"layer spec {layer_spec!r}: 'local' or 'transformer_engine'")
+
+
+def fused_wgrad_available() -> bool:
+    """Whether apex's fused weight-gradient extension, which megatron-core's ColumnParallelLinear needs
+    for gradient_accumulation_fusion, is importable here."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    except (ImportError, ValueError):  # held absent (sys.modules[name] = None)
+        return False
+
+
 def make_bridge(spec: ModelSpec):
     """An mbridge Bridge for the checkpoint's architecture, with our runtime settings applied."""
     from mbridge import AutoBridge
@@ -98,17 +144,9 @@ def make_bridge(spec: ModelSpec):
         variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # the local spec has no grouped GEMM, fused kernels or persistent norms (its torch norms
-        # refuse persist_layer_norm, on GPU too)
-        moe_grouped_gemm=not on_cpu and spec.layer_spec == "transformer_engine",
-        persist_layer_norm=not on_cpu and spec.layer_spec == "transformer_engine",
-        bias_activation_fusion=not on_cpu,
-        bias_dropout_fusion=not on_cpu,
-        masked_softmax_fusion=not on_cpu,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         moe_shared_expert_overlap=False,
         deallocate_pipeline_outputs=False,
+        **kernel_settings(spec.layer_spec, fused_wgrad=fused_wgrad_available()),
     )
     if spec.recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
