@@ -1,5 +1,12 @@
-"""GPU path: Transformer Engine layer spec, FP8 recipes and NCCL. Skipped on CPU machines; run on a
-GPU machine with `python -m pytest -m gpu tests/train/test_gpu.py`."""
+"""GPU path: Transformer Engine layer spec, FP8 recipes, NCCL, vLLM's routes and weight transfers.
+Skipped on CPU machines; run on a GPU machine with `python -m pytest -m gpu tests/train/test_gpu.py`.
+
+Each test is skipped where it cannot pass: too few GPUs for what it starts (its ranks, or its run's
+`cfg.gpus`), or no Transformer Engine / vLLM where it needs them. The runs' configs are module
+constants: tests/train/test_gpu_configs.py loads them on the CPU and checks each one's GPU count
+against the count its skip condition admits."""
+
+import importlib
 
 import pytest
 import torch
@@ -8,6 +15,15 @@ from moe_rl.train.hf_parity import exact_fp32_matmuls, hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def needs_gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
+
+
+def needs(module: str):
+    """Import `module` or skip: Transformer Engine and vLLM's GPU build are the `gpu` extra's."""
+    return pytest.importorskip(module, reason=f"needs {module} (pip install 'moe-rl[gpu]')")
 
 # Transformer Engine runs every fp32 GEMM in TF32 (cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32, whatever torch's
 # flags say): 10 mantissa bits. Rounding the inputs of this model's layer GEMMs to TF32 on the CPU moves its
@@ -39,21 +55,31 @@ def te_job(rank, world, hf_path, fp8, tp):
 
 
 def test_te_spec_matches_transformers(tiny_qwen):
+    needs("transformer_engine.pytorch")
     res = run_ranks(te_job, 1, (str(tiny_qwen), "none", 1))[0]
     ref = hf_token_logprobs(tiny_qwen, te_ids())  # transformers in fp32 on the CPU
     assert float((res["logp"][:, 1:] - ref[:, 1:]).abs().max()) < TF32_GAP  # TE's TF32 GEMMs
 
 
+def fp8_support(recipe: str) -> tuple[bool, str]:
+    """Transformer Engine's own answer for this GPU (FP8 itself needs compute capability 8.9+, MXFP8
+    Blackwell, blockwise scaling Hopper with CUDA 12.9+; TE knows its exceptions)."""
+    needs("transformer_engine.pytorch")
+    check = {"delayed": "check_fp8_support", "tensorwise": "check_fp8_support",
+             "blockwise": "check_fp8_block_scaling_support", "mxfp8": "check_mxfp8_support"}[recipe]
+    for where in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE 2.8+, before
+        try:
+            return getattr(importlib.import_module(where), check)()
+        except (ImportError, AttributeError):
+            continue
+    return False, f"this Transformer Engine has no {check}"
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
 def test_fp8_recipe_scores_near_fp32(tiny_qwen, recipe):
-    # Transformer Engine's own requirements: MXFP8 runs on Blackwell (compute capability 10.0) and
-    # newer; blockwise scaling needs Hopper and a CUDA 12.9+ build
-    major = torch.cuda.get_device_capability()[0]
-    cuda = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
-    if recipe == "mxfp8" and major < 10:
-        pytest.skip("MXFP8 needs compute capability 10.0 (Blackwell) or newer")
-    if recipe == "blockwise" and (major < 9 or cuda < (12, 9)):
-        pytest.skip("blockwise FP8 needs Hopper or newer and CUDA 12.9+")
+    supported, why = fp8_support(recipe)
+    if not supported:
+        pytest.skip(f"FP8 {recipe} on this GPU: {why}")
     res = run_ranks(te_job, 1, (str(tiny_qwen), recipe, 1))[0]
     assert torch.isfinite(res["logp"]).all()
     gap = (res["logp"] - hf_token_logprobs(tiny_qwen, te_ids()))[:, 1:].abs()  # vs transformers in fp32
@@ -66,8 +92,9 @@ def test_fp8_recipe_scores_near_fp32(tiny_qwen, recipe):
     assert float(gap.mean()) < 0.1 and float(gap.max()) < 1.0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_gpus(2)
 def test_nccl_tp2(tiny_qwen):
+    needs("transformer_engine.pytorch")
     one = run_ranks(te_job, 1, (str(tiny_qwen), "none", 1))[0]
     two = run_ranks(te_job, 2, (str(tiny_qwen), "none", 2))
     assert float((two[0]["logp"] - one["logp"]).abs().max()) < TF32_GAP
@@ -91,6 +118,7 @@ def vllm_routes_job(rank, world, model_path):
 def test_vllm_returns_routes_from_the_requested_position(tiny_qwen):
     from moe_rl.train.launch_local import run_in_process
 
+    needs("vllm")
     out = run_in_process(vllm_routes_job, (str(tiny_qwen),))
     first, nxt, start = out["first"], out["next"], out["start"]
     assert out["source"] == "vllm"
@@ -99,7 +127,23 @@ def test_vllm_returns_routes_from_the_requested_position(tiny_qwen):
     assert not nxt.routes.computed_P[:start].any() and nxt.routes.computed_P[start:end].all()
 
 
-@pytest.mark.parametrize("transfer", ["nccl", "ipc"])
+# quickstart.yaml's critic settings back to their defaults: without a critic nothing reads them (refused)
+NO_CRITIC = ["algorithm.advantage=grpo", "critic.lr=1e-5", "critic.value_clip=0.2"]
+# the quickstart, two short steps of GRPO (no critic: two policy ranks fewer), routes from vLLM
+LOOP = ["run.steps=2", "trainer.warm_start_steps=1", "trainer.eval_prompts=0", "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=2", "logging.progress_bar=false", "rollout.route_source=vllm",
+        # GPU kernels of vLLM and the trainer differ by more than the synchronous check's 1e-3
+        "algorithm.correction=tis_token", *NO_CRITIC]
+# rollout.weight_transfer -> (the run's overrides of configs/quickstart.yaml, the GPUs it needs: cfg.gpus)
+TRANSFER_RUNS = {
+    # trainer rank 0 and the engine join one NCCL group, which refuses two ranks on one GPU: each on its own
+    "nccl": ([*LOOP, "rollout.weight_transfer=nccl", "cluster.colocate=false"], 2),
+    # CUDA IPC hands the engine handles to the trainer's memory: both on the one GPU
+    "ipc": ([*LOOP, "rollout.weight_transfer=ipc", "cluster.colocate=true"], 1),
+}
+
+
+@pytest.mark.parametrize("transfer", [pytest.param(name, marks=needs_gpus(gpus)) for name, (_, gpus) in TRANSFER_RUNS.items()])
 def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     import subprocess
     import sys
@@ -107,12 +151,9 @@ def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     from conftest import ROOT
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}",
-           "run.steps=2", "trainer.warm_start_steps=1", "trainer.eval_prompts=0", "rollout.prompts_per_step=4",
-           "rollout.samples_per_prompt=2", "logging.progress_bar=false", f"rollout.weight_transfer={transfer}",
-           "rollout.route_source=vllm",
-           # GPU kernels of vLLM and the trainer differ by more than the synchronous check's 1e-3
-           "algorithm.correction=tis_token"]
+    needs("vllm")
+    overrides, _ = TRANSFER_RUNS[transfer]
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"weight sync: {transfer}" in proc.stdout
