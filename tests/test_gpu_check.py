@@ -1,9 +1,12 @@
 """The GPU check as far as CI can take it: `tools/gpu_check.sh --dry-run` fetches the wheels that travel
 (seconds once .whl holds them), checks they fit and that the GPU machine meets their requirements,
-imports the check's modules without vLLM, Transformer Engine, apex and Ray, collects the gpu tests and
-checks the measurement's arithmetic; and the wheel checks name each problem in one line."""
+imports the check's modules without vLLM, Transformer Engine, apex and Ray, collects the gpu tests,
+checks the measurement's arithmetic and runs the measurement on the CPU, and its steps' limits fit the
+6-minute budget; the wheel checks name each problem in one line; the gpu tests' job runs on the CPU."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,9 +24,23 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
     assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out and "tools/gpu_check.py" in out
     assert "mbridge-0.15.1-py3-none-any.whl" in out and "megatron_core-0.16.1-cp312" in out
-    assert "collects: 5 gpu tests" in out
+    assert "collects: 10 gpu tests" in out and re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB", out)
     assert "FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree" in out
+    budget = re.search(r"time budget: .* at most (\d+) s of (\d+) s", out)
+    assert budget and int(budget[1]) <= int(budget[2]) == 360  # one run in 6 minutes: a second try fits 15
+    figures = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert figures["dry_run"] and figures["device"] == "cpu" and "partial" not in figures
+    assert figures["offload_bitwise"] and figures["dynamo_graphs"] == 0 and figures["train_tokens_per_s"] > 0
+    assert {"torch", "megatron_core", "mbridge", "transformers", "python", "mfu", "logp_max_abs_diff_fp32"} <= set(figures)
     assert "problem" not in out and out.rstrip().splitlines()[-1].startswith("gpu_check: dry run OK in")
+
+
+def test_prepare_builds_the_wheel_cache_and_says_its_size():
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--prepare"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB; carry \.whl", proc.stdout)
+    assert proc.stdout.rstrip().endswith("gpu_check: prepared")
 
 
 def test_wheel_checks_name_each_problem(tmp_path, monkeypatch):
@@ -45,3 +62,23 @@ def test_wheel_checks_name_each_problem(tmp_path, monkeypatch):
         "moe_rl needs mbridge>=0.15.1: neither carried nor on the GPU machine",
         "fake needs not-on-the-machine: neither carried nor on the GPU machine",
         "fake needs torch>=99: on the machine is 2.11.0"]
+
+
+def test_the_gpu_tests_checks_run_on_cpu(tiny_qwen):
+    """tests/train/test_gpu_local.py's job, with every check it adds, on the CPU (where its tests skip):
+    what the GPU run asserts of packing, replay, the offload round trip, the CP gather and compilation
+    holds here too, so the GPU minutes are not spent on an error CI could see."""
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from test_gpu_local import largest_gap, local_job
+
+    from moe_rl.train.launch_local import run_ranks
+
+    out = run_ranks(local_job, 1, (str(tiny_qwen), "float32", True))[0]
+    for check in ("replay_unpacked", "offload", "step_after_onload", "cp_gather"):
+        assert "error" not in out[check], out[check]["error"]
+    assert out["device"] == "cpu" and out["packs"] and not out["replay_unpacked"]["packs"]
+    assert largest_gap(out["replay"]["logp"], out["replay_unpacked"]["logp"]) <= 1e-5
+    assert out["offload"]["moved"] > 0 and out["offload"]["same"] and out["offload"]["where"] == ["cpu"]
+    assert out["step_after_onload"]["update_ok"] == 1.0
+    assert out["cp_gather"] == {"device": "cpu", "forward": True, "backward": True}
+    assert out["compiled"].get("stats", {}).get("unique_graphs", 0) == 0 and not out["compiled"].get("inductor")

@@ -1,8 +1,9 @@
 """GPU measurement of the Megatron trainer on its local layer spec (megatron-core's own layers, torch
 SDPA attention; no Transformer Engine, vLLM or Ray): one rank on one GPU, started by run_ranks. Run by
-tools/gpu_check.sh; progress goes to stderr, one JSON line to stdout at the end.
+tools/gpu_check.sh; progress goes to stderr, JSON lines to stdout: one after the trainer's figures
+(`"partial": true`, in case the parity step runs out of time), then the whole one.
 
-    python3 tools/gpu_check.py [--dry-run] [--layers N] [--rows B] [--seq S] [--steps N]
+    python3 tools/gpu_check.py [--dry-run] [--tests-xml FILE] [--layers N] [--rows B] [--seq S] [--steps N]
 
 Model: a random Qwen3-MoE built here (moe_rl.tiny), hidden 1024, 8 layers, 64 experts top-8 of width
 384, 16 query and 4 key/value heads of 128: 647M parameters, 118M active per token (a 2.5 GiB fp32
@@ -17,11 +18,22 @@ Figures (medians of timed calls after warm-up calls, each call ending in torch.c
   replay_score_ratio        scoring with the recorded routes replayed / scoring with free routing
                             (median of the ratios of pairs run in alternating order)
   peak_memory_gib           torch.cuda.max_memory_allocated over the policy's training steps
+  policy_first_step_s       the first (cold) policy step: kernels warm up once per process, then the
+                            timed steps reuse them
+  offload_gib, offload_s, onload_s, offload_bitwise
+                            the policy rank's parameters, gradient buffers and Adam state to pinned host
+                            memory and back (HostCopies, as colocated runs do around each rollout)
+  dynamo_graphs             torch.compile graphs captured in the rank (0: the local spec compiles nothing,
+                            so no recompilation per expert token count)
   logp_max_abs_diff_*       Megatron vs transformers on the GPU, both in fp32 (TF32 off; <= 1e-5
                             expected) and both in bf16, on conftest's tiny Qwen3-MoE
 
---dry-run needs no GPU: it prints the plan and checks the FLOP/MFU arithmetic on a case worked by hand
-and the active-parameter count against the model's own parameters (built on the meta device).
+With --tests-xml (pytest's --junitxml of the gpu tests), the JSON also counts their outcomes.
+
+--dry-run needs no GPU: it prints the plan, checks the FLOP/MFU arithmetic on a case worked by hand and
+the active-parameter count against the model's own parameters (built on the meta device), then runs
+the same measurement on the CPU with conftest's tiny model and a few tokens (DRY_PLAN), JSON included:
+every code path of the GPU run, none of its figures.
 """
 
 from __future__ import annotations
@@ -30,10 +42,12 @@ import argparse
 import dataclasses
 import datetime
 import json
+import platform
 import statistics
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from importlib.metadata import version
 from pathlib import Path
 
@@ -62,6 +76,9 @@ class Plan:
     @property
     def tokens(self) -> int:
         return self.rows * self.seq
+
+
+DRY_PLAN = Plan(rows=2, seq=32, micro_batch_tokens=64, warmup=1, steps=1, pairs=1)  # --dry-run, on the CPU
 
 
 def active_params(spec: TinyModel, vocab: int = VOCAB_SIZE) -> int:
@@ -116,16 +133,31 @@ def arithmetic_problems(spec: TinyModel) -> list[str]:
 
 
 def synced(fn):
-    """fn, returning once the GPU has finished the work it queued."""
+    """fn, returning once the GPU (if any) has finished the work it queued."""
     def call(*args):
         out = fn(*args)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return out
     return call
 
 
+def offload_round_trip(worker) -> dict[str, float]:
+    """The rank's storages to host memory and back, timed; whether every parameter came back bitwise."""
+    before = {n: p.detach().clone() for n, p in worker.module.named_parameters()}
+    t0 = time.perf_counter()
+    moved = synced(worker.offload)()
+    t1 = time.perf_counter()
+    synced(worker.onload)()
+    t2 = time.perf_counter()
+    same = all(torch.equal(p, before[n]) for n, p in worker.module.named_parameters())
+    return {"offload_gib": moved / 2**30, "offload_s": t1 - t0, "onload_s": t2 - t1, "offload_bitwise": same}
+
+
 def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     """One bf16 rank: scoring free vs replayed, policy steps (routes replayed), then critic steps."""
+    from torch._dynamo.utils import counters
+
     from moe_rl import settings
     from moe_rl.algos import aggregate
     from moe_rl.algos.targets import policy_denominators
@@ -135,6 +167,7 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
+    cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))  # the PPO step is given pi_old
     spec = dataclasses.replace(settings.model_spec(cfg, hf_path), dtype="bfloat16")
     optim = dataclasses.replace(settings.optim_settings(cfg, cfg.trainer.lr),
@@ -158,17 +191,24 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
                 logp_old_BS=policy.score(replayed)["logp"])
     loss = settings.policy_loss(cfg)
     denominators = policy_denominators(mask, mask, weight, settings.target_params(cfg))
-    torch.cuda.reset_peak_memory_stats()
-    t_policy = median_time(synced(lambda: policy.train_step(ppo, loss, denominators)), plan.steps, plan.warmup)
-    peak = torch.cuda.max_memory_allocated()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    step = synced(lambda: policy.train_step(ppo, loss, denominators))
+    first = []
+    timed(step, first)  # cold: the process's first step
+    t_policy = median_time(step, plan.steps, max(0, plan.warmup - 1))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    trip = offload_round_trip(policy)
 
     critic = TrainWorker(dataclasses.replace(spec, routing_replay=False), role="critic", optim=optim)
     values = Batch(ids, lengths, mask_BS=mask, returns_BS=torch.randn(plan.rows, plan.seq, generator=g),
                    values_old_BS=torch.zeros(plan.rows, plan.seq))
     value_loss, denominator = settings.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
     t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps, plan.warmup)
-    return {"policy_step_s": t_policy, "critic_step_s": t_critic, "peak_memory_gib": peak / 2**30,
-            "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True))}
+    return {"policy_step_s": t_policy, "policy_first_step_s": first[0], "critic_step_s": t_critic,
+            "peak_memory_gib": peak, **trip,
+            "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)),
+            "dynamo_graphs": int(counters["stats"].get("unique_graphs", 0))}
 
 
 def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -214,42 +254,67 @@ def largest_gap(a_BS: torch.Tensor, b_BS: torch.Tensor) -> float:
     return float((a_BS - b_BS).abs().max())
 
 
-def measure(spec: TinyModel, plan: Plan) -> dict:
+def tests_outcomes(xml_path: str | None) -> dict:
+    """The gpu tests' outcomes from pytest's --junitxml file: counts and the failing tests' names."""
+    if not xml_path:
+        return {}
+    if not Path(xml_path).is_file():
+        return {"tests": {"report": f"missing: {xml_path} (the tests did not finish)"}}
+    cases = ET.parse(xml_path).getroot().iter("testcase")
+    counts, failed = {"passed": 0, "failed": 0, "skipped": 0}, []
+    for case in cases:
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        outcome = "failed" if outcome in ("failure", "error") else outcome
+        counts[outcome] += 1
+        if outcome == "failed":
+            failed.append(case.get("name"))
+    return {"tests": counts | {"failed_names": failed}}
+
+
+def versions() -> dict[str, str]:
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
+            "megatron_core": version("megatron-core"), "mbridge": version("mbridge"),
+            "transformers": version("transformers")}
+
+
+def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = None) -> dict:
+    """The figures (moe_rl's trainer on `device` against transformers'), one JSON line printed as soon
+    as the trainer's are in (`partial`), and returned whole."""
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.train.hf_parity import exact_fp32_matmuls, hf_token_logprobs
     from moe_rl.train.launch_local import run_ranks
 
     start = time.perf_counter()
+    active = active_params(spec)
+    out = {"check": "gpu_local_spec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none", **versions(),
+           "model": dataclasses.asdict(spec) | {"active_params": active}, "plan": dataclasses.asdict(plan),
+           "dtype": "bfloat16", **tests_outcomes(tests_xml)}
     with tempfile.TemporaryDirectory(prefix="moe_rl_gpu_check_") as tmp:
         print("building the checkpoints", file=sys.stderr)
         measured = build_tiny_checkpoint(Path(tmp) / "measured", spec, seed=0)
         small = build_tiny_checkpoint(Path(tmp) / "parity", PARITY, seed=0)
-        build_s = time.perf_counter() - start
-        print(f"measuring (checkpoints built in {build_s:.1f} s)", file=sys.stderr)
+        out["checkpoint_build_s"] = time.perf_counter() - start
+        print(f"measuring (checkpoints built in {out['checkpoint_build_s']:.1f} s)", file=sys.stderr)
         figures = run_ranks(measure_job, 1, (str(measured), plan))[0]
+        out |= {"train_tokens_per_s": plan.tokens / figures["policy_step_s"],
+                "mfu": mfu(active, plan.tokens, figures["policy_step_s"]), "peak_flops": PEAK_BF16_FLOPS,
+                "peak_flops_source": "H200 dense bf16 tensor-core peak (datasheet)", **figures}
+        print(json.dumps(out | {"partial": True, "wall_s": time.perf_counter() - start}), flush=True)
         print("parity with transformers", file=sys.stderr)
         ids = torch.randint(0, VOCAB_SIZE, PARITY_SHAPE, generator=torch.Generator().manual_seed(1))
         megatron = run_ranks(parity_job, 1, (str(small), ids))[0]
         exact_fp32_matmuls()
-        fp32 = largest_gap(megatron["float32"], hf_token_logprobs(small, ids, "cuda", torch.float32))
-        bf16 = largest_gap(megatron["bfloat16"], hf_token_logprobs(small, ids, "cuda", torch.bfloat16))
-    active = active_params(spec)
-    return {
-        "check": "gpu_local_spec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "megatron_core": version("megatron-core"), "mbridge": version("mbridge"),
-        "model": dataclasses.asdict(spec) | {"active_params": active}, "plan": dataclasses.asdict(plan),
-        "dtype": "bfloat16", "train_tokens_per_s": plan.tokens / figures["policy_step_s"],
-        "mfu": mfu(active, plan.tokens, figures["policy_step_s"]), "peak_flops": PEAK_BF16_FLOPS,
-        "peak_flops_source": "H200 dense bf16 tensor-core peak (datasheet)", **figures,
-        "logp_max_abs_diff_fp32": fp32, "logp_max_abs_diff_bf16": bf16,
-        "checkpoint_build_s": build_s, "wall_s": time.perf_counter() - start,
-    }
+        out["logp_max_abs_diff_fp32"] = largest_gap(megatron["float32"], hf_token_logprobs(small, ids, device, torch.float32))
+        out["logp_max_abs_diff_bf16"] = largest_gap(megatron["bfloat16"], hf_token_logprobs(small, ids, device, torch.bfloat16))
+    return out | {"wall_s": time.perf_counter() - start}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="no GPU: print the plan, check the FLOP/MFU arithmetic")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: print the plan, check the FLOP/MFU arithmetic, run the measurement small on the CPU")
+    ap.add_argument("--tests-xml", help="pytest's --junitxml report of the gpu tests, counted in the JSON")
     ap.add_argument("--layers", type=int, default=MEASURED.num_layers)
     ap.add_argument("--rows", type=int, default=Plan.rows)
     ap.add_argument("--seq", type=int, default=Plan.seq)
@@ -264,14 +329,18 @@ def main() -> int:
         problems = arithmetic_problems(spec)
         for p in problems:
             print(f"gpu_check: problem: {p}")
-        if not problems:
-            print("FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree")
-        return 1 if problems else 0
+        if problems:
+            return 1
+        print("FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree")
+        print(f"the same measurement on the CPU: {PARITY.num_layers}-layer tiny model, {DRY_PLAN.rows} x {DRY_PLAN.seq} "
+              "tokens (figures meaningless; every step of the GPU run)")
+        print(json.dumps(measure(PARITY, DRY_PLAN, "cpu", args.tests_xml) | {"dry_run": True}))
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device here; use --dry-run", file=sys.stderr)
         return 2
     print(describe(spec, plan), file=sys.stderr)
-    print(json.dumps(measure(spec, plan)))
+    print(json.dumps(measure(spec, plan, "cuda", args.tests_xml)))
     return 0
 
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def needs_gpus(n: int):
-    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPU{'s' if n > 1 else ''}")
 
 
 def needs(module: str):

@@ -1,8 +1,11 @@
 """GPU path of the local layer spec (megatron-core's own layers, torch SDPA attention; no Transformer
 Engine, vLLM or Ray): one rank on cuda:0, started by run_ranks, scores like transformers on the GPU,
-trains the policy and the critic, replays the routes it recorded, and runs in bf16. Skipped on CPU
-machines; run on a GPU machine with `python -m pytest -m gpu tests/train/test_gpu_local.py` (part of
-`tools/gpu_check.sh`)."""
+trains the policy and the critic, replays the routes it recorded on packed microbatches as on unpacked
+ones, hands its memory to the host and back bitwise (HostCopies), gathers a context-parallel sequence
+on CUDA, compiles nothing (torch.compile), and runs in bf16. Skipped on CPU machines; run on a GPU
+machine with `python -m pytest -m gpu tests/train/test_gpu_local.py` (part of `tools/gpu_check.sh`)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,11 +27,74 @@ def largest_change(worker, before: dict[str, torch.Tensor]) -> float:
     return float(torch.stack(changes).max())
 
 
-def local_job(rank, world, hf_path, dtype):
+def state(worker) -> dict[str, torch.Tensor]:
+    """Copies of everything an offload moves: parameters and the optimizer's tensors, by name."""
+    out = {f"param.{n}": p.detach().clone() for n, p in worker.module.named_parameters()}
+    for c, opt in enumerate(getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])):
+        inner = opt.optimizer
+        for i, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                out[f"opt.{c}.{i}.{j}"] = p.detach().clone()
+                for k, v in inner.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"opt.{c}.{i}.{j}.{k}"] = v.clone()
+    return out
+
+
+def offload_round_trip(worker) -> dict:
+    """offload (device memory freed: on CUDA, counted) then onload: every tensor back bitwise, where it was."""
+    cuda = worker.device.type == "cuda"
+    before, held = state(worker), torch.cuda.memory_allocated() if cuda else 0
+    moved = worker.offload()
+    freed = held - torch.cuda.memory_allocated() if cuda else None
+    worker.onload()
+    after = state(worker)
+    return {"moved": moved, "freed": freed, "same": all(torch.equal(before[k], after[k]) for k in before),
+            "where": sorted({str(t.device) for t in after.values()}), "names": len(before)}
+
+
+def cp_gather_round_trip(device: torch.device) -> dict:
+    """train/context.py's gather over this rank's (one-rank) context-parallel group, on `device`:
+    forward and backward, through the indices it builds."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.train.context import gather_sequence
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2, 8, 3, device=device, generator=g, requires_grad=True)
+    upstream = torch.randn(2, 8, 3, device=device, generator=g)
+    out = gather_sequence(x, 1, ps.get_context_parallel_group())
+    out.backward(upstream)
+    return {"device": str(out.device), "forward": torch.equal(out, x), "backward": torch.equal(x.grad, upstream)}
+
+
+def attempt(fn, *args):
+    """fn(*args), or {"error": ...}: one failing check reports as its own test, not as all of them."""
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc(limit=-4)}
+
+
+def unpacked_replay(hf_path, dtype, optim, batch) -> dict:
+    from conftest import model_spec
+
+    from moe_rl.train.worker import TrainWorker
+
+    unpacked = TrainWorker(model_spec(hf_path, dtype=dtype), optim=replace(optim, pack_sequences=False))
+    return {"logp": unpacked.score(batch)["logp"], "packs": unpacked._packs()}
+
+
+def local_job(rank, world, hf_path, dtype, checks=False):
     """One rank in `dtype`, batches given on the CPU (as from Ray: the worker moves them). Free scores
     with the routes they took, the same batch with those routes replayed, one PPO step on the replayed
-    routes, then a critic and one value step; with how far each step moved the weights."""
+    routes, then a critic and one value step; with how far each step moved the weights. `checks`: also
+    replay on unpacked microbatches, an offload round trip followed by a second step, a CP gather, and
+    torch.compile's counters at the end."""
     from conftest import model_spec, optim_settings
+    from torch._dynamo.utils import counters
 
     from moe_rl.batch import Batch
     from moe_rl.train import parallel
@@ -43,23 +109,31 @@ def local_job(rank, world, hf_path, dtype):
     policy = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim)
     free = policy.score(Batch(ids, lengths), record_routes=True)
     replay = policy.score(Batch(ids, lengths, free["routes"]))
+    out = {"device": str(policy.device), "free": free, "replay": replay}
+    if checks:  # the same weights, each row its own microbatch row (right-padded), the routes replayed
+        out["replay_unpacked"] = attempt(unpacked_replay, hf_path, dtype, optim, Batch(ids, lengths, free["routes"]))
+        out["packs"] = policy._packs()
     before = snapshot(policy)
     shard = Batch(ids, lengths, free["routes"], **policy_tensors(replay["logp"], mask, adv))
-    policy_step = policy.train_step(shard, policy_loss(), Denominator(mask))
-    out = {"device": str(policy.device), "free": free, "replay": replay, "policy_step": policy_step,
-           "policy_moved": largest_change(policy, before)}
+    out["policy_step"] = policy.train_step(shard, policy_loss(), Denominator(mask))
+    out["policy_moved"] = largest_change(policy, before)
+    if checks:
+        out["offload"] = attempt(offload_round_trip, policy)
+        out["step_after_onload"] = attempt(policy.train_step, shard, policy_loss(), Denominator(mask))
+        out["cp_gather"] = attempt(cp_gather_round_trip, policy.device)
 
     critic = TrainWorker(model_spec(hf_path, dtype=dtype, routing_replay=False), role="critic", optim=optim)
     before = snapshot(critic)
     values = Batch(ids, lengths, mask_BS=mask, returns_BS=critic_returns(), values_old_BS=torch.zeros(B, S))
     out["critic_step"] = critic.train_step(values, ValueLoss(None), Denominator(mask))
     out["critic_moved"] = largest_change(critic, before)
+    out["compiled"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "inductor", "aot_autograd")}
     return out
 
 
 @pytest.fixture(scope="module")
 def fp32(tiny_qwen):
-    return run_ranks(local_job, 1, (str(tiny_qwen), "float32"))[0]
+    return run_ranks(local_job, 1, (str(tiny_qwen), "float32", True))[0]
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +179,31 @@ def test_bf16_runs_near_fp32(fp32, bf16):
     for role in ("policy", "critic"):
         assert torch.isfinite(torch.tensor(bf16[f"{role}_step"]["loss"])) and bf16[f"{role}_moved"] > 0
     assert mean < 0.05 and largest < 0.5  # loose: bf16 keeps 8 bits of mantissa
+
+
+def test_packed_microbatches_replay_as_unpacked_ones(fp32):
+    unpacked = fp32["replay_unpacked"]
+    assert "error" not in unpacked, unpacked.get("error")
+    assert fp32["packs"] and not unpacked["packs"]  # production packs; the reference does not
+    assert largest_gap(fp32["replay"]["logp"], unpacked["logp"]) <= 1e-5
+
+
+def test_offload_round_trip_on_cuda(fp32):
+    trip, step = fp32["offload"], fp32["step_after_onload"]
+    assert "error" not in trip and "error" not in step, trip.get("error") or step.get("error")
+    # parameters, gradient buffers, Adam's state: off the GPU (the allocator's blocks round sizes up)
+    assert trip["moved"] > 0 and trip["freed"] >= 0.9 * trip["moved"]
+    assert trip["same"] and trip["where"] == ["cuda:0"] and trip["names"] > 0  # back bitwise, where they were
+    assert step["update_ok"] == 1.0 and torch.isfinite(torch.tensor(step["loss"]))
+
+
+def test_context_parallel_gather_on_cuda(fp32):
+    assert fp32["cp_gather"] == {"device": "cuda:0", "forward": True, "backward": True}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nothing_is_compiled(request, dtype):
+    """The local spec's kernels are warm after the first call: no torch.compile graph (megatron's fused
+    bias-activation would recompile per expert token count)."""
+    compiled = request.getfixturevalue(dtype)["compiled"]
+    assert compiled.get("stats", {}).get("unique_graphs", 0) == 0 and not compiled.get("inductor"), compiled
