@@ -66,7 +66,7 @@ class SdpaAttention(MegatronModule):
         key, value = gather_sequence(key, 0, group), gather_sequence(value, 0, group)
         sq, b, heads, hn = query.shape
         S = key.shape[0]
-        q_pos = local_positions(S, self.cp, ps.get_context_parallel_rank()).to(query.device)
+        q_pos = local_positions(S, self.cp, ps.get_context_parallel_rank(), query.device)
         allowed = torch.arange(S, device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [sq, S]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         return self._sdpa(q, k, v, allowed, False).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)

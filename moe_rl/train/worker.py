@@ -157,7 +157,7 @@ class TrainWorker:
             ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real], device=ids.device), pk.positions()
             routes = None if routes is None else pk.pack(routes, fill=-1)
         elif self.cp > 1:  # this CP rank's two chunks of every row; outputs are gathered in _outputs
-            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank()).to(ids.device)
+            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank(), ids.device)
             routes = None if routes is None else replay.fill_padding(routes, lengths)[:, idx]
             ids, pos, lengths = ids[:, idx], pos[:, idx], torch.full_like(lengths, len(idx))
         if self._recording is not None:
@@ -191,7 +191,7 @@ class TrainWorker:
             return {"values": values if pk is None else pk.unpack(values)}
         if self.cp > 1:  # local logits score the next token of each local position; gather, then align
             ids = mb.input_ids_BS
-            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank())
+            idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank(), ids.device)
             next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
             logp, ent = target_logprobs(output, next_ids[:, idx], *tp)
             logp, ent = (gather_sequence(x, 1, ps.get_context_parallel_group()) for x in (logp, ent))
