@@ -84,7 +84,7 @@ def _size_for_check(cfg, path: str) -> str:
         return f"# {err} (not sized: moe-rl plan {path} --model-config PATH)"
     if problems:
         raise UserError("; ".join(problems))
-    return f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GB GPUs per node (moe-rl plan {path} for the sizes)"
+    return f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GiB GPUs per node (moe-rl plan {path} for the sizes)"
 
 
 def _plan(cfg, model_config: str | None):
@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("config", help="YAML config file")
     n.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     n.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.gpus_per_node, 8)")
-    n.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: cluster.gpu_memory_gb, 80)")
+    n.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU as its maker names it, read as GiB "
+                   "(H100 80GB: 80; default: cluster.gpu_memory_gb, 80)")
     n.add_argument("--model-config", help="the model's config.json (default: model.path/config.json; the tiny model "
                    "when model.path is empty)")
     n.set_defaults(fn=_cmd_plan)

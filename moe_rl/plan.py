@@ -10,20 +10,33 @@ the rank's pipeline stage split over tp, and P_e its routed-expert parameters sp
     weights      (P_d + P_e) * b                      b = 2 (bf16) or 4 (fp32)
     gradients    (P_d + P_e) * 4                      Megatron's fp32 gradient buffer
     optimizer    P_d * o / (dp * cp) + P_e * o / edp  Adam m, v (+ fp32 master weights under bf16):
-                                                      o = 12 (bf16) or 8; sharded by the distributed
-                                                      optimizer over the data-parallel (edp: expert-
-                                                      data-parallel) ranks, whole without it
-    activations  T * L * a / (tp * cp) + logits       T = trainer.micro_batch_tokens; 1F1B keeps pp
+                                                      o = 12 (bf16) or 8. The trainer uses megatron's
+                                                      distributed optimizer (parallel.distributed_optimizer)
+                                                      only where dp > 1 (train/worker.py), which shards
+                                                      dense state over the dp * cp ranks and expert state
+                                                      over the edp expert-data-parallel ranks; with dp = 1
+                                                      the state is whole (also under cp > 1)
+    activations  T * L * a / (tp * cp)                T = trainer.micro_batch_tokens; 1F1B keeps pp
                                                       microbatches of L / pp layers on the first stage;
                                                       a = bytes per token and layer below (recompute:
                                                       the layer input only, plus one layer recomputed)
+    logits       T / (tp * cp) * V * l                each rank's vocabulary slice of its tokens, l bytes
+                                                      per element at the peak of train/logprobs.py
 
 An estimate of the tensors a layer keeps for backward, per token (bf16):
 attention 2 * (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP 2 * (h + k (2h + 3f)) + 4E (fp32 router
-logits), dense MLP 2 * (2h + 3 f_dense). Logits on the last stage: T / (tp * cp) * V * 4 * 2 (fp32 logits
-and their gradient). Engines: weights / engine_tp, then the KV cache of what is left,
-2 * layers * n_kv * d * b bytes per token. A GPU's usable memory is USABLE of its size (CUDA context,
-NCCL buffers and allocator fragmentation take the rest).
+logits), dense MLP 2 * (2h + 3 f_dense). The logits' l (`logit_bytes`; tests/train/test_plan_memory.py
+measures it) is the most the log-probs and the entropy hold at once. Training: 24 = the fp32 z - max(z) and exp(z - max)
+kept for backward (8) plus the four fp32 temporaries their backward holds together (16: the gradients of
+the entropy's exp(z) * z with respect to both factors, the gather's zeros and its scatter_add), more than
+the forward's peak (b for the model's logits + 12 for z, exp(z) and exp(z) * z); the model's logits are
+freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp, then the KV
+cache of what is left, 2 * layers * n_kv * d * b bytes per token.
+
+cluster.gpu_memory_gb is a GPU's memory as its maker names it (H100 80GB: 80, H200 141GB: 141), and GPU
+makers' GB are binary: the plan reads it as GiB (2**30 bytes), the unit of every figure it prints (CUDA
+reports 79.6 GiB for an H100 80GB, 80.0 for an A100 80GB, 140.4 for an H200 141GB). A GPU's usable
+memory is USABLE of that (CUDA context, NCCL buffers and allocator fragmentation take the rest).
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from pathlib import Path
 
 GiB = 2**30
 USABLE = 0.9  # of a GPU's memory, for tensors
-ENGINE_RESERVE_GB = 2.0  # an engine's CUDA graphs, sampler and runtime buffers beyond weights and KV cache
+ENGINE_RESERVE_GIB = 2.0  # an engine's CUDA graphs, sampler and runtime buffers beyond weights and KV cache
 
 
 @dataclass(frozen=True)
@@ -197,7 +210,9 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     if trains:
         opt = 12 if b == 2 else 8
         edp = max(par.world_size // (pp * ep * etp), 1)
-        dp_shards, edp_shards = (par.dp * cp, edp) if par.distributed_optimizer else (1, 1)
+        # as train/worker.py: megatron's distributed optimizer where dp > 1, sharding over its dp*cp group
+        distributed = par.distributed_optimizer and par.dp > 1
+        dp_shards, edp_shards = (par.dp * cp, edp) if distributed else (1, 1)
         out["gradients"] = (p_dense + p_expert) * 4
         out["optimizer"] = p_dense * opt / dp_shards + p_expert * opt / edp_shards
         kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)  # 1F1B: pp microbatches of L/pp
@@ -206,8 +221,16 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
         out["activations"] = kept
         if role == "policy" and cfg.algorithm.anchor == "ewma":
             out["ewma_anchor"] = (p_dense + p_expert) * 4
-    out["logits"] = 0.0 if role in ("critic", "reward_model") else tokens * shape.vocab * 4 * (2 if trains else 1)
+    out["logits"] = 0.0 if role in ("critic", "reward_model") else tokens * shape.vocab * logit_bytes(b, trains)
     return out
+
+
+def logit_bytes(model_bytes: int, trains: bool) -> int:
+    """The most bytes per logit element that the log-probs and entropy of train/logprobs.py hold at once
+    (see the module docstring): 24 when training (fp32 z and exp(z) kept for backward, and four fp32
+    temporaries of their backward), model_bytes + 12 when only scoring (the model's logits, fp32 z,
+    exp(z) and exp(z) * z)."""
+    return 24 if trains else model_bytes + 12
 
 
 def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, float], float]:
@@ -216,7 +239,7 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, f
     b, tp = dtype_bytes(cfg), cfg.rollout.engine_tp
     weights = shape.total * b / tp
     r = cfg.rollout
-    reserve = ENGINE_RESERVE_GB * GiB
+    reserve = ENGINE_RESERVE_GIB * GiB
     from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
 
     util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
@@ -227,7 +250,7 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, f
 def make_plan(cfg, hf_config: dict) -> Plan:
     shape = ModelShape.from_hf(hf_config)
     cluster = cfg.cluster
-    gpu = cluster.gpu_memory_gb * GiB
+    gpu = cluster.gpu_memory_gb * GiB  # GPU makers' GB are GiB (module docstring)
     usable = USABLE * gpu
     actors = cfg.actors
     problems: list[str] = []
@@ -248,14 +271,14 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     for rp in roles[:-1]:
         if rp.total > usable - beside:
             problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {(usable - beside) / GiB:.1f} GiB "
-                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GB" + (f" less a colocated engine's "
+                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB" + (f" less a colocated engine's "
                             f"{beside / GiB:.1f})" if beside else ")"))
     if engines.total > gpu:  # vLLM's utilisation is a share of the whole GPU; a fixed KV cache may overshoot
-        problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GB GPU")
+        problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GiB GPU")
     if kv_tokens < cfg.rollout.max_model_len:
         problems.append(f"engine: {kv_tokens:,.0f} KV-cache tokens cannot hold one sequence of max_model_len="
                         f"{cfg.rollout.max_model_len} ({engine['weights'] / GiB:.1f} GiB of weights on each "
-                        f"{cluster.gpu_memory_gb:g} GB GPU; rollout.engine_tp={cfg.rollout.engine_tp})")
+                        f"{cluster.gpu_memory_gb:g} GiB GPU; rollout.engine_tp={cfg.rollout.engine_tp})")
     if cfg.rollout.engine_tp > cluster.gpus_per_node:
         problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
                         "an engine's workers share one node")
@@ -278,7 +301,7 @@ def render(plan: Plan) -> str:
     lines = [f"model: {_count(s.total)} parameters, {_count(s.active)} active per token "
              f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
              f"cluster: {sum(r.gpus for r in plan.roles)} GPUs on {plan.nodes} node(s) of "
-             f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GB"]
+             f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GiB"]
     for r in plan.roles:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())
         lines.append(f"{r.role:<9} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")

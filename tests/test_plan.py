@@ -62,10 +62,11 @@ def test_a_run_that_cannot_fit_is_refused_one_line_per_problem(tmp_path):
     out = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80")
     assert out.returncode == 2
     errors = out.stderr.strip().splitlines()
-    assert errors == ["moe-rl: error: engine: 89.0 GiB per GPU does not fit a 80 GB GPU",
+    # --gpu-memory-gb is a GPU's memory as its maker names it (GPU makers' GB are binary), read as GiB
+    assert errors == ["moe-rl: error: engine: 89.0 GiB per GPU does not fit a 80 GiB GPU",
                       "moe-rl: error: engine: 0 KV-cache tokens cannot hold one sequence of max_model_len=8192 "
-                      "(87.0 GiB of weights on each 80 GB GPU; rollout.engine_tp=1)"]
-    # with engines of two GPUs each, it fits 80 GB GPUs
+                      "(87.0 GiB of weights on each 80 GiB GPU; rollout.engine_tp=1)"]
+    # with engines of two GPUs each, it fits 80 GiB GPUs
     tp2 = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80", "rollout.engine_tp=2")
     assert tp2.returncode == 0, tp2.stderr
     assert "engine       4 GPU(s)" in tp2.stdout
@@ -84,13 +85,33 @@ def test_trainer_memory_worked_by_hand():
     assert policy["gradients"] == pytest.approx((dense + expert) * 4)
     # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over 32 / (pp 2 * ep 8 * etp 2) = 1
     assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 1)
+    # a microbatch's 32768 tokens (cp 1) by the rank's vocabulary slice (tp 2), 24 bytes per element at the
+    # peak of the log-probs' backward (tests/train/test_plan_memory.py measures it)
+    assert policy["logits"] == pytest.approx(32768 * s.vocab / 2 * 24)
+
+
+def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
+    """train/worker.py uses megatron's distributed optimizer only with dp > 1 (its dp*cp group then shards
+    the dense state): with dp 1 the state is whole, context parallelism or not (measured in
+    tests/train/test_plan_memory.py)."""
+    def optimizer(*overrides):
+        cfg = from_dict({}, ["model.dtype=bfloat16", *overrides], cuda_available=True)
+        return make_plan(cfg, hf_config_of(cfg, None)).roles[0].per_gpu["optimizer"]
+
+    whole = optimizer()
+    assert whole == 12 * ModelShape.from_hf(hf_config_of(from_dict({}, cuda_available=True), None)).total
+    assert optimizer("parallel.cp=2", "parallel.world_size=2") == whole  # dp 1
+    assert optimizer("parallel.world_size=2") == whole / 2  # dp 2
+    assert optimizer("parallel.cp=2", "parallel.world_size=4") == whole / 4  # dp 2: over dp*cp
+    assert optimizer("parallel.world_size=2", "parallel.distributed_optimizer=false") == whole
 
 
 def test_check_config_assume_cuda_sizes_the_run():
     ok = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "--assume-cuda"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "# fits 8 x 80 GB GPUs per node" in ok.stderr
+    assert ok.returncode == 0 and "# fits 8 x 80 GiB GPUs per node" in ok.stderr
     small = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "cluster.gpu_memory_gb=0.5",
                             "--assume-cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert small.returncode == 2 and re.match(r"moe-rl: error: policy: \d+\.\d GiB per GPU does not fit", small.stderr)
+    assert small.returncode == 2 and re.match(r"moe-rl: error: policy: \d+\.\d GiB per GPU does not fit -?\d+\.\d GiB "
+                                              r"\(90% of 0.5 GiB", small.stderr)
     assert len(small.stderr.strip().splitlines()) == 1

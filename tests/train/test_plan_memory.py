@@ -1,0 +1,146 @@
+"""`moe-rl plan`'s trainer terms against bytes measured on the CPU trainer at tiny size, term by term:
+the logits' peak through production's log-probs (train/logprobs.py) forward and backward, counted by a
+dispatch mode that follows every storage the ops allocate until it is freed; a real TrainWorker's
+weights, gradient buffers, optimizer state (after a step, so Adam's moments exist) and the PPO-EWMA
+anchor, counted from the tensors that hold them, under the layouts where the distributed optimizer
+shards (dp 2: dense state over dp*cp, expert state over the expert-data-parallel ranks) and where it
+does not (dp 1 with cp 2)."""
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from moe_rl.config import from_dict
+from moe_rl.plan import ModelShape, hf_config_of, logit_bytes, trainer_memory
+from moe_rl.train.launch_local import run_ranks
+
+# what the plan may differ from the measurement by: the log-probs score S - 1 of a row's S tokens (1/256
+# here) and hold a few [B, S] tensors; megatron pads its gradient buffers and keeps Adam's step counts
+TOLERANCE = 0.01
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of storages that ops allocate and that are still alive, and their peak: every op's
+    outputs are followed (a view adds nothing: its storage is known) until their storage is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, tuple[weakref.ref, int]] = {}
+        self.now = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.sizes.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key not in self.sizes:
+                    self.sizes[key] = (weakref.ref(st, lambda _, key=key: self._freed(key)), st.nbytes())
+                    self.now += st.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def _plan_cfg(dtype: str, **changes):
+    return from_dict({"model": {"dtype": dtype}, **changes}, cuda_available=False)
+
+
+def _shape(cfg, vocab: int | None = None) -> ModelShape:
+    hf = hf_config_of(cfg, None)  # the tiny model's
+    return ModelShape.from_hf({**hf, "vocab_size": vocab or hf["vocab_size"]})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("trains", [True, False], ids=["train", "score"])
+def test_logits_term_is_the_measured_peak_of_the_log_probs(dtype, trains):
+    """One microbatch of T tokens on the last stage: the output layer's logits [1, T, V] in the model's
+    dtype go through production's log-probs and entropy into a loss, are released (as megatron's schedule
+    releases the model's output once the loss is computed), and the loss is backpropagated to the output
+    layer. Peak bytes from the logits' creation on (scoring: forward under no_grad) against the plan's
+    logits term for T = trainer.micro_batch_tokens, tp = cp = 1."""
+    from moe_rl.train.logprobs import vocab_parallel_logprobs
+
+    T, V, H = 256, 1024, 8
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, T, H, generator=g).to(torch_dtype)
+    output_layer = torch.randn(H, V, generator=g).to(torch_dtype).requires_grad_(trains)
+    ids = torch.randint(0, V, (1, T), generator=g)
+
+    def loss_of_logits():  # the logits are released on return
+        logp, entropy = vocab_parallel_logprobs(hidden @ output_layer, ids)
+        return logp.sum() + 0.01 * entropy.sum()
+
+    with torch.set_grad_enabled(trains), LiveBytes() as live:  # counts what is allocated from the logits on
+        loss = loss_of_logits()
+        if trains:
+            loss.backward()
+    measured = live.peak
+    cfg = _plan_cfg(dtype, trainer={"micro_batch_tokens": T})
+    planned = trainer_memory(_shape(cfg, V), cfg, "policy" if trains else "reference")["logits"]
+    assert planned == T * V * logit_bytes(2 if dtype == "bfloat16" else 4, trains)
+    assert measured == pytest.approx(planned, rel=TOLERANCE), (measured / (T * V), planned / (T * V))
+
+
+def _storage_bytes(tensors, exclude=()) -> int:
+    seen, total = {st.data_ptr() for st in exclude}, 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def state_bytes_job(rank, world, hf_path, layout, dtype):
+    """After one policy step: the bytes of this rank's weights, gradient buffers, optimizer state (the
+    optimizer's own parameters, i.e. fp32 master weights, and its state tensors, less any storage the
+    model's parameters or DDP buffers hold) and of a PPO-EWMA anchor of its parameters."""
+    from conftest import model_spec, optim_settings
+    from train_jobs import Denominator, batch_tensors, policy_loss, policy_tensors
+
+    from moe_rl.algos.anchor import EwmaAnchor
+    from moe_rl.batch import Batch
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    logp = w.score(Batch(ids, lengths))["logp"]
+    w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
+    params = list(w.module.parameters())
+    buffers = [*w.model.buffers, *w.model.expert_parallel_buffers]
+    held = [t.untyped_storage() for t in [*params, *(b.param_data for b in buffers if b.param_data is not None),
+                                          *(b.grad_data for b in buffers)]]
+    optimizer = []
+    for opt in getattr(w.optimizer, "chained_optimizers", [w.optimizer]):
+        optimizer += [p for group in opt.optimizer.param_groups for p in group["params"]]
+        optimizer += [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {"distributed": w.ddp_config.use_distributed_optimizer,
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "gradients": _storage_bytes([b.grad_data for b in buffers]),
+            "optimizer": _storage_bytes(optimizer, held),
+            "ewma_anchor": sum(t.numel() * t.element_size() for t in EwmaAnchor(w.local_params(), 0.9).params.values())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,dtype,distributed", [
+    ({"cp": 2}, "float32", False),  # dp 1: no distributed optimizer, so no sharding over cp either
+    ({"ep": 2}, "bfloat16", True),  # dp 2: dense state over dp*cp = 2, expert state over edp = 2 / ep = 1
+], ids=["cp2-fp32", "dp2-ep2-bf16"])
+def test_weights_gradients_optimizer_and_anchor_terms_are_measured_bytes(tiny_qwen, layout, dtype, distributed):
+    cfg = _plan_cfg(dtype, parallel={**layout, "world_size": 2},
+                    algorithm={"anchor": "ewma", "correction": "tis_token"})  # for the anchor's term
+    planned = trainer_memory(_shape(cfg), cfg, "policy")
+    for rank in run_ranks(state_bytes_job, 2, (str(tiny_qwen), layout, dtype)):
+        assert rank.pop("distributed") is distributed
+        assert rank["weights"] == planned["weights"]
+        for term, measured in rank.items():
+            assert measured == pytest.approx(planned[term], rel=TOLERANCE), (term, measured, planned[term])
