@@ -8,6 +8,11 @@
 A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
 previous one as it was, and `resume: auto` takes the newest complete one. Nothing in it is unpickled
 beyond plain types and tensors (`read_loop_state`, and train/checkpoint.py for the weights).
+
+Before anything starts, the driver checks the checkpoint it will resume from (`check_resume`): its
+loop state, and every file of its trainer groups there and whole (a truncated shard is one line naming
+the file, and the last good checkpoint beside it); and the config the run was started with against
+this one (`config_changes`: only RESUMABLE_CHANGES may differ unless the user says so).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,13 +123,82 @@ def resume_dir(cfg: RunConfig, root: Path) -> Path | None:
 
 
 def check_resumable(path: Path, roles: list[str]) -> dict:
-    """A checkpoint's loop state (`read_loop_state`), once its trainer groups' directories are there."""
+    """A checkpoint's loop state (`read_loop_state`), once its trainer groups' directories are there and
+    every file in them whole (`train.checkpoint.check_files`, which loads no tensor)."""
+    from moe_rl.train.checkpoint import check_files
+
     st = read_loop_state(path / LOOP_STATE)
     missing = [role for role in roles if not (path / role).is_dir()]
     if missing:
         raise CheckpointError(f"{path} has no {' or '.join(missing)} checkpoint; it was saved by a run without "
                               f"{' or '.join(missing)}, or is incomplete")
+    for role in roles:
+        check_files(path / role)
     return st
+
+
+def check_resume(path: Path, roles: list[str], auto: bool) -> dict:
+    """`check_resumable`, its error naming the newest good checkpoint beside a damaged one (in the same
+    directory, an earlier step), if there is one; `auto`: the run would take `path` by checkpoint.resume=auto
+    (deleting it lets auto take the good one)."""
+    try:
+        return check_resumable(path, roles)
+    except CheckpointError as err:
+        for other in sorted(path.parent.glob("step_*"), reverse=True):
+            if other.name >= path.name or not (other / LOOP_STATE).is_file():
+                continue
+            try:
+                check_resumable(other, roles)
+            except CheckpointError:
+                continue
+            how = f"delete {path} (checkpoint.resume=auto then takes it), or set" if auto else "set"
+            raise CheckpointError(f"{err}; the last good checkpoint is {other}: {how} checkpoint.resume={other}") from None
+        raise
+
+
+def written_by_this_try(path: Path) -> bool:
+    """Whether a launcher's retry is resuming a checkpoint its own earlier tries wrote (RESUME_SINCE)."""
+    since = os.environ.get(RESUME_SINCE)
+    return bool(since) and (path / LOOP_STATE).is_file() and (path / LOOP_STATE).stat().st_mtime >= float(since)
+
+
+# What a resumed run may change without `moe-rl train --resume-with-changes`: how long it runs (run.steps
+# extends it), what it logs and keeps, and where and how long it waits on the machine. Anything else
+# makes it another run than the one its checkpoints hold. Entries ending in "." are sections.
+RESUMABLE_CHANGES = ("run.steps", "run.output_dir", "logging.", "checkpoint.every", "checkpoint.keep",
+                     "checkpoint.at_end", "checkpoint.resume", "cluster.address", "cluster.node_ip",
+                     "cluster.call_timeout_s", "cluster.num_cpus", "cluster.trainer_threads", "cluster.engine_threads",
+                     "cluster.gpus_per_node", "cluster.gpu_memory_gb")
+
+
+def resumable_change(key: str) -> bool:
+    return any(key == k or k.endswith(".") and key.startswith(k) for k in RESUMABLE_CHANGES)
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out = {}
+    for k, v in data.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_changes(stored: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(field, stored value, new value) for each field whose value differs between two configs as plain
+    data (YAML as config.yaml holds it). A field only one of them has (added to or removed from the
+    schema between the two) is not compared."""
+    a, b = _flat(stored), _flat(new)
+    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k]]
+
+
+def show_changes(changes: list[tuple[str, Any, Any]], most: int = 6) -> str:
+    """`field: old -> new` of each change, at most `most` of them (and how many more)."""
+    def value(v):
+        return repr(v) if v == "" else str(v)
+
+    shown = "; ".join(f"{k}: {value(a)} -> {value(b)}" for k, a, b in changes[:most])
+    return shown + (f"; and {len(changes) - most} more" if len(changes) > most else "")
 
 
 def write_loop_state(path: Path, state: dict) -> None:

@@ -87,13 +87,58 @@ def _size_for_check(cfg, path: str) -> str:
     return f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GiB GPUs per node (moe-rl plan {path} for the sizes)"
 
 
+# the fields of a Hugging Face config that sizing reads as whole numbers (null: absent)
+_MODEL_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
+               "decoder_sparse_step", "first_k_dense_replace")
+
+
+def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:
+    """The model's HF config that `plan` sizes (--model-config, a config.json or a directory holding
+    one; else model.path's), checked: a JSON object whose size fields are whole numbers. (None, "") for
+    the tiny model. UserError naming the file and the field otherwise."""
+    import json
+
+    if not (model_config or cfg.model.path):
+        return None, ""
+    path = Path(model_config or cfg.model.path)
+    path = path if path.suffix == ".json" or path.is_file() else path / "config.json"
+    flag = "--model-config" if model_config else "model.path"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"plan: no model config at {path}; pass --model-config PATH (a config.json)") from None
+    except OSError as err:
+        raise UserError(f"plan: {flag}: cannot read {path} ({err.strerror or err})") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        where = f" at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        raise UserError(f"plan: {flag}: {path} is not valid JSON{where} ({getattr(err, 'msg', err)}); give the model's "
+                        "config.json") from None
+    if not isinstance(data, dict):
+        raise UserError(f"plan: {flag}: {path} holds a JSON {type(data).__name__}, not an object; give the model's "
+                        "config.json (an object of fields such as hidden_size)")
+    for key in _MODEL_INTS:
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise UserError(f"plan: {path}: {key} is {json.dumps(value)}; a whole number >= 0")
+    return data, str(path)
+
+
 def _plan(cfg, model_config: str | None):
     from moe_rl import plan
 
+    hf, path = _model_config(cfg, model_config)
+    where = f" ({path})" if path else ""
     try:
-        return plan.make_plan(cfg, plan.hf_config_of(cfg, model_config))
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        raise UserError(f"plan: {err}" if not isinstance(err, KeyError) else f"plan: the model config has no {err}") from None
+        return plan.make_plan(cfg, hf if hf is not None else plan.hf_config_of(cfg, None))
+    except KeyError as err:
+        raise UserError(f"plan: the model config{where} has no {err}") from None
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"plan: {err}{where if path and path not in str(err) else ''}") from None
+    except (TypeError, AttributeError, ZeroDivisionError) as err:  # a field of another type than sizing expects
+        raise UserError(f"plan: the model config{where} has a field sizing cannot use ({type(err).__name__}: "
+                        f"{err})") from None
 
 
 def _cmd_plan(args) -> int:
@@ -124,7 +169,7 @@ def _cmd_train(args) -> int:
     mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
                 RolloutError)
     try:
-        return loop.main(cfg)
+        return loop.main(cfg, resume_with_changes=args.resume_with_changes)
     except Exception as err:  # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug
         mistake = getattr(err, "cause", err)
         if isinstance(mistake, mistakes):
@@ -263,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "actor updates, weight sync, TensorBoard metrics, checkpoints.")
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
+    t.add_argument("--resume-with-changes", action="store_true",
+                   help="resume a run.output_dir whose config.yaml differs from this config in settings beyond run.steps, "
+                   "logging.*, checkpoint.every/keep/at_end/resume and cluster addresses, threads and timeouts (the "
+                   "changes are printed); without it such a resume is refused")
     t.set_defaults(fn=_cmd_train)
 
     k = sub.add_parser("tiny", **fmt, help="build a tiny random MoE checkpoint (Hugging Face format) locally",
@@ -320,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides given after an option (`check-config CFG --assume-cuda a.b=1`) are overrides too
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            dashed = [e for e in extra if e.startswith("-") and "." in e.split("=", 1)[0]]
+            hint = f" (overrides take no dashes: {dashed[0].lstrip('-')})" if dashed else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         args.overrides = [*args.overrides, *extra]
     if not getattr(args, "fn", None):
         parser.print_help()

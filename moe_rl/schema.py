@@ -66,7 +66,7 @@ def build(cls, data: Any, path: str, removed: dict[str, str]):
         sub = f"{path}.{key}" if path else str(key)
         if key not in fields:
             hint = f" ({removed[sub]})" if sub in removed else did_you_mean(str(key), fields)
-            raise ConfigError(sub, f"unknown key{hint}; allowed: {', '.join(fields)}")
+            raise ConfigError(sub, f"unknown key{hint}; allowed: {', '.join(fields) or f'none ({path} takes no keys)'}")
         kwargs[key] = coerce(hints[key], value, sub, removed)
     return cls(**kwargs)
 

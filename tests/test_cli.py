@@ -86,11 +86,14 @@ def test_gae_benchmark_runs_and_ends_with_json():
 
 
 def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):
-    """Separate placement on 2 CPUs: policy, critic and engine each need a CPU of their own."""
+    """Separate placement on 2 CPUs: policy, critic and engine each need a CPU of their own; decided
+    before Ray starts."""
     out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", "cluster.colocate=false",
-              "cluster.num_cpus=2", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3")
+              "cluster.num_cpus=2", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
+              "trainer.warm_start_batch=16")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: the run needs 3 CPU for 3 actors")
+    assert "starting Ray" not in out.stdout and "GAE kernel" not in out.stdout
 
 
 def test_cli_conventions():
@@ -158,6 +161,17 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "vocab_size": 300}))
     rows = tmp_path / "eval.jsonl"
     rows.write_text(json.dumps({"secret": 3}) + "\n")
+    from test_preflight import checkpoint
+
+    (tmp_path / "rewards.py").write_text("def score(row, response):\n    return 1 / len(response)\n")
+    done = tmp_path / "done"  # a run that reached its 3 steps; then one of another config (its config.yaml)
+    checkpoint(done, 3)
+    changed = tmp_path / "changed"
+    checkpoint(changed, 2)
+    (changed / "config.yaml").write_text(run("config", "show", "configs/quickstart.yaml", "algorithm.lam=0.9").stdout)
+    damaged = tmp_path / "damaged"
+    (checkpoint(damaged, 2) / "policy" / "__0_0.distcp").write_bytes(b"")
+    custom = ["examples/custom_reward/config.yaml", f"run.output_dir={tmp_path / 'run'}"]
     q = ["configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}"]
     cases = {
         "is a directory; give a YAML file": ["train", str(tmp_path)],
@@ -178,6 +192,16 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
         f"reward_model.path: '{tmp_path}/lm' has no score head": ["train", *q, f"reward_model.path={tmp_path / 'lm'}"],
         "rm_vocab' has another tokenizer than the policy's": ["train", *q, f"reward_model.path={other}"],
         f"trainer.eval_prompts=64, but {rows} has 1 rows": ["train", *q, f"trainer.eval_dataset={rows}"],
+        "rewards.py:score raised ZeroDivisionError: division by zero": ["train", *custom,
+                                                                         f"environment.reward_fn={tmp_path}/rewards.py:score"],
+        "rollout.max_model_len: 1024 is above the 512 positions the model has": ["train", *q, "rollout.max_model_len=1024"],
+        "damaged/checkpoints/step_000002/policy/__0_0.distcp is truncated (0 of": ["train", q[0], f"run.output_dir={damaged}"],
+        "run.steps: 3: this run already reached it": ["train", q[0], f"run.output_dir={done}", "run.steps=3"],
+        "holds a run of another config, to be resumed from step_000002: algorithm.lam: 0.9 -> 0.95":
+            ["train", q[0], f"run.output_dir={changed}"],
+        "run.output_dir: is empty": ["train", q[0], "run.output_dir="],
+        "run.output_dir: cannot write to '/proc/moe_rl_run'": ["train", q[0], "run.output_dir=/proc/moe_rl_run"],
+        "unrecognized arguments: --run.steps=3 (overrides take no dashes: run.steps=3)": ["train", *q, "--run.steps=3"],
     }
     for expect, argv in cases.items():
         t = time.monotonic()
@@ -185,6 +209,28 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
         line = one_line_error(out)
         assert expect.strip() in line and time.monotonic() - t < 30, (argv, line)
         assert "GAE kernel" not in out.stdout and "starting Ray" not in out.stdout  # nothing had started
+
+
+def test_plan_model_config_mistakes_are_one_line(tmp_path):
+    """--model-config that is not JSON, a JSON list, or has a size field of another type: one line naming
+    the file (and the field)."""
+    import json
+
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import VOCAB_SIZE, hf_config
+
+    hf = hf_config(TinyModel(), eos_token_id=VOCAB_SIZE - 1, pad_token_id=VOCAB_SIZE - 2).to_dict()
+    files = {"text.json": "not json\n", "list.json": "[1, 2]", "typed.json": json.dumps({**hf, "hidden_size": "64"}),
+             "ok.json": json.dumps(hf)}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    expect = {"text.json": f"plan: --model-config: {tmp_path}/text.json is not valid JSON at line 1 column 1 (Expecting value)",
+              "list.json": f"plan: --model-config: {tmp_path}/list.json holds a JSON list, not an object",
+              "typed.json": f'plan: {tmp_path}/typed.json: hidden_size is "64"; a whole number >= 0'}
+    for name, line in expect.items():
+        assert one_line_error(run("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / name))).startswith(
+            f"moe-rl: error: {line}"), name
+    assert run("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / "ok.json")).returncode == 0
 
 
 def test_tiny_and_convert_refuse_before_any_work(tmp_path):

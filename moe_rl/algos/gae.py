@@ -100,11 +100,26 @@ def masked_gae(
     return adv, torch.where(m_bool, adv + values, 0.0)
 
 
-def kernel_name(src: Path) -> str:
-    """The kernel's name in torch's extension cache, one per checkout: torch keys its cache by name and
-    rebuilds (~30 s) when the source's path changes, so two clones on one machine sharing a name would
-    rebuild each time the other ran."""
-    return f"moe_rl_gae_kernel_{hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:12]}"
+def kernel_name(src: Path, ninja: str | None = None) -> str:
+    """The kernel's name in torch's extension cache, one per checkout and ninja version: torch keys its
+    cache by name and rebuilds (~30 s) when the source's path changes, so two clones on one machine
+    sharing a name would rebuild each time the other ran; and the `ninja` on PATH (the venv's, or the
+    system's when the venv's bin is not first on PATH) keeps a build log in a format of its own version,
+    which another version discards, rebuilding everything. `ninja`: its version (default: `ninja_version`)."""
+    ninja = ninja_version() if ninja is None else ninja
+    return f"moe_rl_gae_kernel_{hashlib.sha256(f'{src.resolve()}|ninja {ninja}'.encode()).hexdigest()[:12]}"
+
+
+def ninja_version() -> str:
+    """`ninja --version` of the ninja on PATH (the one torch builds extensions with), or "" without one.
+    Run by torch's own helper for probing tools (algos imports torch, not subprocess)."""
+    from torch.utils.collect_env import run
+
+    try:
+        rc, out, _ = run(["ninja", "--version"])
+    except OSError:  # no ninja on PATH
+        return ""
+    return out if rc == 0 else ""
 
 
 @functools.cache

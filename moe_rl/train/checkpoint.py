@@ -14,7 +14,9 @@ Loading never unpickles arbitrary objects: torch's checkpoint index (`.metadata`
 read with an unpickler that admits only torch's checkpoint metadata classes, dtypes and sizes
 (`read_metadata`); the other files are JSON, safetensors-like tensor data, or read with
 `torch.load(weights_only=True)`. The same index lets `check_model_fits` name every tensor whose
-name or shape differs from the model before anything is loaded.
+name or shape differs from the model before anything is loaded, and `check_files` find a missing or
+truncated shard file (the driver checks a checkpoint so before it starts anything); what fails later in
+loading is a CheckpointError naming the checkpoint, one line.
 
 Atomicity of a whole RL checkpoint (policy + critic + loop state) is the caller's job: write into a
 temporary directory and rename it (see moe_rl.loop).
@@ -22,7 +24,9 @@ temporary directory and rename it (see moe_rl.loop).
 
 from __future__ import annotations
 
+import json
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -54,8 +58,11 @@ def read_metadata(path: str | Path):
     with open(path / ".metadata", "rb") as f:
         try:
             return _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as err:
-            raise CheckpointError(f"{path / '.metadata'} is not a readable checkpoint index: {err}") from None
+        except CheckpointError:
+            raise
+        except Exception as err:  # truncated (EOFError), damaged (UnpicklingError, ValueError, ...)
+            raise CheckpointError(f"{path / '.metadata'} is not a readable checkpoint index "
+                                  f"({type(err).__name__}: {err}); the checkpoint is damaged") from None
 
 
 def read_extra(path: str | Path) -> dict:
@@ -66,6 +73,44 @@ def read_extra(path: str | Path) -> dict:
         return torch.load(Path(path) / EXTRA_FILE, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{Path(path) / EXTRA_FILE} holds more than plain data: {err}") from None
+    except Exception as err:  # truncated or damaged
+        raise CheckpointError(f"{Path(path) / EXTRA_FILE} is not readable ({type(err).__name__}: {err}); the "
+                              "checkpoint is damaged") from None
+
+
+def check_files(path: str | Path) -> None:
+    """Every file of a dist checkpoint there and whole, without loading a tensor: the index and the
+    record read, metadata.json parses, each shard file the index points into is as long as the bytes
+    it holds there, and each other torch file (common.pt, a rank's EWMA anchor) has its zip directory
+    (which torch writes last). CheckpointError naming the first file that is not."""
+    path = Path(path)
+    md = read_metadata(path)
+    read_extra(path)
+    try:
+        json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / 'metadata.json'} is not readable JSON ({err}); the checkpoint is damaged") from None
+    ends: dict[str, int] = {}
+    storage = getattr(md, "storage_data", None)  # which file, at which offset, holds each tensor's bytes
+    for info in storage.values() if isinstance(storage, dict) else ():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (the checkpoint index points into it); the checkpoint is incomplete")
+        size = f.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{f} is truncated ({size} of its {end} bytes); the checkpoint is damaged")
+    for f in sorted(path.glob("*.pt")):
+        if f.name == EXTRA_FILE:
+            continue
+        try:
+            with zipfile.ZipFile(f) as z:
+                z.infolist()
+        except (OSError, zipfile.BadZipFile) as err:
+            raise CheckpointError(f"{f} is truncated or damaged ({err}); the checkpoint is damaged") from None
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -132,6 +177,11 @@ def save_model(module, path: str | Path, extra: dict | None = None) -> None:
     _save({"model": module.sharded_state_dict()}, Path(path), {"extra": extra or {}, "steps": 0, "optimizer": "none"})
 
 
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1]}" if lines else type(err).__name__
+
+
 def load_model(module, path: str | Path) -> dict:
     """Restore model weights into `module` (any layout); returns the saved record."""
     from megatron.core import dist_checkpointing
@@ -160,8 +210,12 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
         raise CheckpointError(f"{path} holds {saved_kind} optimizer state, this run uses a {_optimizer_kind(worker)} "
                               "optimizer (data-parallel size changed to or from 1); resume with the same data-parallel "
                               "size, or load weights only")
+    check_files(path)
     check_model_fits(worker.module, path)
-    state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer), str(path))
+    try:
+        state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer), str(path))
+    except Exception as err:  # a file damaged beyond what check_files sees: one line, not torch's traceback
+        raise CheckpointError(f"{path}: loading failed ({_last_line(err)}); the checkpoint is damaged") from None
     worker.module.load_state_dict(state["model"])
     if optimizer:
         worker.optimizer.load_state_dict(state["optimizer"])

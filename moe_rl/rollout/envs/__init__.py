@@ -27,10 +27,16 @@ my_pkg.rewards:score`. Environments must not block the event loop for long: run 
 or untrusted code through `moe_rl.rollout.sandbox`.
 
 A supervised warm start (`trainer.warm_start_steps`) needs a scripted expert: override `expert_turn`.
+
+Before anything starts, the driver makes one environment and calls its `trial` on the run's first
+prompt (`try_first_prompt`): `reset` (and, for single_turn, the reward function on an empty answer). A
+mistake in your code is then one line naming the setting, the exception and where it was raised,
+instead of env_error counts after a minute of start-up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import hashlib
 import importlib
@@ -38,6 +44,8 @@ import importlib.util
 import inspect
 import os
 import sys
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -126,6 +134,14 @@ class Environment:
     async def step(self, action_text: str) -> StepResult:
         raise NotImplementedError
 
+    async def trial(self, row: dict) -> None:
+        """What the driver tries on the run's first prompt before anything starts (`try_first_prompt`):
+        `reset`, whose result must be chat messages. An override tries more (single_turn scores an empty
+        answer) after `await super().trial(row)`; raise TrialError to name the setting to fix."""
+        problem = check_messages(await self.reset(row))
+        if problem:
+            raise TrialError("environment.name", f"{type(self).__name__}.reset returned {problem[0]}", problem[1])
+
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:
         """A scripted expert's next turn given the conversation so far (for supervised warm starts)."""
@@ -135,6 +151,66 @@ class Environment:
     def generate_prompts(cls, n: int, seed: int, options: Any) -> list[dict]:
         """Prompts for environments that make their own (used when no dataset is configured)."""
         raise NotImplementedError(f"{cls.__name__} needs a dataset (environment.dataset)")
+
+
+class TrialError(ValueError):
+    """A mistake `Environment.trial` found: what failed (`str(err)`, one line), the config field that
+    leads to it (`field`) and, optionally, how to fix it (`fix`)."""
+
+    def __init__(self, field: str, message: str, fix: str = ""):
+        self.field, self.fix = field, fix
+        super().__init__(message)
+
+
+TRIAL_TIMEOUT_S = 30.0  # as long as an episode's reset or step may take (AgentSettings.env_timeout_s)
+_OURS = (str(Path(__file__).resolve().parents[2]) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)  # moe_rl/, Python's own
+
+
+def error_text(err: BaseException) -> str:
+    """`Type: message (file.py:line)`, the place being the innermost frame of the user's code (not
+    moe_rl's, not Python's standard library), where there is one: a one-line account of an exception
+    raised by code of yours."""
+    text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_OURS)
+              and not f.filename.startswith("<")]
+    if frames:
+        where = os.path.relpath(frames[-1].filename)
+        text += f" ({frames[-1].filename if where.startswith('..') else where}:{frames[-1].lineno})"
+    return " ".join(text.split())  # one line
+
+
+def check_messages(messages) -> tuple[str, str] | None:
+    """What is wrong with what `reset` returned (it must be a non-empty list of chat messages, each a
+    dict with a string `role` and `content`) and how to fix it, or None."""
+    fix = "reset returns the chat messages that open the episode: [{'role': 'user', 'content': '...'}, ...]"
+    if not isinstance(messages, list) or not messages:
+        return (f"{type(messages).__name__} {messages!r:.60}" if not isinstance(messages, list) else "an empty list"), fix
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"{m!r:.60} as message {i}", fix
+    return None
+
+
+def try_first_prompt(spec: EnvSpec, row: dict, source: str) -> None:
+    """One environment of the run, made and tried (`Environment.trial`) on `row`, before anything starts.
+    ConfigError (one line: the field, what failed and where, on `source`) if it fails."""
+    from moe_rl.schema import ConfigError
+
+    cls = spec.env_cls
+    try:
+        env = spec.make()
+    except Exception as err:
+        raise ConfigError("environment.name", f"making {cls.__name__} failed: {error_text(err)}") from None
+    try:
+        asyncio.run(asyncio.wait_for(env.trial(row), TRIAL_TIMEOUT_S))
+    except TrialError as err:
+        raise ConfigError(err.field, f"{err} on {source}, before the run starts" + (f"; {err.fix}" if err.fix else "")) from None
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ConfigError("environment.name", f"{cls.__name__}.reset did not return within {TRIAL_TIMEOUT_S:g} s on "
+                          f"{source} (an episode's reset has as long)") from None
+    except Exception as err:
+        raise ConfigError("environment.name", f"{cls.__name__}.reset failed on {source} before the run starts: "
+                          f"{error_text(err)}") from None
 
 
 def register_env(name: str):
@@ -201,6 +277,7 @@ def get_env(name: str) -> type:
             raise EnvImportError(f"'{name}' is not an Environment subclass (moe_rl.rollout.envs.Environment)"
                                  + ("; for a reward function use environment.name: single_turn with "
                                     "environment.reward_fn" if callable(cls) else ""))
+        check_implements(cls, name)
         return cls
     if name not in _ENVS:
         close = difflib.get_close_matches(name, _ENVS, n=1)
@@ -208,6 +285,19 @@ def get_env(name: str) -> type:
         raise KeyError(f"unknown environment '{name}'{hint}; registered: {', '.join(sorted(_ENVS))} "
                        "(or an import path, package.module:Class or path/to/file.py:Class)")
     return _ENVS[name]
+
+
+def check_implements(cls: type, name: str) -> None:
+    """EnvImportError unless `cls` defines `reset` and `step` as `async def` (the agent awaits both)."""
+    missing = [m for m in ("reset", "step") if getattr(cls, m) is getattr(Environment, m)]
+    if missing:
+        raise EnvImportError(f"'{name}' does not implement {' and '.join(missing)}: an Environment defines "
+                             "`async def reset(self, row) -> list[dict]` and `async def step(self, action_text) -> "
+                             "StepResult` (docs/environments.md)")
+    plain = [m for m in ("reset", "step") if not inspect.iscoroutinefunction(getattr(cls, m))]
+    if plain:
+        raise EnvImportError(f"'{name}': {' and '.join(f'{cls.__name__}.{m}' for m in plain)} must be `async def` "
+                             "(the agent awaits it)")
 
 
 def absolute_name(name: str) -> str:
@@ -222,8 +312,14 @@ def absolute_name(name: str) -> str:
 def build_options(env_cls: type, options: dict, path: str = "environment.options"):
     """`env_cls.Options` from config data: keys and types checked like every config field, then its
     `check()`. ConfigError (one line naming the option) otherwise."""
+    import dataclasses
+
     from moe_rl.schema import ConfigError, build
 
+    if options and not dataclasses.fields(env_cls.Options):
+        key = next(iter(options))
+        raise ConfigError(f"{path}.{key}", f"unknown key; allowed: none ({env_cls.__name__} takes no options: it "
+                          f"declares no Options dataclass); remove {path}")
     opts = build(env_cls.Options, options, path, {})
     check = getattr(opts, "check", None)
     if check is not None:

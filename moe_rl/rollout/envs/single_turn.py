@@ -12,7 +12,8 @@ The row's `prompt` opens the episode (a string: one user message; or a list of c
 {"role": "system" | "user" | "assistant", "content": str}); the model answers once; the function
 scores the answer (an `async def` runs on the engine's event loop, a plain function in a thread). A
 function that raises, or returns anything but a finite number or such a dict, makes that episode an
-env_error: counted, logged and not trained on.
+env_error: counted, logged and not trained on. Before anything starts, the function scores an empty
+answer to the first dataset row (`SingleTurn.trial`): one that fails there stops the run in one line.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from moe_rl.rollout.envs import (
     EnvImportError,
     Environment,
     StepResult,
+    TrialError,
+    error_text,
     import_object,
     register_env,
 )
@@ -76,19 +79,34 @@ def reward_function(spec: str):
     return fn
 
 
+class RewardValueError(TypeError, ValueError):
+    """A reward function returned something that is not a reward (a TypeError and a ValueError both):
+    `what` it returned and how to `fix` it."""
+
+    def __init__(self, spec: str, what: str, fix: str):
+        self.what, self.fix = what, fix
+        super().__init__(f"{spec} {what}; {fix}")
+
+
 def reward_value(value, spec: str) -> tuple[float, dict]:
-    """A reward function's result as (reward, numbers to log); TypeError for anything else, ValueError
-    for a reward that is not finite."""
+    """A reward function's result as (reward, numbers to log); RewardValueError for anything else (not a
+    number, not finite, a dict without `reward` or with a non-number beside it)."""
     extra = {}
     if isinstance(value, dict):
         if "reward" not in value:
-            raise TypeError(f"{spec} returned a dict without 'reward': {sorted(value)}")
-        extra = {k: float(v) for k, v in value.items() if k != "reward"}
+            raise RewardValueError(spec, f"returned a dict without 'reward' ({sorted(value)})", "put the reward under 'reward'")
+        try:
+            extra = {k: float(v) for k, v in value.items() if k != "reward"}
+        except (TypeError, ValueError):
+            bad = next(k for k, v in value.items() if k != "reward" and not isinstance(v, (int, float)))
+            raise RewardValueError(spec, f"returned {bad!r}: {value[bad]!r:.40}", "the entries beside 'reward' are "
+                                   "logged (env/NAME): each must be a number") from None
         value = value["reward"]
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{spec} returned {type(value).__name__}; a float or a dict with 'reward'")
+        got = "None" if value is None else f"{type(value).__name__} {value!r:.40}"
+        raise RewardValueError(spec, f"returned {got}", "return a float, or a dict with 'reward'")
     if not math.isfinite(value):
-        raise ValueError(f"{spec} returned a reward of {value}")
+        raise RewardValueError(spec, f"returned a reward of {value}", "rewards must be finite")
     return float(value), extra
 
 
@@ -122,3 +140,15 @@ class SingleTurn(Environment):
             value = await asyncio.to_thread(self.fn, self.row, action_text)
         reward, info = reward_value(value, self.context.reward_fn)
         return StepResult(None, done=True, final_reward=reward, info=info)
+
+    async def trial(self, row: dict) -> None:
+        """`reset` on the run's first row, then the reward function on an empty answer: every answer must
+        score, the empty one too (a model's early answers often are)."""
+        await super().trial(row)
+        try:
+            await self.step("")
+        except RewardValueError as err:
+            raise TrialError("environment.reward_fn", f"{self.context.reward_fn} {err.what} for the answer ''", err.fix) from None
+        except Exception as err:
+            raise TrialError("environment.reward_fn", f"{self.context.reward_fn} raised {error_text(err)} scoring the "
+                             "answer ''", "a reward function must score every answer, the empty one too") from None

@@ -1,0 +1,34 @@
+"""The fused GAE kernel's cache key: one build per checkout and per ninja version. torch builds with the
+`ninja` on PATH (the venv's when its bin comes first, else the system's), and a ninja of another version
+discards the other's build log and rebuilds everything (12-85 s): keyed by the version, each reuses its
+own build however PATH is set from one run to the next."""
+
+import os
+from pathlib import Path
+
+from moe_rl.algos import gae
+
+SRC = Path(gae.__file__).with_name("gae_kernel.cpp")
+
+
+def fake_ninja(where: Path, version: str) -> Path:
+    where.mkdir(parents=True)
+    exe = where / "ninja"
+    exe.write_text(f"#!/bin/sh\necho {version}\n")
+    exe.chmod(0o755)
+    return where
+
+
+def test_the_kernel_is_keyed_by_the_ninja_on_path(tmp_path, monkeypatch):
+    old, new, same = fake_ninja(tmp_path / "sys", "1.11.1"), fake_ninja(tmp_path / "venv", "1.13.2"), \
+        fake_ninja(tmp_path / "other", "1.11.1")
+    names = {}
+    for d in (old, new, same):
+        monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
+        names[d] = gae.kernel_name(SRC)
+        monkeypatch.undo()
+    assert names[old] != names[new]  # another ninja: another build directory, not a rebuild of the same one
+    assert names[old] == names[same]  # the same version elsewhere on PATH: the same build
+    assert gae.kernel_name(SRC, "1.11.1") == names[old]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no ninja at all: still a name (torch then says why)
+    assert gae.ninja_version() == "" and gae.kernel_name(SRC).startswith("moe_rl_gae_kernel_")
