@@ -85,9 +85,10 @@ def test_trainer_memory_worked_by_hand():
     assert policy["gradients"] == pytest.approx((dense + expert) * 4)
     # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over 32 / (pp 2 * ep 8 * etp 2) = 1
     assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 1)
-    # a microbatch's 32768 tokens (cp 1) by the rank's vocabulary slice (tp 2), 24 bytes per element at the
+    # a microbatch's 16384 tokens (cp 1) by the rank's vocabulary slice (tp 2), 24 bytes per element at the
     # peak of the log-probs' backward (tests/train/test_plan_memory.py measures it)
-    assert policy["logits"] == pytest.approx(32768 * s.vocab / 2 * 24)
+    assert cfg.trainer.micro_batch_tokens == 16384
+    assert policy["logits"] == pytest.approx(16384 * s.vocab / 2 * 24)
 
 
 def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
