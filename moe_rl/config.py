@@ -481,12 +481,6 @@ class ClusterSection:
         in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
 
-    @property
-    def gpu_share(self) -> float:
-        """GPUs of each trainer rank and each engine worker: a whole one. Colocation does not split an
-        actor's GPU, it puts the roles on the same GPUs (RunConfig.gpus; cluster.gpu_layout)."""
-        return 1.0
-
 
 @dataclass(frozen=True)
 class RewardModelSection:

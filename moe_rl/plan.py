@@ -169,6 +169,7 @@ class Plan:
     gpus_per_node: int
     gpu_memory_gb: float
     roles: list[RolePlan]
+    gpus: int  # the run's GPUs (RunConfig.gpus: colocated roles share theirs)
     nodes: int
     route_bytes: int  # host memory for one step's routes
     sync_bytes: int  # what one weight sync moves
@@ -260,19 +261,22 @@ def make_plan(cfg, hf_config: dict) -> Plan:
               else shape}  # a reward model has its own shape, where its config is here
     for role in ("policy", "critic", "reference", "reward_model"):
         if actors[role]:
-            roles.append(RolePlan(role, math.ceil(actors[role] * cfg.cluster.gpu_share),
-                                  trainer_memory(shapes.get(role, shape), cfg, role)))
+            roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), cfg, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
-    engines = RolePlan("engine", math.ceil(actors["engine"] * cfg.rollout.engine_tp * cfg.cluster.gpu_share), engine,
+    engines = RolePlan("engine", actors["engine"] * cfg.rollout.engine_tp, engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "
                         f"max_model_len={cfg.rollout.max_model_len})"])
     roles.append(engines)
-    beside = engines.total if cfg.cluster.colocate else 0.0  # a colocated trainer rank shares its GPU with an engine
-    for rp in roles[:-1]:
-        if rp.total > usable - beside:
-            problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {(usable - beside) / GiB:.1f} GiB "
-                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB" + (f" less a colocated engine's "
-                            f"{beside / GiB:.1f})" if beside else ")"))
+    if cfg.cluster.colocate:  # GPU i holds rank i of every model and an engine worker (cluster.gpu_layout), all resident
+        shared = sum(rp.total for rp in roles)
+        if shared > usable:
+            problems.append("colocated: " + " + ".join(f"{rp.role} {rp.total / GiB:.1f}" for rp in roles) +
+                            f" = {shared / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB ({USABLE:.0%} of "
+                            f"{cluster.gpu_memory_gb:g} GiB)")
+    for rp in roles[:-1] if not cfg.cluster.colocate else ():
+        if rp.total > usable:
+            problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB "
+                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
     if engines.total > gpu:  # vLLM's utilisation is a share of the whole GPU; a fixed KV cache may overshoot
         problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GiB GPU")
     if kv_tokens < cfg.rollout.max_model_len:
@@ -288,7 +292,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k * (1 if shape.experts <= 256 else 2)
     sync_bytes = shape.total * dtype_bytes(cfg)
-    return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, math.ceil(cfg.gpus / cluster.gpus_per_node),
+    return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus, math.ceil(cfg.gpus / cluster.gpus_per_node),
                 route_bytes, sync_bytes, problems)
 
 
@@ -300,7 +304,7 @@ def render(plan: Plan) -> str:
     s, gb = plan.shape, GiB
     lines = [f"model: {_count(s.total)} parameters, {_count(s.active)} active per token "
              f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
-             f"cluster: {sum(r.gpus for r in plan.roles)} GPUs on {plan.nodes} node(s) of "
+             f"cluster: {plan.gpus} GPUs on {plan.nodes} node(s) of "
              f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GiB"]
     for r in plan.roles:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())

@@ -113,6 +113,8 @@ def test_check_config_assume_cuda_sizes_the_run():
     assert ok.returncode == 0 and "# fits 8 x 80 GiB GPUs per node" in ok.stderr
     small = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "cluster.gpu_memory_gb=0.5",
                             "--assume-cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert small.returncode == 2 and re.match(r"moe-rl: error: policy: \d+\.\d GiB per GPU does not fit -?\d+\.\d GiB "
-                                              r"\(90% of 0.5 GiB", small.stderr)
+    # colocated (the quickstart): GPU i holds policy rank i, critic rank i and an engine worker, all resident
+    assert small.returncode == 2 and re.match(r"moe-rl: error: colocated: policy \d+\.\d \+ critic \d+\.\d \+ engine "
+                                              r"\d+\.\d = \d+\.\d GiB per GPU does not fit \d+\.\d GiB \(90% of 0.5 GiB",
+                                              small.stderr), small.stderr
     assert len(small.stderr.strip().splitlines()) == 1
