@@ -58,10 +58,10 @@ def _cmd_check_config(args) -> int:
     print(config.dump_yaml(cfg), end="")
     par = cfg.parallel
     actors = ", ".join(f"{n} {k}" for k, n in cfg.actors.items() if n)
+    shared = "colocated: GPU i holds rank i of every model and an engine worker" if cfg.cluster.colocate else "one per actor"
     print(f"# ok: {args.config} — trainer ranks {par.world_size} = tp {par.tp} x pp {par.pp} x cp {par.cp} x dp {par.dp}"
           f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on GPUs it needs "
-          f"{cfg.gpus} GPU(s) ({'colocated: GPU i holds rank i of every model and an engine worker' if cfg.cluster.colocate
-                                else 'one per actor'})",
+          f"{cfg.gpus} GPU(s) ({shared})",
           file=sys.stderr)
     if sized:
         print(sized, file=sys.stderr)
