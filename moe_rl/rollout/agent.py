@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moe_rl.rollout.engine import Sampling
-from moe_rl.rollout.envs import EnvSpec
+from moe_rl.rollout.envs import EnvSpec, error_text
 from moe_rl.rollout.sandbox import SandboxUnavailable
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.types import Outcome, Trajectory, validate_trajectory
@@ -60,6 +60,8 @@ class RolloutStats:
     overlong_filtered: int = 0
     tool_errors: int = 0
     memory: dict = field(default_factory=dict)  # the engine process's (metrics.process_memory), after the rollout
+    # the first environment failure (an env_error episode) of these episodes: "reset|step: Type: message (file:line)"
+    first_error: str = ""
 
 
 class Agent:
@@ -110,7 +112,7 @@ class Agent:
         except SandboxUnavailable:
             raise  # the machine's failure, not the episode's: the run stops
         except Exception as err:
-            return self._failed(prompt, group_id, sample_index, f"reset: {type(err).__name__}: {err}")
+            return self._failed(prompt, group_id, sample_index, f"reset: {error_text(err)}")
         ids = self._prompt_ids(messages)
         prompt_len = len(ids)
         mask = [False] * prompt_len
@@ -154,7 +156,7 @@ class Agent:
             except Exception as err:
                 turn_rewards.append(0.0)
                 outcome = Outcome.ENV_ERROR
-                log.warning("environment step failed: %s: %s", type(err).__name__, err)
+                self._env_error(f"step: {error_text(err)}")
                 break
             turn_rewards.append(float(step.reward))
             tool_errors += int(step.tool_error)
@@ -188,8 +190,13 @@ class Agent:
             weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
             info={"tool_errors": tool_errors, "turns": len(spans), "figures": figures}, versions=versions)
 
+    def _env_error(self, reason: str) -> None:
+        """An episode the environment failed (env_error): logged, each one; the first kept for the stop line."""
+        log.warning("environment failed (env_error): %s", reason)
+        self.stats.first_error = self.stats.first_error or reason
+
     def _failed(self, prompt, group_id, sample_index, reason) -> Trajectory:
-        log.warning("episode failed before the first turn: %s", reason)
+        self._env_error(reason)
         return Trajectory([0], [False], [0.0], [], [], 0.0, Outcome.ENV_ERROR, 1, 0, 1, None, group_id, sample_index,
                           {"error": reason})
 

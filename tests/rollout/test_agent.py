@@ -396,3 +396,16 @@ def test_observations_are_rendered_by_the_chat_template(tok):
     broken.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
     with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn"):
         Agent(ScriptedPolicy(broken, []), broken, EnvSpec("guess_number"), agent_settings())
+
+
+def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
+    """An episode the environment fails is an env_error, counted as before; the first one's exception
+    (type, message, the user's file and line) is kept in the rollout's stats for the stop line."""
+    from moe_rl.rollout.envs import EnvContext
+
+    (tmp_path / "scores.py").write_text("def score(row, response):\n    return 1 / 0\n")
+    spec = EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{tmp_path / 'scores.py'}:score"))
+    agent = Agent(ScriptedPolicy(tok, ["a", "b"]), tok, spec, agent_settings(max_turns=1))
+    assert run(agent.run_groups([{"prompt": "q"}], 2)) == []
+    assert agent.stats.rejected["env_error"] == 2
+    assert agent.stats.first_error == f"step: ZeroDivisionError: division by zero ({tmp_path / 'scores.py'}:2)"
