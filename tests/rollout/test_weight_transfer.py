@@ -53,3 +53,34 @@ def test_weight_transfer_choice():
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=False)
     assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).rollout.weight_transfer == "ipc"
+
+
+def test_ipc_transfer_is_packed_into_one_bounded_buffer():
+    """ipc: packed (vLLM then copies the tensors, chunk after chunk, into one CUDA IPC buffer it shares
+    once; unpacked it shares every tensor and holds them all until the update ends: a second copy of the
+    model on each trainer GPU). The buffer is rollout.weight_sync_bucket_mb, widened to the largest tensor
+    (vLLM's packer refuses a tensor larger than its buffer). The trainer-side engine itself needs CUDA:
+    here the init info production passes it is checked."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+    from moe_rl.rollout.transfer import ExportSource, ipc_buffer_bytes, trainer_init_info
+
+    mib = 2**20
+    named = [("model.embed_tokens.weight", torch.zeros(3 * mib // 4, dtype=torch.float32))]  # 3 MiB
+    named += [(f"model.layers.{i}.mlp.weight", torch.zeros(mib // 2, dtype=torch.bfloat16)) for i in range(8)]  # 1 MiB each
+    passes = []
+
+    def export():
+        passes.append(1)
+        return iter(named)
+
+    source = ExportSource(export)
+    cls, info = trainer_init_info("ipc", source, 0, "", 0, 1, bucket_mb=2.0)
+    assert cls is IPCTrainerWeightTransferEngine and isinstance(info, IPCTrainerInitInfo)
+    assert info.packed and info.rank == 0
+    # the largest tensor (3 MiB) does not fit the 2 MiB bucket: the buffer holds it, and not the model (11 MiB)
+    assert info.packed_buffer_size_bytes == 3 * mib
+    assert ipc_buffer_bytes(4.0, source.metadata()) == 4 * mib and ipc_buffer_bytes(0.5, []) == mib // 2
+    assert passes == [1]  # the metadata came from one pass of the export, cached for every later use
+    _, other_rank = trainer_init_info("ipc", source, 1, "", 0, 1, bucket_mb=2.0)
+    assert other_rank.packed and other_rank.packed_buffer_size_bytes == info.packed_buffer_size_bytes  # chunk alike
