@@ -58,7 +58,8 @@ class Collected:
         return {"wait_s": self.wait_s, "results": [
             ([trajectory_state(t) for t in trajs],
              {"outcomes": dict(st.outcomes), "rejected": dict(st.rejected), "dropped_groups": st.dropped_groups,
-              "overlong_filtered": st.overlong_filtered, "tool_errors": st.tool_errors, "memory": dict(st.memory)})
+              "overlong_filtered": st.overlong_filtered, "tool_errors": st.tool_errors, "memory": dict(st.memory),
+              "first_error": st.first_error})
             for trajs, st in self.results]}
 
     @classmethod
@@ -264,11 +265,13 @@ class Rollouts:
             st.dropped_groups += s.dropped_groups
             st.overlong_filtered += s.overlong_filtered
             st.tool_errors += s.tool_errors
+            st.first_error = st.first_error or s.first_error
             for k, v in s.memory.items():  # the largest engine
                 st.memory[k] = max(v, st.memory.get(k, 0.0))
         wait_s = done.wait_s
         if not trajs:
-            raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}); "
+            first = f"; the first environment error: {st.first_error}" if st.first_error else ""
+            raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}){first}; "
                                "check the environment")
         if not self.cfg.rollout.async_mode and any(t.weight_version != self.version for t in trajs):
             raise RuntimeError(f"a synchronous rollout generated with weight versions "

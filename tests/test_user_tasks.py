@@ -127,3 +127,18 @@ def test_a_dataset_mistake_is_one_line_before_anything_starts(tmp_path):
         f"moe-rl: error: {data}:2: missing field(s) prompt, answer (the environment reads prompt, answer; the row has "
         "question)")
     assert "starting Ray" not in proc.stdout
+
+
+def test_a_reward_function_that_fails_mid_run_is_named_in_the_stop_line(tmp_path):
+    """A reward function that scores the empty answer (the check before Ray) but raises on every real one:
+    every episode is an env_error, and the run stops in one line naming the first one's exception and
+    the user's file and line (exit 2), not only the count."""
+    (tmp_path / "picky.py").write_text("def score(row, response):\n    if not response:\n        return 0.0\n"
+                                       "    raise KeyError('no such field: total')\n")
+    proc = train(ROOT / "examples" / "custom_reward" / "config.yaml", tmp_path / "run", "run.steps=1",
+                 f"environment.reward_fn={tmp_path / 'picky.py'}:score", "trainer.eval_prompts=0")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("moe-rl: error: no valid trajectories this step (rejected: {'env_error': 16}); the first "
+                           "environment error: step: KeyError: 'no such field: total' ("), line
+    assert line.endswith("picky.py:4); check the environment"), line
