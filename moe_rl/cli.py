@@ -161,14 +161,14 @@ def _cmd_train(args) -> int:
     cfg = config.load_config(args.config, args.overrides)
     from moe_rl import loop
     from moe_rl.algos.checks import BatchCheckError
-    from moe_rl.cluster import PlacementError, fault_line
+    from moe_rl.cluster import EngineStartError, PlacementError, fault_line
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.rollouts import RolloutError
     from moe_rl.weights.hf import CheckpointError
 
     mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-                RolloutError)
+                RolloutError, EngineStartError)
     try:
         return loop.main(cfg, resume_with_changes=args.resume_with_changes)
     except Exception as err:  # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug

@@ -655,11 +655,28 @@ class EngineSyncClient:
         ray.get([e.transfer.remote("finish_weight_update", None, self.version) for e in self.engines])
 
 
+class EngineStartError(ValueError):
+    """vLLM refused an engine's settings at start-up (a user's mistake: exit 2); its message, one line."""
+
+
+def vllm_refusal(err: ValueError) -> str:
+    """vLLM's own words for a refused setting: pydantic's first error message (vLLM validates its configs
+    with pydantic), else the error's last line."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        try:
+            return str(errors()[0]["msg"]).removeprefix("Value error, ")
+        except (IndexError, KeyError, TypeError):
+            pass
+    return last_line(err)
+
+
 @ray.remote
 class RolloutActor:
     """A vLLM engine and the agent loop, as an asyncio actor: rollouts run as coroutines, and a weight
     update arriving meanwhile runs between engine steps (in-flight conversations pause, then resume
-    with the new weights; each trajectory keeps the version it started with)."""
+    with the new weights; each trajectory keeps the version it started with). An engine whose settings
+    vLLM refuses stays alive to say so: `info` raises EngineStartError (a dead actor would read as a fault)."""
 
     def __init__(self, settings, agent_settings, env, threads: int, first_core: int = 0):
         use_threads(threads)  # before vLLM starts: its CPU worker refuses later changes
@@ -668,7 +685,12 @@ class RolloutActor:
         from moe_rl.rollout.agent import Agent
         from moe_rl.rollout.engine import RolloutEngine
 
-        self.engine = RolloutEngine(settings, threads, first_core)
+        self.refused = ""
+        try:
+            self.engine = RolloutEngine(settings, threads, first_core)
+        except ValueError as err:  # pydantic's ValidationError too
+            self.refused = vllm_refusal(err)
+            return
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         self.agent = Agent(self.engine, tok, env, agent_settings)  # env: rollout.envs.EnvSpec
         self.top_k = self.engine.top_k
@@ -731,6 +753,8 @@ class RolloutActor:
         self.engine.transfer(call, payload, version)
 
     def info(self) -> dict:
+        if self.refused:
+            raise EngineStartError(f"vLLM refused the engine's settings: {self.refused}")
         return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts, "moe_layers": self.engine.num_moe_layers,
                 "version": self.engine.version,
                 "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),

@@ -5,8 +5,8 @@ import pytest
 from conftest import ROOT, moe_rl_cli
 
 
-def run(*args):
-    return subprocess.run([*moe_rl_cli(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def run(*args, timeout=120):
+    return subprocess.run([*moe_rl_cli(), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_check_config_quickstart_exits_0():
@@ -259,3 +259,15 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     line = one_line_error(run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", f"model.path={model}",
                               "parallel.tp=4", "parallel.world_size=4"))
     assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"
+
+
+def test_settings_vllm_refuses_at_engine_start_are_one_line_exit_2(tmp_path):
+    """A setting that passes the checks before Ray but that vLLM refuses when the engine starts (here a KV
+    cache too small for one block): vLLM's own message in one line, exit 2 (a mistake to fix, not a
+    fault a launcher would retry: a dead engine actor would have been exit 3)."""
+    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", "rollout.kv_cache_gb=0.000001",
+              "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "cluster.num_cpus=2",
+              "logging.progress_bar=false", timeout=300)
+    line = one_line_error(out)
+    assert line.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the cache "
+                           "blocks"), line
