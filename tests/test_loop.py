@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
 
 pytestmark = pytest.mark.slow
 
@@ -121,29 +122,6 @@ def test_run_summary_reports_the_runs_figures(reference):
     assert s["steps"] == 3 and s["train_reward_windows"] == pytest.approx([(r[0] + r[1]) / 2, r[2]], abs=1e-4)
     assert s["logp_mismatch_max"] == pytest.approx(max(h["correction/logp_mismatch_max"] for h in hist), rel=1e-2)
     assert s["explained_variance_mean"] == pytest.approx(sum(h["critic/explained_variance"] for h in hist) / 3, abs=1e-4)
-
-
-def score_checkpoint_job(rank, world, step_dir, ids_BS):
-    """One rank (spawned by run_ranks): the run's own trainers, policy and critic, built without HF
-    weights and loaded from a checkpoint of the run, score whole rows of ids_BS (routers choosing
-    freely, as transformers does): {"logp": the policy's [B, S], "values": the critic's [B, S]}."""
-    from conftest import model_spec, optim_settings
-
-    from moe_rl.batch import Batch
-    from moe_rl.train import checkpoint, parallel
-    from moe_rl.train.worker import TrainWorker
-
-    parallel.init_distributed(parallel.Layout())
-    batch = Batch(ids_BS, torch.full((ids_BS.shape[0],), ids_BS.shape[1]))
-    optim = optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False)
-    out = {}
-    for role, key in (("policy", "logp"), ("critic", "values")):
-        ckpt = Path(step_dir) / role
-        spec = model_spec(ckpt / "hf_config", routing_replay=False)
-        worker = TrainWorker(spec, role=role, load_weights=False, optim=optim)
-        checkpoint.load(worker, ckpt, optimizer=False)
-        out[key] = worker.score(batch)[key]
-    return out
 
 
 def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
@@ -274,33 +252,6 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean", "policy/loss",
                 "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
         assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-5), key
-
-
-def hand_counted_expert_load(figures: dict, checkpoint: Path, num_experts: int) -> None:
-    """The step's logged expert load equals a count, in plain Python, of the routes the engine computed
-    in the checkpoint's kept rollout (every (position, slot) with a route, per layer)."""
-    import math
-
-    from moe_rl.checkpoints import read_in_flight
-
-    trajs = [t for ts, _ in read_in_flight(checkpoint).results for t in ts]
-    layers = trajs[0].routes.experts_PLK.shape[1]
-    for layer in range(layers):
-        counts = [0] * num_experts
-        for t in trajs:
-            for p, computed in enumerate(t.routes.computed_P[:len(t.token_ids)]):
-                for e in (t.routes.experts_PLK[p, layer].tolist() if computed else []):
-                    counts[e] += 1
-        share = [c / sum(counts) for c in counts]
-        entropy = -sum(x * math.log(x) for x in share if x > 0) / math.log(num_experts)
-        assert figures[f"moe/rollout_layer{layer:02d}_load_imbalance"] == pytest.approx(max(share) * num_experts)
-        assert figures[f"moe/rollout_layer{layer:02d}_usage_entropy"] == pytest.approx(entropy)
-
-
-def engine_processes(pid: int) -> list:
-    import psutil
-
-    return [p for p in psutil.Process(pid).children(recursive=True) if "RolloutActor" in " ".join(p.cmdline())]
 
 
 def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tmp_path):
