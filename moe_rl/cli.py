@@ -156,8 +156,20 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from moe_rl import config
+    import signal
 
+    from moe_rl import cluster, config
+
+    cluster.handle_signals()  # SIGINT: exit 130, SIGTERM: 143; either way the run's actors and Ray stop first
+    try:
+        return _train(args, config)
+    except KeyboardInterrupt:
+        if cluster.INTERRUPTED and cluster.INTERRUPTED[0] == signal.SIGTERM:
+            return _fail("terminated (SIGTERM)", 128 + signal.SIGTERM)
+        raise
+
+
+def _train(args, config) -> int:
     cfg = config.load_config(args.config, args.overrides)
     from moe_rl import loop
     from moe_rl.algos.checks import BatchCheckError

@@ -51,6 +51,89 @@ def failpoint(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# -- exit paths: a signal stops the run at the next safe point; the run's actors and its Ray go with it --
+INTERRUPTED: list[int] = []  # the signals received by `moe-rl train` (handle_signals), first first
+
+
+def _on_signal(signum, frame) -> None:
+    first = not INTERRUPTED
+    INTERRUPTED.append(signum)
+    if first:  # a second signal while the run shuts down only records itself: the shutdown is bounded
+        raise KeyboardInterrupt
+
+
+def handle_signals() -> None:
+    """SIGINT and SIGTERM record themselves in INTERRUPTED and raise KeyboardInterrupt (Ray's init
+    replaces the SIGTERM handler: called again after it)."""
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def check_interrupted() -> None:
+    """At a safe point: a signal whose KeyboardInterrupt Python swallowed (raised inside a finalizer or
+    a callback: "Exception ignored ...") still stops the run here."""
+    if INTERRUPTED:
+        raise KeyboardInterrupt
+
+
+_STARTED_RAY: list[bool] = []  # this process started the local Ray it is connected to
+RUN_PARTS: list = []  # what holds the run's actors (trainers.Models, rollouts.Rollouts): `shutdown` kills them
+
+
+def _actors_of(part) -> list:
+    groups = part.groups().values() if hasattr(part, "groups") else []
+    return [a for g in groups for a in g.actors] + list(getattr(part, "engines", []))
+
+
+def shutdown(timeout_s: float = 20.0) -> None:
+    """Every exit path of a run: kill its actors (their processes' children, such as vLLM's workers, with
+    them), then stop the local Ray if this process started it (connected to a cluster: only the actors).
+    Bounded: whatever of this process's descendants is still alive after `timeout_s` is killed."""
+    import psutil
+
+    if not ray.is_initialized() and not _STARTED_RAY:
+        RUN_PARTS.clear()
+        return
+    me = psutil.Process()
+    try:
+        descendants = me.children(recursive=True)  # the local Ray, its workers and their children
+    except psutil.Error:
+        descendants = []
+    for part in RUN_PARTS:
+        for actor in _actors_of(part):
+            try:
+                if ray.is_initialized():
+                    ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead, or Ray gone: nothing to kill
+                pass
+    RUN_PARTS.clear()
+    if not _STARTED_RAY:
+        ray.shutdown()  # the driver's connection only; the cluster stays
+        return
+    _STARTED_RAY.clear()
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - what it left behind is stopped below
+        pass
+    deadline = time.monotonic() + timeout_s
+    try:  # processes re-parented meanwhile (a killed worker's children) are still in `descendants`
+        descendants += [p for p in me.children(recursive=True) if p not in descendants]
+    except psutil.Error:
+        pass
+    for p in descendants:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(descendants, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+
+
 def start_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
@@ -73,8 +156,12 @@ def start_ray(cfg: RunConfig) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             lambda record: not record.getMessage().startswith("Token authentication is enabled"))
         # the CPUs this process may use (a SLURM step's or a container's share), not the machine's
+        _STARTED_RAY.append(True)  # before init: an interrupt during it still stops what it started
         ray.init(num_cpus=cfg.cluster.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False, runtime_env=env,
                  log_to_driver=False)
+    if signal.getsignal(signal.SIGINT) is _on_signal:  # ray.init replaced the SIGTERM handler with its own
+        handle_signals()
+    check_interrupted()
 
 
 class PlacementError(RuntimeError):

@@ -40,10 +40,20 @@ def say(msg: str) -> None:
 def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
     """The run; `resume_with_changes`: resume a run directory whose config.yaml differs from `cfg` beyond
     checkpoints.RESUMABLE_CHANGES (`moe-rl train --resume-with-changes`)."""
-    from moe_rl.cluster import round_trips
+    from moe_rl import cluster
 
-    out, tr = Path(cfg.run.output_dir), cfg.trainer
+    out = Path(cfg.run.output_dir)
     prompts, eval_prompts = preflight(cfg, out, resume_with_changes)
+    try:  # every exit path (done, an error, an interrupt) stops the run's actors and the Ray it started
+        return run(cfg, out, prompts, eval_prompts)
+    finally:
+        cluster.shutdown()
+
+
+def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]) -> int:
+    from moe_rl.cluster import check_interrupted, round_trips
+
+    tr = cfg.trainer
     models, rollouts = start(cfg, out, prompts, eval_prompts)
     checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
     first = checkpoints.resume()
@@ -83,6 +93,7 @@ def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
     pending = checkpoints.in_flight or (rollout(first) if first < cfg.run.steps else None)
     try:
         for step in range(first, cfg.run.steps):
+            check_interrupted()  # a signal whose KeyboardInterrupt was swallowed stops the run here
             with log.timer("step"):
                 batch, rollout_figures = rollouts.wait(pending)
                 with log.timer("onload"):  # colocated: the engines sleep, the trainer comes back
@@ -109,6 +120,7 @@ def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
                 pending = rollout(step + 1)
             elif evaluating(step + 1):  # asynchronous: on engine 0, beside the rollout in flight (older weights)
                 evaluate(step + 1)
+        check_interrupted()
         last = max(first, cfg.run.steps)
         if tr.eval_prompts:  # after RL
             rollouts.wake()
@@ -286,22 +298,27 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         phase("Ray")
         path = model.result()
         phase("model (beyond Ray)")
+    cluster.check_interrupted()
     place = cluster.Placement(cfg, cfg.actors)
     if place.engines_first:  # colocated on GPUs: each engine profiles its GPUs' memory alone (cluster.engines_first)
         rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
+        cluster.RUN_PARTS.append(rollouts)  # stopped on every exit path (cluster.shutdown)
         rollouts.started()
         phase("engines")
         models = Models(cfg, place, path)
+        cluster.RUN_PARTS.append(models)
         models.started()
         phase("trainer ranks (after the engines)")
     else:
         models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
+        cluster.RUN_PARTS.extend([models, rollouts])  # stopped on every exit path (cluster.shutdown)
         models.started()  # the trainer ranks and the engines start side by side: wait for them all
         phase("trainer ranks")
         rollouts.started()
         phase("engines (beyond the ranks)")
     say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})" for k, g in models.groups().items()]
                                   + [f"engines on {', '.join(rollouts.nodes)} ({threads(rollouts.threads)})"]))
+    cluster.check_interrupted()
     rollouts.connect(models.policy)
     phase("weight-sync connect")
     say(f"weight sync: {cfg.rollout.weight_transfer}")
