@@ -53,7 +53,8 @@ class Run:
             try:
                 for p in root.children(recursive=True):
                     try:
-                        self.seen.setdefault((p.pid, p.create_time()), " ".join(p.cmdline())[:120] or p.name())
+                        # the latest name: a Ray worker takes its actor's name (ray::RolloutActor) after it starts
+                        self.seen[(p.pid, p.create_time())] = " ".join(p.cmdline())[:120] or p.name()
                     except psutil.Error:
                         pass
             except psutil.Error:
@@ -65,6 +66,14 @@ class Run:
         while not any(text in line for line in self.lines):
             assert self.proc.poll() is None, f"exited before {text!r}:\n{self.output()}"
             assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{self.output()}"
+            time.sleep(0.05)
+
+    def wait_seen(self, text: str, timeout: float = 300) -> None:
+        """Until the census has seen a process whose name holds `text`."""
+        deadline = time.monotonic() + timeout
+        while not any(text in name for name in list(self.seen.values())):
+            assert self.proc.poll() is None, f"exited before a {text!r} process:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no {text!r} process in {timeout} s:\n{self.output()}"
             time.sleep(0.05)
 
     def finish(self, timeout: float = 900) -> int:
@@ -129,6 +138,7 @@ def test_normal_exit_leaves_nothing(run):
 def test_sigint_during_ray_start_exits_130_and_leaves_nothing(run):
     r = run()
     r.wait_for("starting Ray")
+    r.wait_seen("gcs_server")  # Ray's first process is up: the interrupt lands in its start-up
     r.proc.send_signal(signal.SIGINT)
     rc = r.finish(300)
     assert rc == 130, r.output()

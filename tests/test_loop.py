@@ -184,6 +184,9 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
                              "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
+    def why() -> str:  # the launcher's output, once it has ended
+        return "" if proc.poll() is None else proc.stdout.read()[-4000:]
+
     def drivers():
         return [p for p in psutil.Process(proc.pid).children(recursive=True)
                 if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())]
@@ -191,13 +194,13 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
     try:
         saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 900, None
         while not (out / "checkpoints" / "step_000002").exists():  # the first try dies in step 2; the retry saves it
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint" + why()
             time.sleep(0.05)
         while driver is None:  # the retry's driver, found before the kill must happen
             driver = next(iter(drivers()), None)
-            assert proc.poll() is None and time.time() < deadline, "no driver"
+            assert proc.poll() is None and time.time() < deadline, "no driver" + why()
         while not (saving / "policy").exists():  # its step-3 save has begun writing the policy's checkpoint
-            assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save"
+            assert proc.poll() is None and time.time() < deadline, "run ended before its step-3 save" + why()
             time.sleep(0.01)
         driver.kill()
         assert not (out / "checkpoints" / "step_000003").exists()  # killed mid-save

@@ -48,8 +48,8 @@ class Lookup(Environment):
             return StepResult(None, done=True, final_reward=0.0, tool_error=True, info={"lookups": self.calls})
         penalty = -0.05 if self.calls > 1 else 0.0
         if not call or call.group(1) not in self.codes():
-            return StepResult("<value>unknown</value>", reward=penalty, tool_error=True)
-        return StepResult(f"<value>{self.codes()[call.group(1)]}</value>", reward=penalty)
+            return StepResult("<value>unknown</value>", reward=penalty, tool_error=True, info={"lookups": self.calls})
+        return StepResult(f"<value>{self.codes()[call.group(1)]}</value>", reward=penalty, info={"lookups": self.calls})
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:

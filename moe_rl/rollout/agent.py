@@ -160,10 +160,11 @@ class Agent:
                 break
             turn_rewards.append(float(step.reward))
             tool_errors += int(step.tool_error)
+            if step.info:  # the episode's figures: what its last step reported (done, or before a truncation)
+                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}  # bools: 0/1
             too_many = step.tool_error and env.max_tool_errors is not None and tool_errors >= env.max_tool_errors
             if step.done or too_many:  # too many failed tool calls: the framework ends it, for every environment
                 terminal = float(step.final_reward or 0.0)
-                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}  # bools: 0/1
                 outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED
                 break
             last_texts = (last_texts + [text])[-s.repetition_limit:]

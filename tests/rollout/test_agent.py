@@ -192,6 +192,7 @@ def test_max_tool_errors_ends_a_user_environment_episode(tok):
     agent = Agent(ScriptedPolicy(tok, [f"bad {i}" for i in range(6)]), tok, EnvSpec(Patient), settings)
     t = run(agent.run_episode({}))
     assert t.outcome is Outcome.TRUNCATED_TURNS and t.info["tool_errors"] == 6
+    assert t.info["figures"] == {"calls": 1.0}  # a truncated episode's figures: what its last step reported
 
     class Wrong(FlakyTool):
         max_tool_errors = 0
