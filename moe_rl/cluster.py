@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 from collections import Counter
 
@@ -257,9 +256,9 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.excep
 
 def _free_address() -> tuple[str, int]:
     """(this node's IP, a free TCP port on it): where a rank 0 listens."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    from moe_rl.train.parallel import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
 
 
 _node_address = ray.remote(num_cpus=0)(_free_address)

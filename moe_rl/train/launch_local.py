@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe_rl.train import parallel
 
 
 def _entry(rank, world_size, port, fn, args, queue, dist_env=True):
@@ -37,8 +32,6 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env=True):
     except BaseException:  # report, then let the parent raise
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        from moe_rl.train import parallel
-
         try:
             parallel.shutdown()
         except Exception:
@@ -53,7 +46,7 @@ def run_in_process(fn, args: tuple = (), timeout: float = 600.0):
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0, dist_env: bool = True) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = parallel.free_port("127.0.0.1")
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, dist_env)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,37 @@ class Layout:
         if self.etp is not None and self.etp < self.tp and self.ep == 1:
             raise ValueError(f"etp={self.etp} < tp={self.tp} needs expert parallelism (ep > 1); use etp=tp")
         return world_size // model
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that binds now on `host`, for a rank 0 (or a weight transfer) to listen on seconds later.
+
+    Drawn at random from 20000-65535 (above Ray's default worker ports, 10002-19999) outside the
+    ephemeral range: a port the kernel hands out for binding to port 0 is one any outgoing connection
+    may take before torch.distributed binds it (EADDRINUSE), and a fixed draw would make two groups
+    started together meet."""
+    low, high = ephemeral_ports()
+    candidates = [p for p in range(20000, 65536) if not low <= p <= high]
+    for port in random.SystemRandom().sample(candidates, min(100, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # none free there: the kernel's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def backend() -> str:

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from moe_rl.train.parallel import free_port
+
 NODES = {"n0": "127.0.0.10", "n1": "127.0.0.11"}
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 
@@ -27,13 +29,11 @@ def missing_binaries() -> list[str]:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct ports, free now, outside the range outgoing connections take."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port("127.0.0.1"))
+    return sorted(ports)
 
 
 def _which(b: str) -> str:

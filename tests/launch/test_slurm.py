@@ -4,7 +4,6 @@ ranks and engine spread over both nodes (two policy ranks talk gloo across the n
 fails, and a cancelled run. Each must leave no Ray process of its job behind."""
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from slurm_cluster import NODES, SlurmCluster
+
+from moe_rl.train.parallel import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +30,9 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0, env_extra: dict | None = None):
     logs = tmp / "logs"
-    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(_port()), "OMP_NUM_THREADS": "1",
+    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(free_port("127.0.0.1")), "OMP_NUM_THREADS": "1",
            "MOE_RL_RETRIES": str(retries), **(env_extra or {})}
     argv = ["sbatch", "--parsable", f"--output={tmp / 'job.out'}", *(["--wait"] if wait else []),
             str(SCRIPT), "configs/quickstart.yaml", f"run.output_dir={tmp / 'run'}", *SHORT, *overrides]

@@ -3,10 +3,12 @@ dp_rank_of, used by cluster.TrainerGroup._shard and the Megatron test jobs), che
 megatron-core's own rank generator."""
 
 import itertools
+import socket
 
 import pytest
 import torch
 
+from moe_rl.train import parallel
 from moe_rl.train.parallel import dp_rank_of, dp_rows
 
 
@@ -65,3 +67,16 @@ def test_trainer_group_shard_gives_each_replica_its_rows():
         assert shard.mask_BS.shape == want.shape
     group.dp = 1
     assert group._shard(batch, 3) is batch
+
+
+def test_a_rank_0_port_is_outside_the_range_outgoing_connections_take():
+    """A rank 0's port is found free, then bound seconds later by torch.distributed: in the kernel's
+    ephemeral range any outgoing connection (Ray opens many) may take it meanwhile (CI met EADDRINUSE
+    this way). The port comes from outside that range and outside Ray's worker ports, and binds."""
+    low, high = parallel.ephemeral_ports()
+    ports = {parallel.free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn at random, so two groups started together rarely meet
+    for port in ports:
+        assert not low <= port <= high and not 10002 <= port <= 19999 and 1024 < port < 65536
+        with socket.socket() as s:
+            s.bind(("", port))
