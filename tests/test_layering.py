@@ -11,7 +11,8 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "moe_rl"
-STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "hashlib", "logging", "pathlib", "typing", "collections"}
+STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "hashlib", "logging", "pathlib", "typing", "collections",
+             "contextlib", "os", "sys"}  # os, sys: the GAE kernel's build environment
 
 
 def module_name(path: Path) -> str:

@@ -19,10 +19,13 @@ values at mask-0 positions are ignored (selected away with torch.where, so NaN o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -103,9 +106,10 @@ def masked_gae(
 def kernel_name(src: Path, ninja: str | None = None) -> str:
     """The kernel's name in torch's extension cache, one per checkout and ninja version: torch keys its
     cache by name and rebuilds (~30 s) when the source's path changes, so two clones on one machine
-    sharing a name would rebuild each time the other ran; and the `ninja` on PATH (the venv's, or the
-    system's when the venv's bin is not first on PATH) keeps a build log in a format of its own version,
-    which another version discards, rebuilding everything. `ninja`: its version (default: `ninja_version`)."""
+    sharing a name would rebuild each time the other ran; and a ninja keeps its build log in a format of
+    its own version, which another version discards, rebuilding everything. The build uses the
+    environment's ninja where it has one (`kernel_build_env`), whatever PATH says.
+    `ninja`: its version (default: `ninja_version`, of the ninja on PATH)."""
     ninja = ninja_version() if ninja is None else ninja
     return f"moe_rl_gae_kernel_{hashlib.sha256(f'{src.resolve()}|ninja {ninja}'.encode()).hexdigest()[:12]}"
 
@@ -122,12 +126,27 @@ def ninja_version() -> str:
     return out if rc == 0 else ""
 
 
+@contextlib.contextmanager
+def kernel_build_env(env_bin: Path = Path(sys.executable).parent):
+    """PATH with the environment's own bin first while the kernel is named and built, when it holds a
+    ninja: the same ninja builds it whatever order the user's PATH has from one shell to the next (a
+    ninja of another version would discard the build and rebuild everything). PATH is restored after."""
+    path = os.environ.get("PATH", "")
+    if (env_bin / "ninja").is_file():
+        os.environ["PATH"] = os.pathsep.join([str(env_bin), path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 @functools.cache
 def _build_kernel():
     from torch.utils.cpp_extension import load
 
     src = Path(__file__).with_name("gae_kernel.cpp")
-    return load(name=kernel_name(src), sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    with kernel_build_env():
+        return load(name=kernel_name(src), sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def prepare_kernel() -> bool:

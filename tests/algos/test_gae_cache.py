@@ -1,7 +1,6 @@
 """The fused GAE kernel's cache key: one build per checkout and per ninja version. torch builds with the
-`ninja` on PATH (the venv's when its bin comes first, else the system's), and a ninja of another version
-discards the other's build log and rebuilds everything (12-85 s): keyed by the version, each reuses its
-own build however PATH is set from one run to the next."""
+`ninja` on PATH, and a ninja of another version discards the other's build log and rebuilds everything
+(12-85 s): the environment's own ninja builds it whatever the PATH order, so one build serves every run."""
 
 import os
 from pathlib import Path
@@ -32,3 +31,20 @@ def test_the_kernel_is_keyed_by_the_ninja_on_path(tmp_path, monkeypatch):
     assert gae.kernel_name(SRC, "1.11.1") == names[old]
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no ninja at all: still a name (torch then says why)
     assert gae.ninja_version() == "" and gae.kernel_name(SRC).startswith("moe_rl_gae_kernel_")
+
+
+def test_one_build_whichever_ninja_comes_first_on_path(tmp_path, monkeypatch):
+    """The environment's own ninja builds the kernel whatever the user's PATH order (the venv's bin
+    first in one shell, the system's ninja first in the next): one name, one build, no rebuild."""
+    system, env_bin = fake_ninja(tmp_path / "sys", "1.11.1"), fake_ninja(tmp_path / "venv", "1.13.2")
+    names = set()
+    for first, second in ((system, env_bin), (env_bin, system)):
+        monkeypatch.setenv("PATH", os.pathsep.join([str(first), str(second), os.environ["PATH"]]))
+        with gae.kernel_build_env(env_bin):
+            names.add(gae.kernel_name(SRC))
+        assert os.environ["PATH"].startswith(str(first))  # the user's PATH back as it was
+        monkeypatch.undo()
+    assert names == {gae.kernel_name(SRC, "1.13.2")}
+    monkeypatch.setenv("PATH", f"{system}{os.pathsep}{os.environ['PATH']}")  # an environment without ninja:
+    with gae.kernel_build_env(tmp_path / "bare"):  # the one on PATH
+        assert gae.ninja_version() == "1.11.1"
