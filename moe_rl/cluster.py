@@ -1,7 +1,9 @@
 """Ray placement: trainer ranks (policy, critic, reference) and rollout engines as actors.
 
 One machine: the run starts a local Ray (the default). A cluster: `cluster.address` (or RAY_ADDRESS)
-names it (launch/ starts one on SLURM). One placement group holds the run: without GPUs a bundle per
+names it (launch/ starts one on SLURM). A caller that keeps one Ray up for several runs in its process
+(a notebook, a test module) starts it with `ray.init(runtime_env=runtime_env(), ...)`: each run places
+its actors there and removes them, and the Ray stays. One placement group holds the run: without GPUs a bundle per
 trainer rank and per engine, with GPUs a bundle per GPU and each actor pinned to the bundle of its GPU
 (`gpu_layout`, `Placement`); `cluster.placement` packs them onto as few nodes as possible or spreads them
 over the nodes. Colocated (the default) actors reserve almost no CPU, so trainers and engines time-share
@@ -75,8 +77,10 @@ def check_interrupted() -> None:
         raise KeyboardInterrupt
 
 
-_STARTED_RAY: list[bool] = []  # this process started the local Ray it is connected to
-RUN_PARTS: list = []  # what holds the run's actors (trainers.Models, rollouts.Rollouts): `shutdown` kills them
+# how the run came by its Ray: "started" (a local Ray of its own) or "connected" (to a cluster); empty:
+# none yet, or the caller's (initialised before the run), which the run leaves up
+_RAY_OF_RUN: list[str] = []
+RUN_PARTS: list = []  # what holds the run's actors and bundles (Placement, trainers.Models, rollouts.Rollouts)
 
 
 def _actors_of(part) -> list:
@@ -86,11 +90,13 @@ def _actors_of(part) -> list:
 
 def shutdown(timeout_s: float = 20.0) -> None:
     """Every exit path of a run: kill its actors (their processes' children, such as vLLM's workers, with
-    them), then stop the local Ray if this process started it (connected to a cluster: only the actors).
-    Bounded: whatever of this process's descendants is still alive after `timeout_s` is killed."""
+    them) and remove its placement group, then stop the local Ray if the run started it (connected to a
+    cluster: the connection; the caller's Ray stays up). Bounded: whatever of this process's descendants
+    is still alive after `timeout_s` is killed."""
     import psutil
+    from ray.util.placement_group import remove_placement_group
 
-    if not ray.is_initialized() and not _STARTED_RAY:
+    if not ray.is_initialized() and not _RAY_OF_RUN:
         RUN_PARTS.clear()
         return
     me = psutil.Process()
@@ -105,11 +111,19 @@ def shutdown(timeout_s: float = 20.0) -> None:
                     ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead, or Ray gone: nothing to kill
                 pass
+    for part in RUN_PARTS:
+        if getattr(part, "pg", None) is not None and ray.is_initialized():
+            try:
+                remove_placement_group(part.pg)
+            except Exception:  # noqa: BLE001 - removed with the job already
+                pass
     RUN_PARTS.clear()
-    if not _STARTED_RAY:
-        ray.shutdown()  # the driver's connection only; the cluster stays
+    how = _RAY_OF_RUN[:]
+    _RAY_OF_RUN.clear()
+    if how != ["started"]:
+        if how:
+            ray.shutdown()  # the driver's connection only; the cluster stays
         return
-    _STARTED_RAY.clear()
     try:
         ray.shutdown()
     except Exception:  # noqa: BLE001 - what it left behind is stopped below
@@ -133,31 +147,39 @@ def shutdown(timeout_s: float = 20.0) -> None:
     psutil.wait_procs(alive, timeout=2.0)
 
 
+def runtime_env() -> dict:
+    """The run's actors' environment: threads, offline Hugging Face, and PYTHONPATH with the project and
+    the driver's directory (a user's environment module, `environment.name: my_pkg.envs:Task`, imports
+    there as it does for the driver); MOE_RL_FAILPOINT where set."""
+    env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+                        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
+                            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd(),
+                             os.environ.get("PYTHONPATH", "")])}}
+    if os.environ.get(FAILPOINT):
+        env["env_vars"][FAILPOINT] = os.environ[FAILPOINT]
+    return env
+
+
 def start_ray(cfg: RunConfig) -> None:
+    """Connect to cluster.address (or RAY_ADDRESS), else start a local Ray; a Ray the caller initialised
+    is used as it is (and left up by `shutdown`)."""
     if ray.is_initialized():
         return
     # the driver waits on every remote call through `gather`, which reports the failure that matters; the
     # calls it then abandons (a dead rank's peers, failing with it) would print their tracebacks at exit
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
-                        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
-                            # the project, and the driver's directory: a user's environment module
-                            # (environment.name: my_pkg.envs:Task) imports there as it does for the driver
-                            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd(),
-                             os.environ.get("PYTHONPATH", "")])}}
-    if os.environ.get(FAILPOINT):
-        env["env_vars"][FAILPOINT] = os.environ[FAILPOINT]
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
-        ray.init(address=address, runtime_env=env, log_to_driver=False, _node_ip_address=node_ip)
+        _RAY_OF_RUN.append("connected")
+        ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False, _node_ip_address=node_ip)
     else:  # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             lambda record: not record.getMessage().startswith("Token authentication is enabled"))
         # the CPUs this process may use (a SLURM step's or a container's share), not the machine's
-        _STARTED_RAY.append(True)  # before init: an interrupt during it still stops what it started
-        ray.init(num_cpus=cfg.cluster.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False, runtime_env=env,
-                 log_to_driver=False)
+        _RAY_OF_RUN.append("started")  # before init: an interrupt during it still stops what it started
+        ray.init(num_cpus=cfg.cluster.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
+                 runtime_env=runtime_env(), log_to_driver=False)
     if signal.getsignal(signal.SIGINT) is _on_signal:  # ray.init replaced the SIGTERM handler with its own
         handle_signals()
     check_interrupted()
@@ -396,6 +418,7 @@ class Placement:
         self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
+            ray.util.remove_placement_group(self.pg)
             raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
                                  f"cluster resources: {ray.cluster_resources()}")
         self.node_of = placement_group_table(self.pg)["bundles_to_node_id"]  # bundle index -> Ray node id

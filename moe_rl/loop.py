@@ -300,6 +300,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         phase("model (beyond Ray)")
     cluster.check_interrupted()
     place = cluster.Placement(cfg, cfg.actors)
+    cluster.RUN_PARTS.append(place)  # its placement group is removed on every exit path (cluster.shutdown)
     if place.engines_first:  # colocated on GPUs: each engine profiles its GPUs' memory alone (cluster.engines_first)
         rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
         cluster.RUN_PARTS.append(rollouts)  # stopped on every exit path (cluster.shutdown)

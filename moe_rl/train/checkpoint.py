@@ -154,9 +154,24 @@ def _optimizer_kind(worker) -> str:
     return "distributed" if worker.ddp_config.use_distributed_optimizer else "plain"
 
 
+def _in_process_write_results() -> None:
+    """megatron-core's file writer hands its write results back through a multiprocessing Manager's
+    queue, made on the first save by spawning a server process: a fresh interpreter that re-imports the
+    saving process's main module (4-5 s of CPU in a Ray actor) and stays for the life of the rank. A
+    synchronous save (ours: no async_sharded_save) puts and takes them in the saving process itself,
+    where a plain queue serves."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _save(state: dict, path: Path, record: dict) -> None:
     from megatron.core import dist_checkpointing
 
+    _in_process_write_results()
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()

@@ -110,7 +110,9 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     if mode == "save":
         w.train_step(batch(), policy_loss(), Denominator(mask))
         checkpoint.save(w, ckpt_dir, extra={"step": 1, "note": "after one update"})
-        extra = None
+        import multiprocessing
+
+        extra = {"children": [p.name for p in multiprocessing.active_children()]}  # what the save left running
     else:
         extra = checkpoint.load(w, ckpt_dir)
     step2 = w.train_step(batch(), policy_loss(), Denominator(mask))
