@@ -268,6 +268,8 @@ def check_writable(out: Path) -> None:
 
 def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]):
     """Ray, the placement, the trainer groups and the engines, on the run's model."""
+    import ray
+
     from moe_rl import cluster
     from moe_rl.algos.gae import prepare_kernel
     from moe_rl.rollouts import Rollouts
@@ -292,7 +294,8 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
             f"({time.perf_counter() - t:.1f} s)")
         phase("GAE kernel")
-        say(f"starting Ray, {cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
+        say(f"{'on the Ray this process started' if ray.is_initialized() else 'starting Ray'}, "
+            f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
             f"{cfg.rollout.num_engines} vLLM engine(s)")
         cluster.start_ray(cfg)
         phase("Ray")

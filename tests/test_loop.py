@@ -5,7 +5,10 @@ cluster.failpoint kills): a policy rank dying mid-sync and then the driver dying
 resumed by the launcher, reproduce the reference's steps; engines dying mid-update and mid-rollout are
 replaced and their work regenerated; a process that dies or hangs past the limits stops the run naming
 it. An asynchronous run respects its staleness bound and resumes the rollout it had in flight.
-Layouts (TP2, DP2), colocation, PPO-EWMA, critics and the pre-update check."""
+Layouts (TP2, DP2), colocation, PPO-EWMA, critics and the pre-update check.
+
+The reference, the faults and the one-line refusal run `moe-rl train` as a process, as a user does; the
+other scenarios call the CLI's main in this process, on a local Ray kept for the module (`run_train`)."""
 
 import os
 import re
@@ -39,17 +42,57 @@ def train_cmd(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL, *extra]
 
 
-def run_train(out: Path, *extra: str, timeout=900):
+def run_cli(out: Path, *extra: str, expect: int = 0, timeout=900):
+    """`moe-rl train` as a user runs it: a process of its own, with its own local Ray."""
     proc = subprocess.run(train_cmd(out, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_ray():
+    """The local Ray of the module's in-process runs (`run_train`), started by the first, stopped after the module."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """`moe-rl train` (the CLI's main) in this process, on one local Ray kept for the module and set up as a
+    run's own (cluster.runtime_env, the 2 CPUs of cluster.num_cpus=2): the scenarios pay no interpreter,
+    Ray start or driver imports of their own. What it printed, and its exit code (`expect`)."""
+    import contextlib
+    import io
+
+    import ray
+
+    from moe_rl import cli, cluster
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    args = train_cmd(out, *extra)[3:]
+    with contextlib.chdir(ROOT):
+        if not ray.is_initialized():
+            ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                rc = cli.main(args)
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+            cluster.INTERRUPTED.clear()
+    proc = subprocess.CompletedProcess(args, rc, stdout.getvalue(), stderr.getvalue())
+    assert rc == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    proc = run_train(out, "logging.progress_bar=true")
+    proc = run_cli(out, "logging.progress_bar=true")
     return out, proc
 
 
@@ -420,10 +463,8 @@ def test_synchronous_check_runs_before_the_update(tmp_path):
     pass: tests/algos/test_targets.py). With token TIS the same run trains (here with megatron's
     load-balancing and z-loss on, whose values are logged)."""
     bf16 = ["model.dtype=bfloat16", "run.steps=1", "checkpoint.every=0", *NO_WARM_START]
-    proc = subprocess.run(train_cmd(tmp_path / "none", *bf16, "trainer.epochs=1", "trainer.minibatches=1"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    proc = run_cli(tmp_path / "none", *bf16, "trainer.epochs=1", "trainer.minibatches=1", expect=2)
+    assert "Traceback" not in proc.stderr  # the whole process's output: one line
     assert proc.stderr.strip().splitlines()[-1].startswith("moe-rl: error: batch check 'sync_roles' failed")
     run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token", "model.moe_aux_loss_coeff=0.01",
               "model.moe_z_loss_coeff=0.001")
