@@ -17,37 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT
 from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
+from loop_runs import NO_CRITIC, NO_WARM_START, SMALL, run_cli, run_train, train_cmd
 
 pytestmark = pytest.mark.slow
-
-SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4",
-         "trainer.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-         "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=3",
-         "logging.heatmap_every=3"]
-
-
-# switches turned off from the quickstart: the settings only they read go back to their defaults (a
-# setting that nothing reads is refused)
-NO_CRITIC = ["algorithm.advantage=grpo", "critic.lr=1e-5", "critic.value_clip=0.2"]
-NO_WARM_START = ["trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
-
-
-def train_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL, *extra]
-
-
-def run_cli(out: Path, *extra: str, expect: int = 0, timeout=900):
-    """`moe-rl train` as a user runs it: a process of its own, with its own local Ray."""
-    proc = subprocess.run(train_cmd(out, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,35 +35,6 @@ def module_ray():
 
     if ray.is_initialized():
         ray.shutdown()
-
-
-def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
-    """`moe-rl train` (the CLI's main) in this process, on one local Ray kept for the module and set up as a
-    run's own (cluster.runtime_env, the 2 CPUs of cluster.num_cpus=2): the scenarios pay no interpreter,
-    Ray start or driver imports of their own. What it printed, and its exit code (`expect`)."""
-    import contextlib
-    import io
-
-    import ray
-
-    from moe_rl import cli, cluster
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    stdout, stderr = io.StringIO(), io.StringIO()
-    args = train_cmd(out, *extra)[3:]
-    with contextlib.chdir(ROOT):
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
-        try:
-            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-                rc = cli.main(args)
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
-            cluster.INTERRUPTED.clear()
-    proc = subprocess.CompletedProcess(args, rc, stdout.getvalue(), stderr.getvalue())
-    assert rc == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
