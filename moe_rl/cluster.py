@@ -118,11 +118,10 @@ def shutdown(timeout_s: float = 20.0) -> None:
             except Exception:  # noqa: BLE001 - removed with the job already
                 pass
     RUN_PARTS.clear()
-    how = _RAY_OF_RUN[:]
-    _RAY_OF_RUN.clear()
-    if how != ["started"]:
-        if how:
-            ray.shutdown()  # the driver's connection only; the cluster stays
+    how = _RAY_OF_RUN.pop() if _RAY_OF_RUN else "the caller's"  # the caller's Ray stays up for its next run
+    if how == "connected":
+        ray.shutdown()  # the driver's connection only; the cluster stays
+    if how != "started":
         return
     try:
         ray.shutdown()
