@@ -2,7 +2,8 @@
 
     results = run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> picklable
 
-Each rank is a fresh `spawn` process with RANK/WORLD_SIZE/MASTER_* set and OMP_NUM_THREADS=1.
+Each rank is a new process (forked from a server that imported torch and megatron-core once; see
+`_context`) with the caller's environment, RANK/WORLD_SIZE/MASTER_* set and OMP_NUM_THREADS=1.
 Results come back as plain pickles (tensors are converted with .tolist()-free torch.save bytes).
 """
 
@@ -18,8 +19,9 @@ import torch.multiprocessing as mp
 from moe_rl.train import parallel
 
 
-def _entry(rank, world_size, port, fn, args, queue, dist_env=True):
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _entry(rank, world_size, port, fn, args, queue, dist_env, environ):
+    os.environ.clear()
+    os.environ.update(environ, OMP_NUM_THREADS="1")
     if dist_env:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -38,16 +40,38 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env=True):
             pass
 
 
+# what every rank imports before its first line: imported once, by the fork server
+PRELOAD = ["torch", "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.dist_checkpointing.strategies",
+           "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.router_replay", "moe_rl.train.model"]
+
+
+def _context(start: str):
+    """start="forkserver" (the default): ranks are forked from one server process that imported PRELOAD
+    once, so a rank starts in a fraction of a second instead of the seconds of a fresh interpreter's
+    imports, with no state of the caller's (the server ran nothing but those imports). "spawn": each rank
+    a fresh interpreter (tools/bench/rank_start.py measures the two side by side)."""
+    if start not in ("forkserver", "spawn"):
+        raise ValueError(f"start: {start!r}; 'forkserver' or 'spawn'")
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_in_process(fn, args: tuple = (), timeout: float = 600.0):
     """Run fn(0, 1, *args) in one fresh process without torch.distributed environment (e.g. vLLM)."""
     return run_ranks(fn, 1, args, timeout, dist_env=False)[0]
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0, dist_env: bool = True) -> list:
-    ctx = mp.get_context("spawn")
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0, dist_env: bool = True,
+              start: str = "forkserver") -> list:
+    ctx = _context(start)
     queue = ctx.Queue()
     port = parallel.free_port("127.0.0.1")
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, dist_env)) for r in range(world_size)]
+    environ = dict(os.environ)  # the caller's now, not the fork server's from when it started
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, dist_env, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
