@@ -1,6 +1,6 @@
-"""How tests/test_loop.py runs `moe-rl train`: the small settings of its runs, the CLI as a process of its
-own (`run_cli`, as a user runs it), or the CLI's main in the test process on one local Ray kept for the
-module (`run_train`)."""
+"""How tests run `moe-rl`: the small settings of test_loop's runs, the CLI as a process of its own
+(`run_cli`, as a user runs it), the CLI's main in the test process (`run_main`), and `moe-rl train` there
+on one local Ray kept for the module (`run_train`)."""
 
 import os
 import signal
@@ -34,30 +34,41 @@ def run_cli(out: Path, *extra: str, expect: int = 0, timeout=900):
     return proc
 
 
-def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
-    """`moe-rl train` (the CLI's main) in this process, on one local Ray kept for the module and set up as a
-    run's own (cluster.runtime_env, the 2 CPUs of cluster.num_cpus=2): the scenarios pay no interpreter,
-    Ray start or driver imports of their own. What it printed, and its exit code (`expect`)."""
+def run_main(*args: str, expect: int | None = None) -> subprocess.CompletedProcess:
+    """`moe-rl ARGS` as the CLI's main in this process, from the repository root: what it printed and its
+    exit code (argparse's exit 2 included), asserted to be `expect` when given. Spares a test the
+    interpreter and imports of a process of its own where the subject is what main does."""
     import contextlib
     import io
-
-    import ray
 
     from moe_rl import cli, cluster
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stdout, stderr = io.StringIO(), io.StringIO()
-    args = train_cmd(out, *extra)[3:]
     with contextlib.chdir(ROOT):
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
         try:
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-                rc = cli.main(args)
+                try:
+                    rc = cli.main(list(args))
+                except SystemExit as stop:  # argparse's usage errors
+                    rc = stop.code if isinstance(stop.code, int) else 1
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)
             cluster.INTERRUPTED.clear()
-    proc = subprocess.CompletedProcess(args, rc, stdout.getvalue(), stderr.getvalue())
-    assert rc == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = subprocess.CompletedProcess(list(args), rc, stdout.getvalue(), stderr.getvalue())
+    assert expect is None or rc == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """`moe-rl train` (run_main) on one local Ray kept for the module and set up as a run's own
+    (cluster.runtime_env, the 2 CPUs of cluster.num_cpus=2): the scenarios pay no interpreter, Ray start
+    or driver imports of their own."""
+    import ray
+
+    from moe_rl import cluster
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
+    return run_main(*train_cmd(out, *extra)[3:], expect=expect)

@@ -3,9 +3,13 @@ import subprocess
 
 import pytest
 from conftest import ROOT, moe_rl_cli
+from loop_runs import run_main
 
 
 def run(*args, timeout=120):
+    """`moe-rl ARGS` as a user runs it: a process of its own. The tests whose subject is what the CLI's
+    main does (its messages, exit codes, help) call it in this process (run_main), sparing each call an
+    interpreter and its imports."""
     return subprocess.run([*moe_rl_cli(), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -40,11 +44,11 @@ def test_every_subcommand_has_help():
 
     from moe_rl.cli import build_parser
 
-    top = run("--help")
+    top = run_main("--help")
     assert top.returncode == 0
     for cmd in ("check-config", "plan", "train", "tiny", "config", "bench", "convert"):
         assert cmd in top.stdout
-        sub = run(cmd, "--help")
+        sub = run_main(cmd, "--help")
         assert sub.returncode == 0 and f"usage: moe-rl {cmd}" in sub.stdout and len(sub.stdout) > 150, cmd
         assert "(default: [])" not in sub.stdout, cmd
 
@@ -62,13 +66,13 @@ def test_every_subcommand_has_help():
 
 
 def test_list_registered_methods():
-    out = run("check-config", "--list")
+    out = run_main("check-config", "--list")
     assert out.returncode == 0
     assert "gspo" in out.stdout and "tis_seq" in out.stdout and "rloo" in out.stdout
 
 
 def test_unknown_benchmark_is_a_user_error():
-    out = run("bench", "no_such_bench")
+    out = run_main("bench", "no_such_bench")
     assert out.returncode == 2 and "available:" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -88,7 +92,7 @@ def test_gae_benchmark_runs_and_ends_with_json():
 def test_run_that_does_not_fit_the_cluster_is_one_line(tmp_path):
     """Separate placement on 2 CPUs: policy, critic and engine each need a CPU of their own; decided
     before Ray starts."""
-    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", "cluster.colocate=false",
+    out = run_main("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", "cluster.colocate=false",
               "cluster.num_cpus=2", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
               "trainer.warm_start_batch=16")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -102,19 +106,19 @@ def test_cli_conventions():
     resolved config."""
     from moe_rl import __version__
 
-    assert run("--version").stdout.strip() == f"moe-rl {__version__}"
-    tiny = run("tiny", "--help").stdout
+    assert run_main("--version").stdout.strip() == f"moe-rl {__version__}"
+    tiny = run_main("tiny", "--help").stdout
     assert "architecture (Hugging Face model_type) (default: qwen3_moe)" in " ".join(tiny.split())
     assert "seed of the random weights (default: 0)" in tiny
-    train = run("train")
+    train = run_main("train")
     assert train.returncode == 2 and train.stderr.strip().endswith("the following arguments are required: config")
-    listed = dict(line.split(": ", 1) for line in run("check-config", "--list").stdout.strip().splitlines())
+    listed = dict(line.split(": ", 1) for line in run_main("check-config", "--list").stdout.strip().splitlines())
     assert listed["aggregation"] == "token_mean, seq_mean, seq_sum_const"
     assert {"calculator", "guess_number"} <= set(listed["environment"].split(", "))
-    shown = run("config", "show", "configs/quickstart.yaml", "run.steps=7")
+    shown = run_main("config", "show", "configs/quickstart.yaml", "run.steps=7")
     assert shown.returncode == 0 and "  steps: 7\n" in shown.stdout
     assert "max_engine_restarts: null" in shown.stdout  # a default the file does not set
-    recipe = run("config", "show", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda")  # a GPU recipe on this box
+    recipe = run_main("config", "show", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda")  # a GPU recipe on this box
     assert recipe.returncode == 0 and "weight_transfer: nccl" in recipe.stdout, recipe.stderr
 
 
@@ -148,8 +152,8 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    assert run("tiny", str(tmp_path / "rm"), "--reward-model").returncode == 0
-    assert run("tiny", str(tmp_path / "lm")).returncode == 0  # a causal LM: no score head
+    assert run_main("tiny", str(tmp_path / "rm"), "--reward-model").returncode == 0
+    assert run_main("tiny", str(tmp_path / "lm")).returncode == 0  # a causal LM: no score head
     biased = tmp_path / "rm_bias"  # a token classifier's head with a bias
     shutil.copytree(tmp_path / "rm", biased)
     weights = load_file(biased / "model.safetensors")
@@ -168,7 +172,7 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     checkpoint(done, 3)
     changed = tmp_path / "changed"
     checkpoint(changed, 2)
-    (changed / "config.yaml").write_text(run("config", "show", "configs/quickstart.yaml", "algorithm.lam=0.9").stdout)
+    (changed / "config.yaml").write_text(run_main("config", "show", "configs/quickstart.yaml", "algorithm.lam=0.9").stdout)
     damaged = tmp_path / "damaged"
     (checkpoint(damaged, 2) / "policy" / "__0_0.distcp").write_bytes(b"")
     custom = ["examples/custom_reward/config.yaml", f"run.output_dir={tmp_path / 'run'}"]
@@ -205,7 +209,7 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     }
     for expect, argv in cases.items():
         t = time.monotonic()
-        out = run(*argv)
+        out = run_main(*argv)
         line = one_line_error(out)
         assert expect.strip() in line and time.monotonic() - t < 30, (argv, line)
         assert "GAE kernel" not in out.stdout and "starting Ray" not in out.stdout  # nothing had started
@@ -228,36 +232,37 @@ def test_plan_model_config_mistakes_are_one_line(tmp_path):
               "list.json": f"plan: --model-config: {tmp_path}/list.json holds a JSON list, not an object",
               "typed.json": f'plan: {tmp_path}/typed.json: hidden_size is "64"; a whole number >= 0'}
     for name, line in expect.items():
-        assert one_line_error(run("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / name))).startswith(
+        assert one_line_error(run_main("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / name))).startswith(
             f"moe-rl: error: {line}"), name
-    assert run("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / "ok.json")).returncode == 0
+    assert run_main("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / "ok.json")).returncode == 0
 
 
 def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     """`tiny` never overwrites without --overwrite; convert's layout is checked against the model's
     config (4 experts, 2 heads) before any rank starts."""
     model = tmp_path / "model"
-    assert run("tiny", str(model)).returncode == 0
+    assert run_main("tiny", str(model)).returncode == 0
     stamp = (model / "config.json").read_text()
-    assert "is not empty; give a new directory, or --overwrite" in one_line_error(run("tiny", str(model), "--seed", "1"))
+    assert "is not empty; give a new directory, or --overwrite" in one_line_error(run_main("tiny", str(model), "--seed", "1"))
     assert (model / "config.json").read_text() == stamp
     (model / "model-00001-of-00002.safetensors").write_bytes(b"another model's shard")
-    assert run("tiny", str(model), "--seed", "1", "--overwrite").returncode == 0
+    assert run_main("tiny", str(model), "--seed", "1", "--overwrite").returncode == 0
     assert (model / "config.json").read_text() == stamp and not (model / "model-00001-of-00002.safetensors").exists()
-    assert "is a file; give a new or empty directory" in one_line_error(run("tiny", str(model / "config.json"),
-                                                                            "--overwrite"))
+    assert "is a file; give a new or empty directory" in one_line_error(run_main("tiny", str(model / "config.json"),
+                                                                                 "--overwrite"))
     out = str(tmp_path / "converted")
-    assert "argument --tp: '0' is not a positive whole number" in one_line_error(run("convert", "hf-to-mcore", str(model), out,
-                                                                                     "--tp", "0"))
+    assert "argument --tp: '0' is not a positive whole number" in one_line_error(
+        run_main("convert", "hf-to-mcore", str(model), out, "--tp", "0"))
     for direction, src in (("hf-to-mcore", model), ("mcore-to-hf", tmp_path / "no_checkpoint_needed_yet")):
-        assert one_line_error(run("convert", direction, str(src), out, "--ep", "3", "--hf-config", str(model))) == \
+        assert one_line_error(run_main("convert", direction, str(src), out, "--ep", "3", "--hf-config", str(model))) == \
             "moe-rl: error: --ep 3 does not divide the 4 experts"
-    ok = run("convert", "hf-to-mcore", str(model), out)  # the progress bar's total is the count it ends with
+    # a process of its own, as its ranks print the progress bar; the bar's total is the count it ends with
+    ok = run("convert", "hf-to-mcore", str(model), out)
     total = re.search(r"HF -> Megatron \(rank 0\):\s+0%\|\s*\| 0/(\d+)", ok.stderr)
     assert ok.returncode == 0 and total and f"from the {total.group(1)} Megatron parameters of rank 0" in ok.stdout, ok.stderr
     assert "not installed" not in ok.stderr  # megatron's TE/apex notices stay quiet
-    line = one_line_error(run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", f"model.path={model}",
-                              "parallel.tp=4", "parallel.world_size=4"))
+    line = one_line_error(run_main("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}",
+                                   f"model.path={model}", "parallel.tp=4", "parallel.world_size=4"))
     assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"
 
 

@@ -40,8 +40,9 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env, environ):
             pass
 
 
-# what every rank imports before its first line: imported once, by the fork server
-PRELOAD = ["torch", "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
+# what every rank imports before its first line: imported once, by the fork server (moe_rl.train first: it
+# quiets megatron-core's import-time notices that do not apply here)
+PRELOAD = ["moe_rl.train", "torch", "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
            "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.dist_checkpointing.strategies",
            "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.router_replay", "moe_rl.train.model"]
 
