@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test bench
+.PHONY: setup quickstart test test-quick bench
 
 setup:
 	@bash tools/setup_env.sh
@@ -13,3 +13,8 @@ quickstart: setup
 test: setup
 	@bash tools/setup_slurm.sh
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+
+# the contributors' inner loop (README): the tests not marked slow (math, configs, batches, plans) and the
+# slow ones marked quick (the layouts at one rank, one short loop)
+test-quick: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow or quick" --durations=5 $(PYTEST_ARGS)

@@ -1,5 +1,7 @@
 import dataclasses
+import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -11,16 +13,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# `make test` runs the suite on two workers, a file at a time each (pytest-xdist --dist loadfile): the
-# files that take longest (minutes of real runs through the CLI) are handed out first, so that the last
-# file a worker takes is a short one
-LONGEST_FIRST = ("test_loop.py", "test_slurm.py", "test_convert.py", "test_user_tasks.py", "test_engine_sync.py",
-                 "test_cli.py", "test_engine_tp.py", "test_checkpoint.py")
+# `make test` runs the suite on two workers, a file at a time each (pytest-xdist --dist loadfile), handing
+# out the files longest first by their measured seconds (tests/durations.json, written from a CI run's
+# report by tools/suite_durations.py), so that the two finish together; a file not measured yet counts as
+# the median file
+DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
+
+
+def file_seconds(path: Path) -> float:
+    return DURATIONS.get(path.relative_to(ROOT).as_posix(), statistics.median(DURATIONS.values()))
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: -file_seconds(item.path))  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_of_the_module():
+    """A module's in-process runs share one local Ray (tests/loop_runs.run_train starts it with the first);
+    it stops after the module's last test."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -61,14 +61,22 @@ def run_main(*args: str, expect: int | None = None) -> subprocess.CompletedProce
     return proc
 
 
-def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
-    """`moe-rl train` (run_main) on one local Ray kept for the module and set up as a run's own
-    (cluster.runtime_env, the 2 CPUs of cluster.num_cpus=2): the scenarios pay no interpreter, Ray start
-    or driver imports of their own."""
+def train_on_kept_ray(*args: str, expect: int | None = None) -> subprocess.CompletedProcess:
+    """`moe-rl train ARGS` (run_main) on one local Ray kept for the test module (conftest stops it after
+    the module) and set up as a run's own (cluster.runtime_env from the repository root, the 2 CPUs of
+    cluster.num_cpus=2): a run pays no interpreter, Ray start or driver imports of its own."""
+    import contextlib
+
     import ray
 
     from moe_rl import cluster
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
-    return run_main(*train_cmd(out, *extra)[3:], expect=expect)
+        with contextlib.chdir(ROOT):
+            ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
+    return run_main("train", *args, expect=expect)
+
+
+def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
+    """The quickstart with test_loop's small settings (train_cmd) on the kept Ray."""
+    return train_on_kept_ray(*train_cmd(out, *extra)[4:], expect=expect)

@@ -27,16 +27,6 @@ from loop_runs import NO_CRITIC, NO_WARM_START, SMALL, run_cli, run_train, train
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def module_ray():
-    """The local Ray of the module's in-process runs (`run_train`), started by the first, stopped after the module."""
-    yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
@@ -44,6 +34,7 @@ def reference(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.quick
 def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from loop_runs import train_on_kept_ray
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +21,17 @@ QUICK = ["logging.progress_bar=false", "cluster.num_cpus=2"]
 
 
 def train(config: Path, out: Path, *overrides: str, cwd: Path = ROOT, timeout: int = 900):
+    """`moe-rl train` as a user runs it, from `cwd`: a process of its own, with its own local Ray."""
     proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", str(config), f"run.output_dir={out}", *QUICK,
                            *overrides], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     return proc
+
+
+def train_here(config: Path, out: Path, *overrides: str):
+    """The same run from the repository root as the CLI's main in this process, on the module's kept Ray
+    (tests/loop_runs.py): the runs whose subject is the task, not the process."""
+    return train_on_kept_ray(str(config), f"run.output_dir={out}", *QUICK, *overrides)
 
 
 def kept_rollout(out: Path, step: int) -> list:
@@ -79,9 +87,9 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    proc = train(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
-                 "trainer.eval_prompts=4", "trainer.eval_every=1", "trainer.eval_samples=2", "rollout.async_mode=true",
-                 "checkpoint.every=1", "rollout.prompts_per_step=4")
+    proc = train_here(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
+                      "trainer.eval_prompts=4", "trainer.eval_every=1", "trainer.eval_samples=2", "rollout.async_mode=true",
+                      "checkpoint.every=1", "rollout.prompts_per_step=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary["evaluations"]) == ["0", "1", "2"]
@@ -105,8 +113,8 @@ def test_math_word_problems_config_trains_and_evaluates(tmp_path):
     """configs/math_word_problems.yaml, shortened: the math environment on the JSONL word problems,
     GRPO, evaluation on the held-out file with 4 samples per problem (pass@1, 2, 4); no checkpoint at all."""
     out = tmp_path / "run"
-    proc = train(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
-                 "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false")
+    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
+                      "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # at_end=false: none
     summary = json.loads((out / "summary.json").read_text())
@@ -121,7 +129,7 @@ def test_a_dataset_mistake_is_one_line_before_anything_starts(tmp_path):
     """A row without the field the environment reads: file, line and field, exit 2, nothing started."""
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + json.dumps({"question": "3+3?"}) + "\n")
-    proc = train(ROOT / "configs" / "math_word_problems.yaml", tmp_path / "run", f"environment.dataset={data}")
+    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", tmp_path / "run", f"environment.dataset={data}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"moe-rl: error: {data}:2: missing field(s) prompt, answer (the environment reads prompt, answer; the row has "
@@ -135,8 +143,8 @@ def test_a_reward_function_that_fails_mid_run_is_named_in_the_stop_line(tmp_path
     the user's file and line (exit 2), not only the count."""
     (tmp_path / "picky.py").write_text("def score(row, response):\n    if not response:\n        return 0.0\n"
                                        "    raise KeyError('no such field: total')\n")
-    proc = train(ROOT / "examples" / "custom_reward" / "config.yaml", tmp_path / "run", "run.steps=1",
-                 f"environment.reward_fn={tmp_path / 'picky.py'}:score", "trainer.eval_prompts=0")
+    proc = train_here(ROOT / "examples" / "custom_reward" / "config.yaml", tmp_path / "run", "run.steps=1",
+                      f"environment.reward_fn={tmp_path / 'picky.py'}:score", "trainer.eval_prompts=0")
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("moe-rl: error: no valid trajectories this step (rejected: {'env_error': 16}); the first "

@@ -26,6 +26,7 @@ def _valid():
     return torch.arange(S).expand(B, S) < lengths.unsqueeze(1), mask
 
 
+@pytest.mark.quick
 def test_single_rank_replay_of_own_routes_is_exact_and_logits_match_hf(reference, tiny_qwen):
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +51,7 @@ def test_replaying_own_routes_is_bitwise_over_random_batches(tiny_qwen):
     assert gaps == [0.0] * 40
 
 
+@pytest.mark.quick
 def test_step_loss_is_productions_ppo_of_the_scored_logprobs(reference):
     """The step's loss, recomputed here from the log-probs the same weights score with the same routes:
     PPO-Clip, importance-weighted token sum over the global number of model tokens."""
