@@ -266,6 +266,7 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"
 
 
+@pytest.mark.slow
 def test_settings_vllm_refuses_at_engine_start_are_one_line_exit_2(tmp_path):
     """A setting that passes the checks before Ray but that vLLM refuses when the engine starts (here a KV
     cache too small for one block): vLLM's own message in one line, exit 2 (a mistake to fix, not a

@@ -110,6 +110,7 @@ LAYOUTS = [  # (overrides, GPUs): 1, 2 and 4 GPUs, with and without a critic and
 ]
 
 
+@pytest.mark.slow
 def test_each_actor_gets_the_gpus_its_config_gives_it(four_gpus):
     """From inside each actor: colocated, every model's rank i and engine worker i (engine j's worker k is
     worker j*engine_tp+k) on one GPU; separate, no GPU shared; never two ranks of one model or two engines
@@ -134,6 +135,7 @@ def test_each_actor_gets_the_gpus_its_config_gives_it(four_gpus):
         assert len(used) == cfg.gpus == gpus, (overrides, seen)
 
 
+@pytest.mark.slow
 def test_a_run_that_needs_more_gpus_than_the_cluster_is_refused(four_gpus):
     cfg = config(*SEPARATE, "parallel.world_size=4")  # 4 policy + 4 critic ranks + an engine, each its own GPU
     with pytest.raises(PlacementError, match="the run needs 9 GPU"):
