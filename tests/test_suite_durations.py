@@ -1,7 +1,6 @@
 """tools/suite_durations.py, which measures the test files for `make test`'s order (tests/durations.json),
 on a report written by hand, and the order tests/conftest.py gives the collected files."""
 
-import json
 import subprocess
 import sys
 
