@@ -27,6 +27,8 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env, environ):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        if torch.cuda._is_in_bad_fork():  # CUDA cannot start in a fork of a process that started it
+            raise RuntimeError(f"importing {PRELOAD} initialised CUDA in the fork server: run_ranks(start='spawn')")
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
