@@ -22,8 +22,13 @@ NO_CRITIC = ["algorithm.advantage=grpo", "critic.lr=1e-5", "critic.value_clip=0.
 NO_WARM_START = ["trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
 
 
+def train_args(out: Path, *extra: str) -> list[str]:
+    """`moe-rl train`'s arguments for the quickstart with the small settings."""
+    return ["configs/quickstart.yaml", f"run.output_dir={out}", *SMALL, *extra]
+
+
 def train_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL, *extra]
+    return [sys.executable, "-m", "moe_rl.cli", "train", *train_args(out, *extra)]
 
 
 def run_cli(out: Path, *extra: str, expect: int = 0, timeout=900):
@@ -78,5 +83,5 @@ def train_on_kept_ray(*args: str, expect: int | None = None) -> subprocess.Compl
 
 
 def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
-    """The quickstart with test_loop's small settings (train_cmd) on the kept Ray."""
-    return train_on_kept_ray(*train_cmd(out, *extra)[4:], expect=expect)
+    """The quickstart with the small settings on the kept Ray."""
+    return train_on_kept_ray(*train_args(out, *extra), expect=expect)
