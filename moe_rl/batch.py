@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algos import rewards as R
-from moe_rl.types import Trajectory, trajectory_success
+from moe_rl.trajectory import Trajectory, trajectory_success
 
 
 @dataclass

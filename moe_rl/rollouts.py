@@ -22,7 +22,7 @@ from moe_rl.batch import Batch, build_batch
 from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather, last_line
 from moe_rl.config import RunConfig
 from moe_rl.rollout.seeds import sample_seed
-from moe_rl.types import Outcome, trajectory_from_state, trajectory_state
+from moe_rl.trajectory import Outcome, trajectory_from_state, trajectory_state
 
 
 class RolloutError(RuntimeError):
@@ -132,7 +132,7 @@ def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[s
     lost to an environment error counts as a failure, eval/rejected counts them) and pass@k for k = 1,
     2, 4, ... up to `samples` (and `samples` itself)."""
     from moe_rl.algos.stats import pass_at_k
-    from moe_rl.types import trajectory_success
+    from moe_rl.trajectory import trajectory_success
 
     success = torch.zeros(prompts, samples, dtype=torch.bool)
     for t in trajectories:

@@ -14,7 +14,7 @@ from moe_rl.algos.targets import Scores, boundary_values, state_values, targets
 from moe_rl.config import AlgorithmSection, EnvironmentSection, RewardModelSection, RunConfig, TrainerSection
 from moe_rl.metrics import Metrics, reduce_updates
 from moe_rl.train.objectives import ValueLoss
-from moe_rl.types import Outcome, Trajectory, validate_trajectory
+from moe_rl.trajectory import Outcome, Trajectory, validate_trajectory
 
 
 def step_targets(b, alg: AlgorithmSection, token_budget: int, logp_ref=None, critic: bool = False,

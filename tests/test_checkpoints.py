@@ -61,7 +61,7 @@ def test_a_kept_rollout_round_trips_through_a_safe_load(tmp_path):
 
     from moe_rl.rollout.agent import RolloutStats
     from moe_rl.rollouts import Collected
-    from moe_rl.types import Outcome, RoutingRecord, Trajectory
+    from moe_rl.trajectory import Outcome, RoutingRecord, Trajectory
 
     def traj(dtype, routes=True):
         rec = RoutingRecord(np.arange(12, dtype=dtype).reshape(3, 2, 2) * 3, np.array([True, True, False]))

@@ -80,7 +80,7 @@ def test_step_expert_load_counts_only_positions_the_engine_computed():
 
     from moe_rl.batch import build_batch
     from moe_rl.metrics import step_figures
-    from moe_rl.types import Outcome, RoutingRecord, Trajectory
+    from moe_rl.trajectory import Outcome, RoutingRecord, Trajectory
 
     def episode(n_obs_tail: int, expert: int) -> Trajectory:
         # 2 prompt tokens, 2 model tokens, then n_obs_tail observation tokens; 1 layer, top-2 of 4 experts
@@ -111,7 +111,7 @@ def test_evaluation_figures_count_lost_samples_as_failures():
     terminal reward > 0. Success [[0, 1], [1, lost]]: success rate 2/4, pass@1 1/2, pass@2 (each prompt
     has a success) 1; the reward mean is over the 3 scored samples."""
     from moe_rl.rollouts import evaluation_figures
-    from moe_rl.types import Outcome, Trajectory
+    from moe_rl.trajectory import Outcome, Trajectory
 
     def episode(group, sample, terminal, figures=None):
         t = Trajectory([1, 2], [False, True], [0.0, -1.0], [(1, 1)], [0.0], terminal, Outcome.COMPLETED, 2, 0, 1,

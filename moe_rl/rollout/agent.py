@@ -26,7 +26,7 @@ from moe_rl.rollout.engine import Sampling
 from moe_rl.rollout.envs import EnvSpec, error_text
 from moe_rl.rollout.sandbox import SandboxUnavailable
 from moe_rl.rollout.seeds import sample_seed
-from moe_rl.types import Outcome, Trajectory, validate_trajectory
+from moe_rl.trajectory import Outcome, Trajectory, validate_trajectory
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from moe_rl.types import RoutingRecord, route_dtype  # noqa: F401  (re-exported for the engine)
+from moe_rl.trajectory import RoutingRecord, route_dtype  # noqa: F401  (re-exported for the engine)
 
 
 def moe_layers(runner) -> list:

@@ -35,7 +35,7 @@ from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
 from moe_rl.train.offload import HostCopies, storages
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
-from moe_rl.types import route_torch_dtype
+from moe_rl.trajectory import route_torch_dtype
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from moe_rl.rollout.data import DatasetError, load_prompts
 from moe_rl.rollout.engine import GenerationResult
 from moe_rl.rollout.envs import EnvContext, Environment, EnvSpec, StepResult, env_names, get_env
 from moe_rl.rollout.sandbox import SandboxUnavailable
-from moe_rl.types import Outcome, RoutingRecord, validate_trajectory
+from moe_rl.trajectory import Outcome, RoutingRecord, validate_trajectory
 
 
 class ScriptedPolicy:

@@ -5,7 +5,7 @@ import pytest
 from rollout_jobs import agent_vllm_job
 
 from moe_rl.train.launch_local import run_in_process
-from moe_rl.types import validate_trajectory
+from moe_rl.trajectory import validate_trajectory
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from test_agent import ScriptedPolicy, tok  # noqa: F401  (the fixture)
 
 from moe_rl.rollout.agent import Agent
 from moe_rl.rollout.envs import EnvContext, EnvImportError, EnvSpec, get_env, import_object
-from moe_rl.types import Outcome
+from moe_rl.trajectory import Outcome
 
 
 @pytest.fixture
