@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_of_the_module():
-    """A module's in-process runs share one local Ray (tests/loop_runs.run_train starts it with the first);
+    """A module's in-process runs share one local Ray (tests/cli_runs.run_train starts it with the first);
     it stops after the module's last test."""
     yield
     ray = sys.modules.get("ray")

@@ -2,8 +2,8 @@ import re
 import subprocess
 
 import pytest
+from cli_runs import run_main
 from conftest import ROOT, moe_rl_cli
-from loop_runs import run_main
 
 
 def run(*args, timeout=120):

@@ -20,9 +20,9 @@ import time
 
 import pytest
 import torch
+from cli_runs import NO_CRITIC, NO_WARM_START, SMALL, run_cli, run_train, train_cmd
 from conftest import ROOT
 from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
-from loop_runs import NO_CRITIC, NO_WARM_START, SMALL, run_cli, run_train, train_cmd
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import train_on_kept_ray
 from conftest import ROOT
-from loop_runs import train_on_kept_ray
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def train(config: Path, out: Path, *overrides: str, cwd: Path = ROOT, timeout: i
 
 def train_here(config: Path, out: Path, *overrides: str):
     """The same run from the repository root as the CLI's main in this process, on the module's kept Ray
-    (tests/loop_runs.py): the runs whose subject is the task, not the process."""
+    (tests/cli_runs.py): the runs whose subject is the task, not the process."""
     return train_on_kept_ray(str(config), f"run.output_dir={out}", *QUICK, *overrides)
 
 
