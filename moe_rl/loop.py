@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -285,22 +284,22 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         nonlocal t
         took[name], t = time.perf_counter() - t, time.perf_counter()
 
-    with ThreadPoolExecutor(1) as pool:  # the model (at tiny size, mostly importing transformers) beside Ray's start
-        model = pool.submit(model_path, cfg, out)
-        if cfg.reward_model.path:  # its tokenizer must be the policy's: checked before anything starts
-            check_same_tokens(model.result(), cfg.reward_model.path)
-            phase("model")
-        say("preparing the fused GAE kernel (compiled once per machine, then cached)")
-        say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
-            f"({time.perf_counter() - t:.1f} s)")
-        phase("GAE kernel")
-        say(f"{'on the Ray this process started' if ray.is_initialized() else 'starting Ray'}, "
-            f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
-            f"{cfg.rollout.num_engines} vLLM engine(s)")
-        cluster.start_ray(cfg)
-        phase("Ray")
-        path = model.result()
-        phase("model (beyond Ray)")
+    # The driver imports on its main thread alone (tests/test_exit_paths.py): a model built in a thread
+    # beside Ray's start raced this thread's imports (setuptools' sys.meta_path edits made the other miss a
+    # module; a SIGINT inside an import lock here left the other waiting forever).
+    path = model_path(cfg, out)
+    if cfg.reward_model.path:  # its tokenizer must be the policy's: checked before anything starts
+        check_same_tokens(path, cfg.reward_model.path)
+    phase("model")
+    say("preparing the fused GAE kernel (compiled once per machine, then cached)")
+    say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
+        f"({time.perf_counter() - t:.1f} s)")
+    phase("GAE kernel")
+    say(f"{'on the Ray this process started' if ray.is_initialized() else 'starting Ray'}, "
+        f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
+        f"{cfg.rollout.num_engines} vLLM engine(s)")
+    cluster.start_ray(cfg)
+    phase("Ray")
     cluster.check_interrupted()
     place = cluster.Placement(cfg, cfg.actors)
     cluster.RUN_PARTS.append(place)  # its placement group is removed on every exit path (cluster.shutdown)

@@ -27,12 +27,12 @@ MINIMAL = ["run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1
 class Run:
     """`moe-rl train` in its own session; its output read line by line, its descendants counted."""
 
-    def __init__(self, out: Path, *extra: str):
+    def __init__(self, out: Path, *extra: str, env: dict[str, str] | None = None):
         self.out = out
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}",
              *MINIMAL, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
         self.lines: list[str] = []
         self.seen: dict[tuple[int, float], str] = {}  # (pid, create time) -> name: every descendant seen
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -77,7 +77,10 @@ class Run:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 900) -> int:
-        rc = self.proc.wait(timeout)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {timeout} s later:\n{self.output()}")
         self._reader.join(10)
         return rc
 
@@ -113,8 +116,8 @@ class Run:
 def run(tmp_path):
     runs = []
 
-    def start(*extra: str) -> Run:
-        runs.append(Run(tmp_path / f"run{len(runs)}", *extra))
+    def start(*extra: str, env: dict[str, str] | None = None) -> Run:
+        runs.append(Run(tmp_path / f"run{len(runs)}", *extra, env=env))
         return runs[-1]
 
     yield start
@@ -128,9 +131,33 @@ def assert_nothing_left(r: Run) -> None:
     assert not r.alive(), f"alive 5 s after exit: {r.alive()}\n{r.output()}"
 
 
-def test_normal_exit_leaves_nothing(run):
-    r = run()
+# Loaded by the driver alone (it takes the variable out of the environment its children inherit): every
+# import's thread, those off the main thread printed at exit.
+IMPORT_SPY = """
+import os
+if os.environ.pop("MOE_RL_IMPORT_SPY", None):
+    import atexit, sys, threading
+    off_main = []
+    class Spy:
+        def find_spec(self, name, path=None, target=None):
+            if threading.current_thread() is not threading.main_thread():
+                off_main.append(threading.current_thread().name + ":" + name)
+    sys.meta_path.insert(0, Spy())
+    atexit.register(lambda: print("imports off the main thread:", off_main, flush=True))
+"""
+
+
+def test_normal_exit_leaves_nothing_and_the_driver_imports_in_one_thread(run, tmp_path):
+    """Also: the driver imports on its main thread alone. An import in a second thread races the main
+    thread's: an edit of sys.meta_path there (setuptools' distutils shim) skips a finder in the other
+    (ModuleNotFoundError inside transformers), and a SIGINT raised inside an import lock leaves it held,
+    so the other thread waits forever (CI saw both while the model was built beside Ray's start)."""
+    (tmp_path / "spy").mkdir()
+    (tmp_path / "spy" / "sitecustomize.py").write_text(IMPORT_SPY)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "spy"), os.environ.get("PYTHONPATH")]))
+    r = run(env={"MOE_RL_IMPORT_SPY": "1", "PYTHONPATH": path})
     assert r.finish() == 0, r.output()
+    assert "imports off the main thread: []" in r.output(), r.output()
     assert any("RolloutActor" in name for name in r.seen.values()), r.seen  # the census saw the engine
     assert_nothing_left(r)
 
