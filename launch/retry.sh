@@ -6,7 +6,7 @@
 # problem) or an interruption (130, 143) is final: a retry would repeat it, or override the user.
 #
 # A retry resumes from the newest checkpoint the run wrote since its first try started
-# (MOE_RL_RESUME_SINCE, read by moe_rl/checkpoints.py), and as checkpoint.resume says when there is none.
+# (MOE_RL_RESUME_SINCE, read by moe_rl/driver/run_checkpoints.py), and as checkpoint.resume says when there is none.
 RETRIES=${MOE_RL_RETRIES:-0}
 [[ "$RETRIES" =~ ^[0-9]+$ ]] || { echo "MOE_RL_RETRIES=$RETRIES: a whole number of retries, 0 or more" >&2; exit 2; }
 RETRIES=$((10#$RETRIES))

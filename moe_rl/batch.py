@@ -26,6 +26,9 @@ import torch
 from moe_rl.algos import rewards as R
 from moe_rl.trajectory import Trajectory, trajectory_success
 
+# the fields a step's targets fill (algos.targets.Targets names them alike)
+TARGET_FIELDS = ("adv_BS", "returns_BS", "values_old_BS", "logp_old_BS", "logp_ref_BS", "is_weight_BS", "pg_mask_BS")
+
 
 @dataclass
 class Batch:
@@ -117,12 +120,9 @@ class Batch:
         return out
 
     def with_targets(self, t) -> Batch:
-        """This batch carrying a step's targets (algos.targets.Targets) for the update loops; under
-        PPO-EWMA pi_old and the correction are left to each minibatch."""
-        keep = None if t.keep_BS is None else self.loss_mask_BS & t.keep_BS
-        return dataclasses.replace(self, adv_BS=t.adv_BS, returns_BS=t.returns_BS, values_old_BS=t.values_BS,
-                                   logp_old_BS=t.logp_old_BS, logp_ref_BS=t.logp_ref_BS, is_weight_BS=t.weight_BS,
-                                   pg_mask_BS=keep)
+        """This batch carrying a step's targets (algos.targets.Targets, under the same names) for the
+        update loops; under PPO-EWMA pi_old and the correction are left to each minibatch."""
+        return dataclasses.replace(self, **{name: getattr(t, name) for name in TARGET_FIELDS})
 
     def to(self, device) -> Batch:
         """Every tensor on `device` (a trainer rank's; no copy where they are already there)."""

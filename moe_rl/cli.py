@@ -158,25 +158,28 @@ def _cmd_plan(args) -> int:
 def _cmd_train(args) -> int:
     import signal
 
-    from moe_rl import cluster, config
+    from moe_rl import config
+    from moe_rl.driver import session
 
-    cluster.handle_signals()  # SIGINT: exit 130, SIGTERM: 143; either way the run's actors and Ray stop first
+    session.handle_signals()  # SIGINT: exit 130, SIGTERM: 143; either way the run's actors and Ray stop first
     try:
         return _train(args, config)
     except KeyboardInterrupt:
-        if cluster.INTERRUPTED and cluster.INTERRUPTED[0] == signal.SIGTERM:
+        if session.INTERRUPTED and session.INTERRUPTED[0] == signal.SIGTERM:
             return _fail("terminated (SIGTERM)", 128 + signal.SIGTERM)
         raise
 
 
 def _train(args, config) -> int:
     cfg = config.load_config(args.config, args.overrides)
-    from moe_rl import loop
     from moe_rl.algos.checks import BatchCheckError
-    from moe_rl.cluster import EngineStartError, PlacementError, fault_line
+    from moe_rl.driver import loop
+    from moe_rl.driver.placement import PlacementError
+    from moe_rl.driver.remote import fault_line
+    from moe_rl.driver.rollout_actor import EngineStartError
+    from moe_rl.driver.rollout_manager import RolloutError
     from moe_rl.rollout.data import DatasetError
     from moe_rl.rollout.sandbox import SandboxUnavailable
-    from moe_rl.rollouts import RolloutError
     from moe_rl.weights.hf import CheckpointError
 
     mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,

@@ -2,7 +2,7 @@
 timing/, perf/, memory/) and a console progress bar with ETA.
 
 A step's figures come from the rollout manager (rollout/, staleness), the update loops (policy/,
-critic/, correction/ of the updates), the route traffic (trainers.Models.route_figures) and
+critic/, correction/ of the updates), the route traffic (driver/trainer_groups.py Models.route_figures) and
 `step_figures`, what the batch, the scores and the targets say (reward/, routing/, the log-prob
 mismatch); they meet in `StepLog.step`.
 """
@@ -180,7 +180,7 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         same = (scores.free_routes_BSLK.sort(-1).values == batch.routes_BSLK.sort(-1).values).all(-1)  # [B, S, L]
         out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
     if targets.returns_BS is not None:
-        out["critic/explained_variance"] = stats.explained_variance(targets.values_BS, targets.returns_BS, valid)
+        out["critic/explained_variance"] = stats.explained_variance(targets.values_old_BS, targets.returns_BS, valid)
     if batch.routes_BSLK is not None:
         out["routing/filled_tail_positions_per_sample"] = (batch.lengths_B - batch.routed_len_B).float().mean()
     if num_experts and batch.routes_BSLK is not None:  # the positions the engine computed (placeholders excluded)

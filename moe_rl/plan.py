@@ -267,7 +267,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "
                         f"max_model_len={cfg.rollout.max_model_len})"])
     roles.append(engines)
-    if cfg.cluster.colocate:  # GPU i holds rank i of every model and an engine worker (cluster.gpu_layout), all resident
+    if cfg.cluster.colocate:  # GPU i holds rank i of every model and an engine worker (placement.gpu_layout), all resident
         shared = sum(rp.total for rp in roles)
         if shared > usable:
             problems.append("colocated: " + " + ".join(f"{rp.role} {rp.total / GiB:.1f}" for rp in roles) +

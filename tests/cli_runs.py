@@ -46,7 +46,8 @@ def run_main(*args: str, expect: int | None = None) -> subprocess.CompletedProce
     import contextlib
     import io
 
-    from moe_rl import cli, cluster
+    from moe_rl import cli
+    from moe_rl.driver import session
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -60,7 +61,7 @@ def run_main(*args: str, expect: int | None = None) -> subprocess.CompletedProce
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)
-            cluster.INTERRUPTED.clear()
+            session.INTERRUPTED.clear()
     proc = subprocess.CompletedProcess(list(args), rc, stdout.getvalue(), stderr.getvalue())
     assert expect is None or rc == expect, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -68,17 +69,17 @@ def run_main(*args: str, expect: int | None = None) -> subprocess.CompletedProce
 
 def train_on_kept_ray(*args: str, expect: int | None = None) -> subprocess.CompletedProcess:
     """`moe-rl train ARGS` (run_main) on one local Ray kept for the test module (conftest stops it after
-    the module) and set up as a run's own (cluster.runtime_env from the repository root, the 2 CPUs of
+    the module) and set up as a run's own (session.runtime_env from the repository root, the 2 CPUs of
     cluster.num_cpus=2): a run pays no interpreter, Ray start or driver imports of its own."""
     import contextlib
 
     import ray
 
-    from moe_rl import cluster
+    from moe_rl.driver import session
 
     if not ray.is_initialized():
         with contextlib.chdir(ROOT):
-            ray.init(num_cpus=2, include_dashboard=False, runtime_env=cluster.runtime_env(), log_to_driver=False)
+            ray.init(num_cpus=2, include_dashboard=False, runtime_env=session.runtime_env(), log_to_driver=False)
     return run_main("train", *args, expect=expect)
 
 

@@ -35,7 +35,7 @@ def hand_counted_expert_load(figures: dict, checkpoint: Path, num_experts: int) 
     in the checkpoint's kept rollout (every (position, slot) with a route, per layer)."""
     import math
 
-    from moe_rl.checkpoints import read_in_flight
+    from moe_rl.driver.run_checkpoints import read_in_flight
 
     trajs = [t for ts, _ in read_in_flight(checkpoint).results for t in ts]
     layers = trajs[0].routes.experts_PLK.shape[1]

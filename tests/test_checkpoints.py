@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.checkpoints import numpy_rng_state, read_loop_state, write_loop_state
+from moe_rl.driver.run_checkpoints import numpy_rng_state, read_loop_state, write_loop_state
 from moe_rl.weights.hf import CheckpointError
 
 
@@ -59,8 +59,8 @@ def test_a_kept_rollout_round_trips_through_a_safe_load(tmp_path):
 
     import numpy as np
 
+    from moe_rl.driver.rollout_manager import Collected
     from moe_rl.rollout.agent import RolloutStats
-    from moe_rl.rollouts import Collected
     from moe_rl.trajectory import Outcome, RoutingRecord, Trajectory
 
     def traj(dtype, routes=True):

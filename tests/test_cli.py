@@ -134,7 +134,7 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     import json
     import time
 
-    from moe_rl.checkpoints import write_loop_state
+    from moe_rl.driver.run_checkpoints import write_loop_state
 
     (tmp_path / "file").write_text("x")
     (tmp_path / "empty.yaml").write_text("# nothing\n")

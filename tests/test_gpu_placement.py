@@ -12,8 +12,8 @@ import pytest
 import ray
 from conftest import ROOT
 
-from moe_rl import cluster
-from moe_rl.cluster import Placement, PlacementError, engines_first, gpu_layout
+from moe_rl.driver import session
+from moe_rl.driver.placement import Placement, PlacementError, engines_first, gpu_layout
 
 TRAINERS = ("policy", "critic", "reference", "reward_model")
 NO_CRITIC = ("algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2")
@@ -143,10 +143,10 @@ def test_a_run_that_needs_more_gpus_than_the_cluster_is_refused(four_gpus):
 
 
 def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, tmp_path):
-    """loop.start follows Placement.engines_first: the engines start and finish starting before any
+    """startup.start follows Placement.engines_first: the engines start and finish starting before any
     trainer rank starts; otherwise both start at once and are waited for together."""
-    from moe_rl import loop, rollouts, trainers
     from moe_rl.algos import gae
+    from moe_rl.driver import placement, rollout_manager, startup, trainer_groups
 
     def order(first: bool) -> list[str]:
         events = []
@@ -174,13 +174,13 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
             def connect(self, policy):
                 events.append("connect")
 
-        monkeypatch.setattr(cluster, "start_ray", lambda cfg: None)
-        monkeypatch.setattr(cluster, "Placement", lambda cfg, counts: types.SimpleNamespace(engines_first=first))
-        monkeypatch.setattr(trainers, "Models", Models)
-        monkeypatch.setattr(rollouts, "Rollouts", Rollouts)
+        monkeypatch.setattr(session, "start_ray", lambda cfg: None)
+        monkeypatch.setattr(placement, "Placement", lambda cfg, counts: types.SimpleNamespace(engines_first=first))
+        monkeypatch.setattr(trainer_groups, "Models", Models)
+        monkeypatch.setattr(rollout_manager, "Rollouts", Rollouts)
         monkeypatch.setattr(gae, "prepare_kernel", lambda: False)
-        monkeypatch.setattr(loop, "model_path", lambda cfg, out: "model")
-        loop.start(config(), tmp_path, [], [])
+        monkeypatch.setattr(startup, "model_path", lambda cfg, out: "model")
+        startup.start(config(), tmp_path, [], [])
         return events
 
     assert order(True) == ["engines start", "engines ready", "ranks start", "ranks ready", "connect"]

@@ -2,7 +2,7 @@
 KeyboardInterrupt wherever the main thread is; inside a finalizer (a `__del__`, as in Ray's and
 grpc's objects during start-up) Python prints "Exception ignored ..." and carries on: 1 in 5 Ctrl-Cs
 during Ray's start were lost this way. The signal is recorded, and the run's next safe point
-(`cluster.check_interrupted`, after Ray's start and between steps) raises it again."""
+(`session.check_interrupted`, after Ray's start and between steps) raises it again."""
 
 import gc
 import os
@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from moe_rl import cluster
+from moe_rl.driver import session
 
 
 @pytest.fixture
 def handlers():
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster.INTERRUPTED.clear()
+    session.INTERRUPTED.clear()
     yield
-    cluster.INTERRUPTED.clear()
+    session.INTERRUPTED.clear()
     for s, h in saved.items():
         signal.signal(s, h)
 
@@ -40,12 +40,12 @@ class SignalledWhileFinalized:
 def test_a_swallowed_interrupt_stops_the_run_at_the_next_safe_point(handlers, signum, monkeypatch):
     swallowed = []  # what Python reports as "Exception ignored in ..."
     monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
-    cluster.handle_signals()
-    cluster.check_interrupted()  # nothing received: a safe point passes
+    session.handle_signals()
+    session.check_interrupted()  # nothing received: a safe point passes
     obj = SignalledWhileFinalized(signum)
     del obj
     gc.collect()
     assert swallowed == [KeyboardInterrupt]
-    assert cluster.INTERRUPTED == [signum]
+    assert session.INTERRUPTED == [signum]
     with pytest.raises(KeyboardInterrupt):
-        cluster.check_interrupted()
+        session.check_interrupted()

@@ -1,8 +1,9 @@
 """The layering rules of docs/architecture.md, checked on the source: algos imports only torch (and itself);
 rollout never imports megatron or moe_rl.train; train never imports vllm or moe_rl.rollout; weights
-(names, buckets, files) imports none of megatron, vllm, ray, train, rollout, loop or cluster; only
-the driver side (loop.py, cluster.py, rollouts.py) knows Ray; importing cluster.py loads neither megatron nor vllm; and the
-modules of moe_rl import one another without a cycle.
+(names, buckets, files) imports none of megatron, vllm, ray, train, rollout or the driver; only the
+driver (moe_rl/driver/) knows Ray and calls actors (`.remote`); algos, train, rollout and weights never
+import the driver; importing a driver module loads neither megatron nor vllm; and the modules of moe_rl
+import one another without a cycle.
 
 Imports are read from the source, at any depth (a function's lazy import counts), relative ones
 resolved."""
@@ -85,43 +86,70 @@ def test_train_never_imports_vllm():
 
 
 def test_weights_is_names_buckets_and_files():
-    banned = ("megatron", "vllm", "ray", "moe_rl.train", "moe_rl.rollout", "moe_rl.loop", "moe_rl.cluster")
+    banned = ("megatron", "vllm", "ray", "moe_rl.train", "moe_rl.rollout", "moe_rl.driver")
     assert files("weights")
     for f in files("weights"):
         for mod in sorted(imports(f)):
             assert not (mod in banned or mod.startswith(tuple(b + "." for b in banned))), f"{f.relative_to(PKG)} imports {mod}"
 
 
-def test_only_the_driver_side_knows_ray():
-    """Ray is the driver's: loop.py, cluster.py (actors, placement) and rollouts.py (the engines'
-    manager); worker code (algos, train, rollout, weights) and the rest never import it."""
+def driver_file(f: Path) -> bool:
+    return f.relative_to(PKG).parts[0] == "driver"
+
+
+def test_only_the_driver_knows_ray():
+    """Ray is the driver's (moe_rl/driver/: the loop, the actors, placement, the managers of the engines
+    and trainer groups); worker code (algos, train, rollout, weights) and the rest never import it."""
+    assert any(driver_file(f) for f in PKG.rglob("*.py"))
     for f in PKG.rglob("*.py"):
-        if f.relative_to(PKG).as_posix() in ("loop.py", "cluster.py", "rollouts.py"):
+        if driver_file(f):
             continue
         for mod in sorted(imports(f)):
             assert mod.split(".")[0] != "ray", f"{f.relative_to(PKG)} imports {mod}"
 
 
-def test_importing_cluster_loads_neither_megatron_nor_vllm():
-    """What `import moe_rl.cluster` runs: its module-level imports and theirs (parent packages'
-    __init__ included), followed through moe_rl; function-level imports are left out."""
-    seen, todo, external = set(), ["moe_rl.cluster"], {}
-    while todo:
-        name = todo.pop()
-        if name in seen:
+def test_only_the_driver_calls_actors():
+    """`x.remote(...)` (an actor call, a task) only in moe_rl/driver/."""
+    for f in PKG.rglob("*.py"):
+        if driver_file(f):
             continue
-        seen.add(name)
-        parts = name.split(".")
-        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
-        for mod, top in parsed_imports(MODULES[name]):
-            if not top:
+        calls = [n.lineno for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr == "remote"]
+        assert not calls, f"{f.relative_to(PKG)} calls .remote on lines {calls}"
+
+
+def test_worker_code_never_imports_the_driver():
+    for sub in ("algos", "train", "rollout", "weights"):
+        assert files(sub)
+        for f in files(sub):
+            for mod in sorted(imports(f)):
+                assert not mod.startswith("moe_rl.driver"), f"{f.relative_to(PKG)} imports {mod}"
+
+
+def test_importing_a_driver_module_loads_neither_megatron_nor_vllm():
+    """What `import moe_rl.driver.X` runs, for every X: its module-level imports and theirs (parent
+    packages' __init__ included), followed through moe_rl; function-level imports are left out. The
+    driver process imports Megatron and vLLM nowhere: they live in the actors."""
+    driver = sorted(name for name in MODULES if name.startswith("moe_rl.driver."))
+    assert "moe_rl.driver.placement" in driver
+    for start in driver:
+        seen, todo, external = set(), [start], {}
+        while todo:
+            name = todo.pop()
+            if name in seen:
                 continue
-            if internal(mod):
-                todo.append(internal(mod))
-            else:
-                external.setdefault(mod, name)
-    bad = {mod: by for mod, by in external.items() if mod.split(".")[0] in ("megatron", "vllm")}
-    assert not bad, f"importing moe_rl.cluster imports {bad} (module: imported by)"
+            seen.add(name)
+            parts = name.split(".")
+            todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+            for mod, top in parsed_imports(MODULES[name]):
+                if not top:
+                    continue
+                if internal(mod):
+                    todo.append(internal(mod))
+                else:
+                    external.setdefault(mod, name)
+        bad = {mod: by for mod, by in external.items() if mod.split(".")[0] in ("megatron", "vllm")}
+        assert not bad, f"importing {start} imports {bad} (module: imported by)"
 
 
 def import_graph() -> dict[str, set[str]]:

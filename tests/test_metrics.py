@@ -110,7 +110,7 @@ def test_evaluation_figures_count_lost_samples_as_failures():
     an episode is its `success` figure where it has one (the first: 0 despite a reward of 0.1), else a
     terminal reward > 0. Success [[0, 1], [1, lost]]: success rate 2/4, pass@1 1/2, pass@2 (each prompt
     has a success) 1; the reward mean is over the 3 scored samples."""
-    from moe_rl.rollouts import evaluation_figures
+    from moe_rl.driver.rollout_manager import evaluation_figures
     from moe_rl.trajectory import Outcome, Trajectory
 
     def episode(group, sample, terminal, figures=None):
@@ -129,7 +129,7 @@ def test_evaluation_figures_count_lost_samples_as_failures():
 
 
 def test_the_closing_lines_name_the_best_step_and_say_when_rl_ended_below_the_start(tmp_path, capsys):
-    from moe_rl.loop import report
+    from moe_rl.driver.report import report
 
     def ev(r):
         return {"eval/reward_mean": r, "eval/success_rate": r}

@@ -1,12 +1,12 @@
 """CPU threads per process: each trainer rank and engine gets its share of its node's CPUs among the
-processes that compute at the same time (cluster.thread_counts, worked by hand), and a real Ray
+processes that compute at the same time (placement.thread_counts, worked by hand), and a real Ray
 placement hands those counts out (with the OMP_NUM_THREADS cap and the explicit settings)."""
 
 import pytest
 import ray
 from conftest import ROOT
 
-from moe_rl.cluster import Placement, thread_counts
+from moe_rl.driver.placement import Placement, thread_counts
 
 ONE_NODE = [("policy", "a"), ("critic", "a"), ("engine", "a")]
 
@@ -86,7 +86,7 @@ def test_a_process_never_takes_more_threads_than_cpus_it_may_run_on():
     import sys
 
     code = ("import os, torch; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from moe_rl.cluster import use_threads; use_threads(4); "
+            "from moe_rl.driver.placement import use_threads; use_threads(4); "
             "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "1"]

@@ -1,4 +1,4 @@
-"""What a hurried user gets wrong, refused by the driver's preflight (loop.preflight) before Ray, the
+"""What a hurried user gets wrong, refused by the driver's preflight (driver/preflight.py) before Ray, the
 trainer ranks or vLLM start, each in one line naming the setting: a reward function or an environment
 that fails on the first prompt, a context longer than the model has, a damaged checkpoint (naming the
 file and the last good one), a run that has no steps left, a run directory of another config, an output
@@ -15,9 +15,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-from moe_rl import config, loop
-from moe_rl.checkpoints import RESUME_SINCE, write_loop_state
-from moe_rl.cluster import PlacementError
+from moe_rl import config
+from moe_rl.driver import preflight as driver_preflight
+from moe_rl.driver.placement import PlacementError
+from moe_rl.driver.report import CONFIG_FILE
+from moe_rl.driver.run_checkpoints import RESUME_SINCE, write_loop_state
 from moe_rl.schema import ConfigError
 from moe_rl.weights.hf import CheckpointError
 
@@ -29,8 +31,8 @@ CUSTOM_DATA = ROOT / "examples" / "custom_reward" / "prompts.jsonl"
 def preflight(path: Path, *overrides: str, resume_with_changes: bool = False):
     cfg = config.load_config(path, list(overrides))
     if resume_with_changes:
-        return loop.preflight(cfg, Path(cfg.run.output_dir), resume_with_changes=True)
-    return loop.preflight(cfg, Path(cfg.run.output_dir))
+        return driver_preflight.preflight(cfg, Path(cfg.run.output_dir), resume_with_changes=True)
+    return driver_preflight.preflight(cfg, Path(cfg.run.output_dir))
 
 
 def refused(error: type, path: Path, *overrides: str, resume_with_changes: bool = False) -> str:
@@ -262,7 +264,7 @@ def test_a_run_directory_of_another_config_is_not_resumed_silently(tmp_path, cap
     change; --resume-with-changes resumes and says what changed."""
     out = tmp_path / "run"
     checkpoint(out, 2)
-    (out / loop.CONFIG_FILE).write_text(config.dump_yaml(config.load_config(QUICK, [f"run.output_dir={out}"])))
+    (out / CONFIG_FILE).write_text(config.dump_yaml(config.load_config(QUICK, [f"run.output_dir={out}"])))
     grpo = ["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2"]
     changes = "rollout.samples_per_prompt: 1 -> 2; algorithm.advantage: gae -> grpo; critic.lr: 0.003 -> 1e-05; " \
         "critic.value_clip: 0.5 -> 0.2"

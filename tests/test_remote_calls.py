@@ -1,4 +1,4 @@
-"""The driver's waits on remote calls (cluster.gather) with real Ray actors: an actor that dies ends the
+"""The driver's waits on remote calls (remote.gather) with real Ray actors: an actor that dies ends the
 wait at once, naming it, while its peer still hangs (as ranks blocked in a collective would); a call
 past the timeout names every actor still silent; an error a call raises keeps its own type."""
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from moe_rl.cluster import RemoteCallError, gather
+from moe_rl.driver.remote import RemoteCallError, gather
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_an_error_raised_by_the_call_keeps_its_type(cluster):
 
 
 def test_retry_replaces_a_failed_call_and_keeps_the_order(cluster):
-    """gather's retry hook (rollouts.py replaces a failed engine this way): asked about the dead call
+    """gather's retry hook (driver/rollout_manager.py replaces a failed engine this way): asked about the dead call
     and the call that raised, with the error each got; the new refs' results land in their places."""
     asked = []
 
@@ -72,7 +72,7 @@ def test_retry_replaces_a_failed_call_and_keeps_the_order(cluster):
 def test_fault_line_tells_faults_from_bugs(cluster):
     """What `moe-rl train` exits 3 for: a RemoteCallError, or a call that failed because an actor it
     waited on died; anything else (a bug, a bad batch) is not a fault."""
-    from moe_rl.cluster import fault_line
+    from moe_rl.driver.remote import fault_line
 
     @ray.remote(num_cpus=0)
     def waits_on(ref_list):

@@ -36,7 +36,7 @@ def train_here(config: Path, out: Path, *overrides: str):
 
 def kept_rollout(out: Path, step: int) -> list:
     """The trajectories an asynchronous run's step-`step` checkpoint kept (its next step's batch)."""
-    from moe_rl.checkpoints import read_in_flight
+    from moe_rl.driver.run_checkpoints import read_in_flight
 
     return [t for ts, _ in read_in_flight(out / "checkpoints" / f"step_{step:06d}").results for t in ts]
 

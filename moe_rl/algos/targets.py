@@ -71,12 +71,12 @@ class Scores:
 class Targets:
     adv_BS: torch.Tensor  # float32, 0 off model tokens
     returns_BS: torch.Tensor | None  # critic targets (None without a critic)
-    values_BS: torch.Tensor | None  # frozen pre-update V(s_t)
+    values_old_BS: torch.Tensor | None  # frozen pre-update V(s_t)
     logp_old_BS: torch.Tensor | None  # pi_old; None under PPO-EWMA (scored per minibatch) or from the update's forward
     logp_policy_BS: torch.Tensor | None  # the policy before this step's updates (routes replayed), as Scores
     logp_ref_BS: torch.Tensor | None
-    weight_BS: torch.Tensor | None  # the correction's weight (None under PPO-EWMA: per minibatch)
-    keep_BS: torch.Tensor | None  # the correction's keep mask
+    is_weight_BS: torch.Tensor | None  # the correction's weight (None under PPO-EWMA: per minibatch)
+    pg_mask_BS: torch.Tensor | None  # bool: the loss tokens the correction keeps (the policy-gradient term's)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -171,5 +171,5 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     if corr is not None:
         metrics.update({f"correction/{k}": v for k, v in corr.metrics.items()})
     return Targets(adv.float(), None if returns is None else returns.float(), values, logp_old, scores.logp_BS,
-                   scores.logp_ref_BS, None if corr is None else corr.weight_BT, None if corr is None else corr.keep_BT,
-                   metrics)
+                   scores.logp_ref_BS, None if corr is None else corr.weight_BT,
+                   None if corr is None else batch.loss_mask_BS & corr.keep_BT, metrics)

@@ -19,7 +19,7 @@ truncated shard file (the driver checks a checkpoint so before it starts anythin
 loading is a CheckpointError naming the checkpoint, one line.
 
 Atomicity of a whole RL checkpoint (policy + critic + loop state) is the caller's job: write into a
-temporary directory and rename it (see moe_rl.loop).
+temporary directory and rename it (see moe_rl/driver/run_checkpoints.py).
 """
 
 from __future__ import annotations

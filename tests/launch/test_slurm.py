@@ -54,7 +54,7 @@ def explain(slurm, tmp: Path) -> str:
 
 def test_quickstart_runs_across_both_nodes_and_a_fault_is_retried_on_the_same_cluster(slurm, tmp_path):
     """The quickstart with its ranks and engine spread over both nodes; MOE_RL_RETRIES=1 and a policy
-    rank that kills itself (cluster.failpoint) in step 2's weight sync: the driver exits 3 and runs once
+    rank that kills itself (session.failpoint) in step 2's weight sync: the driver exits 3 and runs once
     more on the same Ray cluster, resuming from the step-1 checkpoint, and finishes (the resumed steps'
     equality with an undisturbed run: tests/test_loop.py, through the same launcher retry rule)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -35,7 +35,7 @@ def test_sync_changes_outputs_and_old_weights_restore_them(synced):
 
 def test_half_updated_weights_never_generate(synced):
     """A weight update that dies halfway (its source fails mid-stream) leaves the engine refusing to
-    generate (the run then replaces the engine: rollouts.py)."""
+    generate (the run then replaces the engine: driver/rollout_manager.py)."""
     _, _, gen = synced
     assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 4 did not finish)")
 

@@ -1,5 +1,5 @@
 """Data-parallel sharding: which rows each global rank trains on (moe_rl.train.parallel.dp_rows /
-dp_rank_of, used by cluster.TrainerGroup._shard and the Megatron test jobs), checked against
+dp_rank_of, used by trainer_groups.TrainerGroup._shard and the Megatron test jobs), checked against
 megatron-core's own rank generator."""
 
 import itertools
@@ -51,7 +51,7 @@ def test_a_ray_actor_uses_the_gpu_it_was_given_not_its_rank():
 
 def test_trainer_group_shard_gives_each_replica_its_rows():
     from moe_rl.batch import Batch
-    from moe_rl.cluster import TrainerGroup
+    from moe_rl.driver.trainer_groups import TrainerGroup
 
     tp, cp, dp, pp = 2, 1, 3, 2
     group = object.__new__(TrainerGroup)  # no Ray actors: _shard only reads the sizes

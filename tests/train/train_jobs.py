@@ -72,7 +72,7 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     ids, lengths, mask, adv = batch_tensors()
     lay = parallel.Layout(**layout)
     dp_size = w.ps.get_data_parallel_world_size()
-    dp = parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size)  # production's sharding (cluster._shard)
+    dp = parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size)  # production's sharding (trainer_groups._shard)
     rows = parallel.dp_rows(B, dp, dp_size)
     free = Batch(ids, lengths)
     out = {"free": w.score(free, record_routes=True), "dp_rank": (dp, w.ps.get_data_parallel_rank())}

@@ -19,7 +19,7 @@ cost only an empty call's latency (an estimate, not a measurement of the run's o
 Route bytes: route_bytes_per_rank is measured (the bytes of the routes each policy rank was sent per
 step: its data-parallel shard, uint8). What the path before 2026-12 would have sent is computed, not
 measured (8 bytes per route element, int64; scoring sent the whole batch to every rank, training
-already its shard: moe_rl/cluster.py counts it from the same batches), so the ratios
+already its shard: moe_rl/driver/trainer_groups.py counts it from the same batches), so the ratios
 route_bytes_ratio_computed (over the step) and score_route_bytes_ratio_computed (over scoring) follow
 from the formula: 8 x dp for scoring, whatever the run. They are printed as such, not as targets.
 
@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="empty Ray actor calls timed after the run (their median)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=32")
     args = ap.parse_args()
-    from moe_rl import config, loop
+    from moe_rl import config
+    from moe_rl.driver import loop
 
     out = tempfile.mkdtemp(prefix="moe_rl_bench_rl_step_")
     cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
@@ -105,7 +106,7 @@ def empty_actor_call_ms(cfg, calls: int) -> float:
 
     import ray
 
-    from moe_rl.cluster import start_ray
+    from moe_rl.driver.session import start_ray
 
     start_ray(cfg)
 

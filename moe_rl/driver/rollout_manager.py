@@ -1,8 +1,8 @@
 """The rollout manager: vLLM engines as Ray actors, the prompt stream, and the weights they generate with.
 
     rollouts = Rollouts(cfg, place, model_path, training_prompts(cfg))
-    pending = rollouts.generate(step)             # the step's prompts split over the engines
-    batch, metrics = rollouts.wait(pending)       # one Batch; merged statistics; stale samples dropped
+    rollout = rollouts.generate(step)             # InFlight: the step's prompts split over the engines
+    batch, metrics = rollouts.wait(rollout)       # one Batch; merged statistics; stale samples dropped
     rollouts.sync(policy, version)                # the policy's weights into every engine
 
 Evaluation (held-out prompts) and the warm start's scripted-expert demonstrations live here too.
@@ -11,7 +11,7 @@ Evaluation (held-out prompts) and the warm start's scripted-expert demonstration
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -19,8 +19,10 @@ import torch
 from moe_rl import settings
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
-from moe_rl.cluster import Placement, RemoteCallError, RolloutActor, gather, last_line
 from moe_rl.config import RunConfig
+from moe_rl.driver.placement import Placement
+from moe_rl.driver.remote import RemoteCallError, gather, last_line
+from moe_rl.driver.rollout_actor import RolloutActor
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.trajectory import Outcome, trajectory_from_state, trajectory_state
 
@@ -145,6 +147,20 @@ def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[s
             "eval/samples": len(trajectories), "eval/prompts": prompts, "eval/rejected": prompts * samples - len(trajectories)}
 
 
+@dataclass
+class InFlight:
+    """A step's rollout once started: its engine calls while they run, its results (`done`) once waited
+    for. `Rollouts.generate` starts one, `finish` completes it (a checkpoint keeps `done`), `wait` makes
+    it the step's batch; a resumed run's comes back finished."""
+
+    step: int
+    calls: list[Call] = field(default_factory=list)
+    done: Collected | None = None
+
+    def __repr__(self) -> str:
+        return f"InFlight(step={self.step}, {'finished' if self.done is not None else f'{len(self.calls)} calls'})"
+
+
 class Rollouts:
     def __init__(self, cfg: RunConfig, place: Placement, model_path: str, prompts: list[dict],
                  eval_prompts: list[dict] | None = None):
@@ -229,9 +245,9 @@ class Rollouts:
 
     # -- a step's rollout ---------------------------------------------------------------------------
 
-    def generate(self, step: int) -> list:
+    def generate(self, step: int) -> InFlight:
         """Start the step's rollout: its prompts (with dynamic sampling, the resample rounds' reserve
-        too) split over the engines. Returns the pending work for `wait`."""
+        too) split over the engines."""
         cfg, env = self.cfg, self.cfg.environment
         rounds = env.max_resample_rounds if env.dynamic_sampling else 0
         n = cfg.rollout.prompts_per_step * (1 + rounds)
@@ -240,23 +256,26 @@ class Rollouts:
         k = len(self.engines)
         bounds = [n * i // k for i in range(k + 1)]
         seed = sample_seed(cfg.run.seed, "step", step)
-        return [self._submit(Call(i, "collect", (prompts[bounds[i]:bounds[i + 1]], cfg.rollout.samples_per_prompt, seed,
-                                                 rounds, bounds[i]), f"rollout of step {step + 1}"))
-                for i in range(k) if bounds[i + 1] > bounds[i]]
+        return InFlight(step, [self._submit(Call(i, "collect", (prompts[bounds[i]:bounds[i + 1]],
+                                                               cfg.rollout.samples_per_prompt, seed, rounds, bounds[i]),
+                                                 f"rollout of step {step + 1}"))
+                               for i in range(k) if bounds[i + 1] > bounds[i]])
 
-    def finish(self, pending: list[Call]) -> Collected:
+    def finish(self, rollout: InFlight) -> Collected:
         """Wait for a rollout's results without building its batch (a checkpoint keeps them)."""
-        t0 = time.perf_counter()
-        results = self._run(pending)
-        return Collected(results, time.perf_counter() - t0)
+        if rollout.done is None:
+            t0 = time.perf_counter()
+            results = self._run(rollout.calls)
+            rollout.done, rollout.calls = Collected(results, time.perf_counter() - t0), []
+        return rollout.done
 
-    def wait(self, pending: list[Call] | Collected) -> tuple[Batch, dict]:
+    def wait(self, rollout: InFlight) -> tuple[Batch, dict]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
         current weights dropped, in async mode, measured from a sample's oldest token) and the rollout's
         figures, merged over the engines."""
         from moe_rl.rollout.agent import RolloutStats
 
-        done = pending if isinstance(pending, Collected) else self.finish(pending)
+        done = self.finish(rollout)
         trajs, st, figures = [], RolloutStats(), {}
         for t, s in done.results:
             trajs.extend(t)

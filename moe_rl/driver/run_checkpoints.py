@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.cluster import last_line
 from moe_rl.config import RunConfig
-from moe_rl.rollouts import Collected
+from moe_rl.driver.remote import last_line
+from moe_rl.driver.rollout_manager import Collected, InFlight
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
 LOOP_STATE = "loop_state.pt"
@@ -51,7 +51,7 @@ class Checkpoints:
         every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
         return bool(every and step % every == 0 or at_end and step == self.cfg.run.steps)
 
-    def save(self, step: int, in_flight: Collected | None = None) -> Path:
+    def save(self, step: int, in_flight: InFlight | None = None) -> Path:
         """The run after `step` steps; `in_flight`: the finished rollout an asynchronous run started
         before the checkpoint (the next step trains on it, after a resume too)."""
         final = self.root / f"step_{step:06d}"
@@ -64,7 +64,7 @@ class Checkpoints:
             group.call("save", str(tmp / role), state)
             copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
         if in_flight is not None:
-            torch.save(in_flight.state(), tmp / IN_FLIGHT)
+            torch.save(in_flight.done.state(), tmp / IN_FLIGHT)
         write_loop_state(tmp / LOOP_STATE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was

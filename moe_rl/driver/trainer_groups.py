@@ -1,5 +1,5 @@
 """The models a step trains and scores with: the policy, the critic and the reference, each a group of
-Megatron ranks (cluster.TrainerGroup), and the update loops they own.
+Megatron ranks (trainer_groups.TrainerGroup), and the update loops they own.
 
     models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
@@ -17,10 +17,132 @@ from moe_rl import settings
 from moe_rl.algos import aggregate
 from moe_rl.algos.targets import Scores, Targets, boundary_values, correct, policy_denominators
 from moe_rl.batch import Batch
-from moe_rl.cluster import Placement, TrainerGroup
 from moe_rl.config import RunConfig
+from moe_rl.driver.placement import Placement
+from moe_rl.driver.rank_actor import RankActor
+from moe_rl.driver.remote import gather
 from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.train.objectives import SftLoss
+
+
+class TrainerGroup:
+    """The ranks of one model (policy, critic, reference or reward model): batches go out sharded by
+    data-parallel replica, results come back merged. PolicyGroup and CriticGroup add each model's update loop.
+
+    Its actors start in the background (beside the other groups' and the engines'): `started` waits."""
+
+    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
+                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+        from moe_rl.train.parallel import Layout
+
+        par = cfg.parallel
+        layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
+        world = par.world_size
+        addr, port = place.address(slot)
+        self.actors = [RankActor.options(**place.options(slot, r)).remote(
+            r, world, addr, port, spec, role, optim, seed, layout, place.threads_of(slot, r), load_weights,
+            value_head_from, trains) for r in range(world)]
+        self.dp = par.dp
+        self.world = world
+        self.tp_cp = par.tp * par.cp
+        self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
+        self._placed = [a.placed.remote() for a in self.actors]  # answered once each rank has built its model
+        self.nodes: list[str] = []
+        self.threads: list[int] = []  # each rank's CPU threads
+        self.route_bytes = self.new_route_counters()
+
+    def started(self) -> None:
+        """Wait until every rank has started (its model built and loaded)."""
+        self.nodes, self.threads = map(list, zip(*self._gather("start", self._placed), strict=True))
+
+    def export_weights(self, bucket_mb: float) -> list:
+        """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks."""
+        return [ref for refs in self.call("export_weights", bucket_mb) for ref in refs]
+
+    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int], bucket_mb: float) -> None:
+        """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker
+        (bucket_mb: rollout.weight_sync_bucket_mb)."""
+        from moe_rl.rollout.transfer import engine_rank_offsets
+
+        world = 1 + sum(workers_per_engine)
+        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine), bucket_mb)
+
+    def send_weights(self, version: int) -> None:
+        """One sync round: rank 0 sends while the others take part in the export."""
+        self.call("send_weights", version)
+
+    def _dp_rank(self, rank: int) -> int:
+        from moe_rl.train.parallel import dp_rank_of
+
+        return dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
+
+    def _shard(self, batch, rank: int):
+        """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
+        from moe_rl.train.parallel import dp_rows
+
+        if self.dp == 1:
+            return batch
+        return batch.rows(dp_rows(batch.size, self._dp_rank(rank), self.dp))
+
+    @staticmethod
+    def new_route_counters() -> dict[str, dict[str, int]]:
+        """Bytes of routes sent to the ranks per call kind: as sent (each rank its shard, in the routes'
+        compact dtype; measured) and, computed rather than measured, what the path before 2026-12 would
+        have sent (8 bytes x elements, int64; scoring sent the whole batch to every rank)."""
+        return {kind: {"sent": 0, "int64_computed": 0} for kind in ("score", "train")}
+
+    def _send(self, batch, kind: str) -> list:
+        """This batch's shard for each rank, counting the route bytes it carries."""
+        shards = [self._shard(batch, r) for r in range(self.world)]
+        if batch.routes_BSLK is not None:
+            count = self.route_bytes[kind]
+            count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
+            # computed, not measured: the int64 bytes the old path would have sent for the same routes
+            count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
+        return shards
+
+    def score(self, batch, **kw) -> dict:
+        """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
+        outs = self._gather("score", [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
+                                                                             strict=True)])
+        return self._whole(batch, outs)
+
+    def _whole(self, batch, outs: list[dict]) -> dict:
+        """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]."""
+        from moe_rl.train.parallel import dp_rows
+
+        if self.dp == 1:
+            return outs[0]
+        (B, S), full = batch.input_ids_BS.shape, {}
+        for rank in range(0, self.tp_cp * self.dp, self.tp_cp):  # one rank per replica (its ranks all agree)
+            rows = dp_rows(B, self._dp_rank(rank), self.dp)
+            for name, x in outs[rank].items():
+                full.setdefault(name, torch.zeros((B, S, *x.shape[2:]), dtype=x.dtype))[rows, :x.shape[1]] = x
+        return full
+
+    def train(self, batch, loss, denominator, keep_logp: bool = False):
+        """One update with `loss` (a train.objectives type): each rank gets its shard of the fields the
+        loss reads. keep_logp: the result's "logp" is the update's forward before the step, [B, S]."""
+        from moe_rl.metrics import reduce_updates
+
+        shards = self._send(batch.only(loss.fields), "train")
+        outs = self._gather("train", [a.train.remote(s, loss, denominator, keep_logp)
+                                      for a, s in zip(self.actors, shards, strict=True)])
+        logp = self._whole(batch, [{"logp": o.pop("logp")} for o in outs])["logp"] if keep_logp else None
+        losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
+        merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
+        if losses:
+            merged["loss"] = sum(losses) / self.tp_cp  # each replica's share of the global loss, summed
+        if logp is not None:
+            merged["logp"] = logp
+        return merged
+
+    def call(self, method: str, *args):
+        return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    def _gather(self, method: str, refs: list) -> list:
+        return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)], self.timeout_s)
+
 
 
 def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
@@ -140,7 +262,7 @@ class Models:
 
     def started(self) -> None:
         """Wait for every group's ranks (they start side by side, and beside the engines unless those
-        start first: cluster.engines_first)."""
+        start first: placement.engines_first)."""
         for group in self.groups().values():
             group.started()
 

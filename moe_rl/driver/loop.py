@@ -1,0 +1,124 @@
+"""The RL driver: `run` is the algorithm, one step after another; `train_step` is one step's update.
+
+    rollout (RolloutSchedule) -> score (routes replayed) -> targets (checklist, advantages, corrections)
+    -> fit (critic, then policy: epochs x minibatches) -> sync weights -> log -> checkpoint
+
+When rollouts and evaluations run (synchronous, asynchronous, colocated) is driver/schedule.py's; where
+each piece lives: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moe_rl import settings
+from moe_rl.algos.targets import TargetParams, targets
+from moe_rl.batch import Batch
+from moe_rl.config import RunConfig
+from moe_rl.driver.preflight import preflight
+from moe_rl.driver.report import CONFIG_FILE, earlier_summary, report, say
+from moe_rl.driver.run_checkpoints import Checkpoints
+from moe_rl.driver.schedule import Evaluation, RolloutSchedule
+from moe_rl.driver.startup import start
+from moe_rl.metrics import StepLog, step_figures
+
+
+def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
+    """The run; `resume_with_changes`: resume a run directory whose config.yaml differs from `cfg` beyond
+    run_checkpoints.RESUMABLE_CHANGES (`moe-rl train --resume-with-changes`)."""
+    from moe_rl.driver import session
+
+    out = Path(cfg.run.output_dir)
+    prompts, eval_prompts = preflight(cfg, out, resume_with_changes)
+    try:  # every exit path (done, an error, an interrupt) stops the run's actors and the Ray it started
+        return run(cfg, out, prompts, eval_prompts)
+    finally:
+        session.shutdown()
+
+
+def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]) -> int:
+    from moe_rl.driver import session
+    from moe_rl.driver.remote import round_trips
+
+    models, rollouts = start(cfg, out, prompts, eval_prompts)
+    checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
+    first = checkpoints.resume()
+    if first is None:
+        first, summary, evals = 0, prepare(cfg, models, rollouts), {}
+    else:  # the warm start's figures and the evaluations up to the checkpoint, as the earlier try wrote them
+        summary, evals = earlier_summary(out, first)
+        say(f"resumed at step {first}" + ("" if first < cfg.run.steps else f"; the earlier try reached run.steps="
+            f"{cfg.run.steps}: what it left undone after its last step (the evaluation, the summary) follows"))
+    log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
+                  cfg.logging.log_every, cfg.logging.heatmap_every)
+    log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")  # as run: every default filled in
+    if summary:  # the warm start, at step 0
+        log.metrics.log(0, summary, advance=False)
+    diag = cfg.logging.routing_diagnostics_every
+
+    def update(batch: Batch, step: int) -> list[dict[str, float]]:  # free routing on logged steps N, 2N, ...
+        return train_step(models, rollouts, batch, step, params, log, bool(diag) and (step + 1) % diag == 0)
+
+    evaluation = Evaluation(cfg, out, rollouts, log, summary, evals)
+    try:
+        trips = round_trips()  # the first rollout's start (and evaluation) counts in the first step's
+        schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, checkpoints.in_flight)
+        steps(first, cfg.run.steps, schedule, update, checkpoints, log, trips)
+        session.check_interrupted()
+        last = max(first, cfg.run.steps)
+        evaluation.final(last)
+    finally:
+        log.close()
+    torch.save(log.history, out / "history.pt")
+    report(out, summary, evals, log.history, last)
+    return 0
+
+
+def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, log: StepLog, trips: int = 0) -> None:
+    """Steps first .. end - 1, each on the batch `schedule` hands it: `update(batch, step)` (train_step)
+    gives its figures, logged with the rollout's; then its checkpoint where due (holding the rollout in
+    flight) and the schedule's turn (`step_done`). timing/round_trips: the driver's waits on remote calls
+    since the step before's log (the first step's: since `trips`, remote.round_trips() before its rollout)."""
+    from moe_rl.driver.remote import round_trips
+    from moe_rl.driver.session import check_interrupted
+
+    for step in range(first, end):
+        check_interrupted()  # a signal whose KeyboardInterrupt was swallowed stops the run here
+        with log.timer("step"):
+            batch, rollout_figures = schedule.next_batch(step)
+            figures = update(batch, step)
+        trips, before = round_trips(), trips
+        log.step(step + 1, rollout_figures, *figures, {"timing/round_trips": trips - before})
+        if checkpoints.due(step + 1):  # asynchronous: with the next rollout, finished
+            checkpoints.save(step + 1, schedule.in_flight())
+        schedule.step_done(step)
+
+
+def train_step(models, rollouts, batch: Batch, step: int, params: TargetParams, log: StepLog,
+               diagnostics: bool = False) -> list[dict[str, float]]:
+    """One update on step's batch: score it (routes replayed; `diagnostics`: free routing too), its
+    targets (the pre-update checklist, advantages, corrections), fit the critic then the policy, and
+    sync the new weights into the engines as version step + 1. The step's figures, in logging order."""
+    with log.timer("score"):
+        scores = models.score(batch, diagnostics=diagnostics)
+    with log.timer("advantages"):
+        tgt = targets(batch, scores, params)
+    fit_figures, logp_policy = models.fit(batch, tgt, step)
+    scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
+    with log.timer("sync"):
+        log.add(rollouts.sync(models.policy, step + 1))
+    return [step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
+
+
+def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
+    """A fresh run before RL: the supervised warm start (its figures returned), the EWMA anchor."""
+    summary = {}
+    tr = cfg.trainer
+    if tr.warm_start_steps:
+        say(f"supervised warm start: {tr.warm_start_steps} steps on scripted-expert episodes")
+        summary |= models.policy.warm_start(rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch), tr.warm_start_lr)
+        rollouts.sync(models.policy, 0)
+    models.policy.init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
+    return summary

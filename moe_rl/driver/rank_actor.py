@@ -1,0 +1,139 @@
+"""One trainer rank as a Ray actor (RankActor): its TrainWorker plus the EWMA anchor, the weight export
+and the checkpoint I/O of that rank."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from moe_rl.driver.placement import _free_address, use_threads
+from moe_rl.driver.rollout_actor import EngineSyncClient
+from moe_rl.driver.session import failpoint
+
+
+@ray.remote
+class RankActor:
+    """One rank of a trainer group, as a Ray actor: its TrainWorker (the Megatron model, optimizer,
+    forward and update) plus the EWMA anchor, weight export and checkpoint I/O of that rank."""
+
+    def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
+                 threads: int, load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+        from moe_rl.train import parallel
+
+        # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
+        device = parallel.local_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids())
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if device is None else device),
+                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        use_threads(threads)
+        from moe_rl.train.worker import TrainWorker
+
+        parallel.init_distributed(layout)
+        self.rank, self.world = rank, world
+        self.transfer = None
+        self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights,
+                                  value_head_from=value_head_from, trains=trains)
+        self.anchor = None
+
+    def placed(self) -> tuple[str, int]:
+        """(this rank's node IP, its CPU threads)."""
+        return ray.util.get_node_ip_address(), torch.get_num_threads()
+
+    def score(self, batch, record_routes: bool = False, anchor: bool = False):
+        if anchor and self.anchor is not None:
+            return self.worker.score_with(self.anchor.params, batch)
+        return self.worker.score(batch, record_routes=record_routes)
+
+    def train(self, batch, loss, denominator, keep_logp: bool = False):
+        """One optimizer update with `loss` (a train.objectives type) on this rank's shard."""
+        from moe_rl.metrics import process_memory
+        from moe_rl.train.objectives import PolicyLoss
+
+        metrics = self.worker.train_step(batch, loss, denominator, keep_logp)
+        if self.anchor is not None and isinstance(loss, PolicyLoss) and not metrics["skipped_nonfinite"]:
+            self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
+        return metrics | process_memory()
+
+    def memory(self) -> dict[str, float]:
+        """This rank's memory (metrics.process_memory); the train call reports it too."""
+        from moe_rl.metrics import process_memory
+
+        return process_memory()
+
+    def offload(self) -> int:
+        return self.worker.offload(list(self.anchor.params.values()) if self.anchor is not None else [])
+
+    def onload(self) -> None:
+        self.worker.onload()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.worker.optimizer.param_groups:
+            group["lr"] = lr
+
+    def init_anchor(self, beta: float) -> None:
+        from moe_rl.algos.anchor import EwmaAnchor
+
+        self.anchor = EwmaAnchor(self.worker.local_params(), beta)
+
+    def export_weights(self, bucket_mb: float) -> list:
+        """The tensors this rank owns (each (pp, ep) shard once) as buckets in Ray's object store
+        (weights.sync.as_buffers), a ref each; all ranks take part (TP shards are gathered). The store
+        frees a bucket once the engines have loaded it and the driver lets go of its ref."""
+        from moe_rl.train.hf_io import export_hf_weights
+        from moe_rl.weights.sync import as_buffers, buckets
+
+        offloaded = self.worker.offloaded  # a replacement engine's weights, asked for during a rollout
+        if offloaded:
+            self.onload()
+        try:
+            named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
+            refs = []
+            for i, b in enumerate(buckets(named, bucket_mb)):
+                refs.append(ray.put(as_buffers(b)))  # copied into the store here: the weights may change after
+                if i == 0:
+                    failpoint("trainer_export")  # once per export, after its first bucket
+            return refs
+        finally:
+            if offloaded:
+                self.offload()
+
+    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int], bucket_mb: float) -> None:
+        """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export; ipc stages
+        bucket_mb at a time)."""
+        from moe_rl.rollout.transfer import ExportSource, GatheredExport, start_transfer
+        from moe_rl.train.hf_io import export_hf_weights
+
+        w = self.worker
+        source = GatheredExport(lambda: export_hf_weights(w.bridge, w.module, owned_only=True)) if backend == "nccl" \
+            else ExportSource(lambda: export_hf_weights(w.bridge, w.module))
+        addr, port = _free_address() if self.rank == 0 else ("", 0)
+        client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
+        self.transfer = start_transfer(backend, source, client, self.rank, addr, port, world_size, bucket_mb)
+
+    def send_weights(self, version: int) -> None:
+        if self.transfer.client is not None:
+            self.transfer.client.version = version
+        self.transfer.send_weights()
+
+    def _anchor_file(self, path: str) -> str:
+        return os.path.join(path, f"ewma_anchor_rank{self.rank:05d}.pt")
+
+    def save(self, path: str, extra: dict) -> None:
+        from moe_rl.train import checkpoint
+
+        checkpoint.save(self.worker, path, dict(extra, anchor_ranks=self.world if self.anchor is not None else 0))
+        if self.anchor is not None:  # this rank's shards of the EWMA anchor (each rank holds other tensors)
+            torch.save(self.anchor.state_dict(), self._anchor_file(path))
+
+    def load(self, path: str) -> dict:
+        from moe_rl.train import checkpoint
+
+        extra = checkpoint.load(self.worker, path)
+        if self.anchor is not None and extra.get("anchor_ranks"):
+            if extra["anchor_ranks"] != self.world:
+                raise checkpoint.CheckpointError(
+                    f"{path}: its EWMA anchor was saved by {extra['anchor_ranks']} trainer ranks, this run has "
+                    f"{self.world}; resume it with the layout it was saved with")
+            self.anchor.load_state_dict(torch.load(self._anchor_file(path), weights_only=True))
+        return extra

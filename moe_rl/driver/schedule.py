@@ -1,0 +1,100 @@
+"""When rollouts and evaluations run, and on which weights.
+
+    evaluation = Evaluation(cfg, out, rollouts, log, summary, results)
+    schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, resumed)
+    batch, figures = schedule.next_batch(step)   # step's rollout, waited for
+    ckpt.save(step + 1, schedule.in_flight())    # the rollout running now, finished (asynchronous), or None
+    schedule.step_done(step)                     # synchronous: step + 1's rollout starts
+
+Synchronous (rollout.async_mode false): step s's rollout starts after step s - 1 has ended (weights
+synced, checkpoint written) and samples with its weights. Asynchronous: step s + 1's rollout starts as
+soon as step s's batch is in and generates, one sync behind, while step s trains; a checkpoint holds it,
+finished, and the resumed run trains on it first. Colocated (cluster.offload, rollout.sleep_engines): the
+trainer steps aside before a rollout starts (offload, the engines wake) and comes back once its batch is
+in (the engines sleep, onload). The held-out evaluation runs on the weights the next rollout samples
+with: synchronous, just before that rollout; asynchronous, beside it once the step has ended.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_rl.batch import Batch
+from moe_rl.config import RunConfig
+from moe_rl.driver.report import say, write_summary
+from moe_rl.driver.rollout_manager import Collected, InFlight
+
+
+class Evaluation:
+    """The held-out evaluation: when it is due (`due`), and its figures by step (`results`); summary.json
+    is written after each. `summary`: the figures before RL (the warm start's) it is written with."""
+
+    def __init__(self, cfg: RunConfig, out: Path, rollouts, log, summary: dict, results: dict[int, dict]):
+        self.out, self.rollouts, self.log, self.summary, self.results = out, rollouts, log, summary, results
+        self.prompts, self.every, self.samples = cfg.trainer.eval_prompts, cfg.trainer.eval_every, cfg.trainer.eval_samples
+        self.steps = cfg.run.steps
+
+    def due(self, step: int) -> bool:
+        """On the weights of `step`: before RL (step 0) and every trainer.eval_every steps, short of
+        run.steps (that one is `final`'s), once (a resumed run has the earlier try's up to its checkpoint)."""
+        return bool(self.prompts) and (step == 0 or bool(self.every) and step % self.every == 0) \
+            and step < self.steps and step not in self.results
+
+    def run(self, step: int) -> None:
+        say(f"evaluating on {len(self.rollouts.eval_prompts)} held-out prompts x {self.samples} (step {step})")
+        self.results[step] = self.rollouts.evaluate()
+        self.log.metrics.log(step, self.results[step], advance=False)
+        write_summary(self.out, self.summary, self.results)
+
+    def final(self, step: int) -> None:
+        """After RL, on the last weights (the engines awake)."""
+        if self.prompts:
+            self.rollouts.wake()
+            self.run(step)
+
+
+class RolloutSchedule:
+    """Which rollout each step trains on, and when it runs (the module's docstring has the rules). The
+    rollout running or waiting to be trained on is one InFlight, or None after the last step's."""
+
+    def __init__(self, cfg: RunConfig, models, rollouts, log, evaluation: Evaluation, first: int,
+                 resumed: Collected | None):
+        self.models, self.rollouts, self.log, self.evaluation = models, rollouts, log, evaluation
+        self.steps, self.overlap = cfg.run.steps, cfg.rollout.async_mode
+        self.rollout: InFlight | None = InFlight(first, done=resumed) if resumed is not None else \
+            self._start(first) if first < self.steps else None
+
+    def _start(self, step: int) -> InFlight:
+        """Step's rollout, after the trainer has stepped aside and the evaluation due on these weights."""
+        with self.log.timer("offload"):
+            self.log.add(self.models.offload())
+            self.rollouts.wake()
+        if self.evaluation.due(step):
+            self.evaluation.run(step)
+        return self.rollouts.generate(step)
+
+    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """Step's batch and its rollout's figures, waited for; the trainer back (colocated); asynchronous:
+        the next rollout started, to generate while this batch trains."""
+        if self.rollout is None or self.rollout.step != step:
+            raise RuntimeError(f"step {step}: the rollout in flight is {self.rollout}")
+        batch, figures = self.rollouts.wait(self.rollout)
+        with self.log.timer("onload"):
+            self.rollouts.sleep()
+            self.models.onload()
+        self.rollout = self.rollouts.generate(step + 1) if self.overlap and step + 1 < self.steps else None
+        return batch, figures
+
+    def in_flight(self) -> InFlight | None:
+        """The rollout started for a later step, finished (a checkpoint keeps it), or None."""
+        if self.rollout is not None:
+            self.rollouts.finish(self.rollout)
+        return self.rollout
+
+    def step_done(self, step: int) -> None:
+        """After step's update and checkpoint. Synchronous: step + 1's rollout starts; asynchronous: the
+        evaluation due on the new weights runs, beside the rollout in flight."""
+        if not self.overlap and step + 1 < self.steps:
+            self.rollout = self._start(step + 1)
+        elif self.evaluation.due(step + 1):
+            self.evaluation.run(step + 1)

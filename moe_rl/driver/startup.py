@@ -1,0 +1,109 @@
+"""The run's start-up: the model (built at tiny size where none is given), the GAE kernel, Ray, the
+placement, the trainer groups and the engines, and the weight-sync connection between them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from moe_rl.config import RunConfig, dump_yaml
+from moe_rl.driver.report import CONFIG_FILE, say
+
+
+def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]):
+    """Ray, the placement, the trainer groups and the engines, on the run's model."""
+    import ray
+
+    from moe_rl.algos.gae import prepare_kernel
+    from moe_rl.driver import placement, session
+    from moe_rl.driver.rollout_manager import Rollouts
+    from moe_rl.driver.trainer_groups import Models
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(dump_yaml(cfg))
+    torch.manual_seed(cfg.run.seed)
+    t0 = t = time.perf_counter()
+    took = {}  # the start-up's phases, in seconds
+
+    def phase(name: str) -> None:
+        nonlocal t
+        took[name], t = time.perf_counter() - t, time.perf_counter()
+
+    # The driver imports on its main thread alone (tests/test_exit_paths.py): a model built in a thread
+    # beside Ray's start raced this thread's imports (setuptools' sys.meta_path edits made the other miss a
+    # module; a SIGINT inside an import lock here left the other waiting forever).
+    path = model_path(cfg, out)
+    if cfg.reward_model.path:  # its tokenizer must be the policy's: checked before anything starts
+        check_same_tokens(path, cfg.reward_model.path)
+    phase("model")
+    say("preparing the fused GAE kernel (compiled once per machine, then cached)")
+    say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
+        f"({time.perf_counter() - t:.1f} s)")
+    phase("GAE kernel")
+    say(f"{'on the Ray this process started' if ray.is_initialized() else 'starting Ray'}, "
+        f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
+        f"{cfg.rollout.num_engines} vLLM engine(s)")
+    session.start_ray(cfg)
+    phase("Ray")
+    session.check_interrupted()
+    place = placement.Placement(cfg, cfg.actors)
+    session.RUN_PARTS.append(place)  # its placement group is removed on every exit path (session.shutdown)
+    if place.engines_first:  # colocated on GPUs: each engine profiles its GPUs' memory alone (placement.engines_first)
+        rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
+        session.RUN_PARTS.append(rollouts)  # stopped on every exit path (session.shutdown)
+        rollouts.started()
+        phase("engines")
+        models = Models(cfg, place, path)
+        session.RUN_PARTS.append(models)
+        models.started()
+        phase("trainer ranks (after the engines)")
+    else:
+        models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
+        session.RUN_PARTS.extend([models, rollouts])  # stopped on every exit path (session.shutdown)
+        models.started()  # the trainer ranks and the engines start side by side: wait for them all
+        phase("trainer ranks")
+        rollouts.started()
+        phase("engines (beyond the ranks)")
+    say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})" for k, g in models.groups().items()]
+                                  + [f"engines on {', '.join(rollouts.nodes)} ({threads(rollouts.threads)})"]))
+    session.check_interrupted()
+    rollouts.connect(models.policy)
+    phase("weight-sync connect")
+    say(f"weight sync: {cfg.rollout.weight_transfer}")
+    say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()) + ")")
+    return models, rollouts
+
+
+def model_path(cfg: RunConfig, out: Path) -> str:
+    """The run's model: model.path, or a tiny one built from model.tiny in run.output_dir."""
+    path = cfg.model.path
+    if not path:
+        from moe_rl.tiny import build_tiny_checkpoint
+
+        path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
+    return path
+
+
+def threads(counts: list[int]) -> str:
+    """'2 threads each', or each process's count where they differ."""
+    if len(set(counts)) == 1:
+        return f"{counts[0]} thread{'s' if counts[0] > 1 else ''}{' each' if len(counts) > 1 else ''}"
+    return "threads " + ", ".join(map(str, counts))
+
+
+def check_same_tokens(policy_path: str, reward_model_path: str) -> None:
+    """The reward model reads the policy's token ids: its tokenizer must be the policy's (the same
+    vocabulary, where it has one; else the same vocabulary size). CheckpointError otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from moe_rl.weights.hf import CheckpointError
+
+    try:
+        same = AutoTokenizer.from_pretrained(reward_model_path).get_vocab() == AutoTokenizer.from_pretrained(policy_path).get_vocab()
+    except (OSError, ValueError):  # no tokenizer beside the reward model: its embedding table must fit at least
+        same = AutoConfig.from_pretrained(reward_model_path).vocab_size == AutoConfig.from_pretrained(policy_path).vocab_size
+    if not same:
+        raise CheckpointError(f"reward_model.path: '{reward_model_path}' has another tokenizer than the policy's "
+                              f"({policy_path}); it would score token ids it does not know")
