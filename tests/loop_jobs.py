@@ -10,7 +10,7 @@ import torch
 def score_checkpoint_job(rank, world, step_dir, ids_BS):
     """One rank (spawned by run_ranks): the run's own trainers, policy and critic, built without HF
     weights and loaded from a checkpoint of the run, score whole rows of ids_BS (routers choosing
-    freely, as transformers does): {"logp": the policy's [B, S], "values": the critic's [B, S]}."""
+    freely, as transformers does): {"logp_BS": the policy's [B, S], "critic_out_BS": the critic's [B, S]}."""
     from conftest import model_spec, optim_settings
 
     from moe_rl.batch import Batch
@@ -21,12 +21,12 @@ def score_checkpoint_job(rank, world, step_dir, ids_BS):
     batch = Batch(ids_BS, torch.full((ids_BS.shape[0],), ids_BS.shape[1]))
     optim = optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False)
     out = {}
-    for role, key in (("policy", "logp"), ("critic", "values")):
+    for role, key in (("policy", "logp_BS"), ("critic", "critic_out_BS")):
         ckpt = Path(step_dir) / role
         spec = model_spec(ckpt / "hf_config", routing_replay=False)
         worker = TrainWorker(spec, role=role, load_weights=False, optim=optim)
         checkpoint.load(worker, ckpt, optimizer=False)
-        out[key] = worker.score(batch)[key]
+        out[key] = getattr(worker.score(batch), key)
     return out
 
 

@@ -169,7 +169,7 @@ def test_importance_weight_multiplies_the_policy_term_only():
     d = logp_ref - logp = (-0.5, +1): e^d - d - 1 = 0.10653 and 0.71828; beta 0.1."""
     fn = settings.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3"),
                                         trainer=TrainerSection(proximal_pass="separate")))  # logp_old given
-    out = {"logp": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy": torch.zeros(1, 3)}
+    out = {"logp_BS": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy_BS": torch.zeros(1, 3)}
     one, _ = fn(out, _policy_mb(1.0))
     two, _ = fn(out, _policy_mb(2.0))
     k3 = (math.exp(-0.5) + 0.5 - 1) + (math.exp(1) - 1 - 1)
@@ -186,7 +186,7 @@ def test_value_loss_regresses_shifted_values():
     1/2 ((0.1 - 1)^2 + (0.2 - 0)^2) = 0.425 (no clipping)."""
     mb = SimpleNamespace(mask_BS=torch.tensor([[False, True, True]]), returns_BS=torch.tensor([[0.0, 1.0, 0.0]]),
                          values_old_BS=torch.zeros(1, 3))
-    num, metrics = ValueLoss(None)({"values": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
+    num, metrics = ValueLoss(None)({"critic_out_BS": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
     assert float(num) == pytest.approx(0.425) and float(metrics["value_mean"]) == pytest.approx(0.15)
 
 
@@ -213,3 +213,14 @@ def test_tensorboard_every_n_steps_under_the_run_name(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb" / "myrun"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [2, 4, 5]  # every 2, and the last step
+
+
+def test_a_steps_targets_reach_the_batch_under_their_own_names():
+    """One name per tensor: each field a step's targets fill is a field of Targets and of Batch alike."""
+    import dataclasses
+
+    from moe_rl.algos.targets import Targets
+    from moe_rl.batch import TARGET_FIELDS, Batch
+
+    batch_fields, target_fields = {f.name for f in dataclasses.fields(Batch)}, {f.name for f in dataclasses.fields(Targets)}
+    assert set(TARGET_FIELDS) <= batch_fields & target_fields, set(TARGET_FIELDS) - (batch_fields & target_fields)

@@ -77,7 +77,7 @@ def test_the_gpu_tests_checks_run_on_cpu(tiny_qwen):
     for check in ("replay_unpacked", "offload", "step_after_onload", "cp_gather"):
         assert "error" not in out[check], out[check]["error"]
     assert out["device"] == "cpu" and out["packs"] and not out["replay_unpacked"]["packs"]
-    assert largest_gap(out["replay"]["logp"], out["replay_unpacked"]["logp"]) <= 1e-5
+    assert largest_gap(out["replay"].logp_BS, out["replay_unpacked"]["logp"]) <= 1e-5
     assert out["offload"]["moved"] > 0 and out["offload"]["same"] and out["offload"]["where"] == ["cpu"]
     assert out["step_after_onload"]["update_ok"] == 1.0
     assert out["cp_gather"] == {"device": "cpu", "forward": True, "backward": True}

@@ -138,10 +138,10 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     ids_BS = torch.cat([chat, torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(5))])
     trainer = run_ranks(score_checkpoint_job, 1, (str(step), ids_BS))[0]
     exported_logp = hf_token_logprobs(tmp_path / "policy", ids_BS)
-    torch.testing.assert_close(exported_logp[:, 1:], trainer["logp"][:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(exported_logp[:, 1:], trainer["logp_BS"][:, 1:], atol=1e-5, rtol=0)
     with torch.no_grad():
         exported_values = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")(ids_BS).logits
-    torch.testing.assert_close(exported_values[..., 0], trainer["values"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(exported_values[..., 0], trainer["critic_out_BS"], atol=1e-5, rtol=0)
     # ... and not those of the starting checkpoint: the base model scores these rows differently
     assert float((hf_token_logprobs(out / "base_model", ids_BS) - exported_logp)[:, 1:].abs().max()) > 1e-3
 

@@ -179,7 +179,7 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
 
     policy = TrainWorker(spec, optim=optim)
     free = Batch(ids, lengths)
-    routes = policy.score(free, record_routes=True)["routes"]
+    routes = policy.score(free, record_routes=True).routes_BSLK
     replayed = Batch(ids, lengths, routes)
     t_free, t_replay = [], []
     for i in range(plan.warmup + plan.pairs):  # alternating order: drift hits both alike
@@ -188,7 +188,7 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
 
     weight, adv = torch.ones(plan.rows, plan.seq), torch.randn(plan.rows, plan.seq, generator=g) * mask
     ppo = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, is_weight_BS=weight, adv_BS=adv,
-                logp_old_BS=policy.score(replayed)["logp"])
+                logp_old_BS=policy.score(replayed).logp_BS)
     loss = settings.policy_loss(cfg)
     denominators = policy_denominators(mask, mask, weight, settings.target_params(cfg))
     if cuda:
@@ -228,7 +228,7 @@ def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Te
     for dtype in ("float32", "bfloat16"):
         w = TrainWorker(dataclasses.replace(settings.model_spec(cfg, hf_path), dtype=dtype),
                         optim=settings.optim_settings(cfg, cfg.trainer.lr))
-        out[dtype] = w.score(Batch(ids_BS, lengths))["logp"]
+        out[dtype] = w.score(Batch(ids_BS, lengths)).logp_BS
     return out
 
 

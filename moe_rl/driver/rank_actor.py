@@ -41,19 +41,22 @@ class RankActor:
         return ray.util.get_node_ip_address(), torch.get_num_threads()
 
     def score(self, batch, record_routes: bool = False, anchor: bool = False):
+        """train.results.ScoreResult of this rank's shard; `anchor`: with the EWMA anchor's weights."""
         if anchor and self.anchor is not None:
             return self.worker.score_with(self.anchor.params, batch)
         return self.worker.score(batch, record_routes=record_routes)
 
     def train(self, batch, loss, denominator, keep_logp: bool = False):
-        """One optimizer update with `loss` (a train.objectives type) on this rank's shard."""
+        """One optimizer update with `loss` (a train.objectives type) on this rank's shard: its
+        train.results.UpdateResult, the rank's memory among the figures."""
         from moe_rl.metrics import process_memory
         from moe_rl.train.objectives import PolicyLoss
 
-        metrics = self.worker.train_step(batch, loss, denominator, keep_logp)
-        if self.anchor is not None and isinstance(loss, PolicyLoss) and not metrics["skipped_nonfinite"]:
+        update = self.worker.train_step(batch, loss, denominator, keep_logp)
+        if self.anchor is not None and isinstance(loss, PolicyLoss) and not update.figures["skipped_nonfinite"]:
             self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
-        return metrics | process_memory()
+        update.figures |= process_memory()
+        return update
 
     def memory(self) -> dict[str, float]:
         """This rank's memory (metrics.process_memory); the train call reports it too."""

@@ -23,6 +23,7 @@ from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
 from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.train.objectives import SftLoss
+from moe_rl.train.results import ScoreResult, UpdateResult
 
 
 class TrainerGroup:
@@ -101,13 +102,13 @@ class TrainerGroup:
             count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
         return shards
 
-    def score(self, batch, **kw) -> dict:
+    def score(self, batch, **kw) -> ScoreResult:
         """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
         outs = self._gather("score", [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
                                                                              strict=True)])
         return self._whole(batch, outs)
 
-    def _whole(self, batch, outs: list[dict]) -> dict:
+    def _whole(self, batch, outs: list[ScoreResult]) -> ScoreResult:
         """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]."""
         from moe_rl.train.parallel import dp_rows
 
@@ -116,26 +117,23 @@ class TrainerGroup:
         (B, S), full = batch.input_ids_BS.shape, {}
         for rank in range(0, self.tp_cp * self.dp, self.tp_cp):  # one rank per replica (its ranks all agree)
             rows = dp_rows(B, self._dp_rank(rank), self.dp)
-            for name, x in outs[rank].items():
+            for name, x in outs[rank].tensors().items():
                 full.setdefault(name, torch.zeros((B, S, *x.shape[2:]), dtype=x.dtype))[rows, :x.shape[1]] = x
-        return full
+        return ScoreResult(**full)
 
-    def train(self, batch, loss, denominator, keep_logp: bool = False):
+    def train(self, batch, loss, denominator, keep_logp: bool = False) -> UpdateResult:
         """One update with `loss` (a train.objectives type): each rank gets its shard of the fields the
-        loss reads. keep_logp: the result's "logp" is the update's forward before the step, [B, S]."""
-        from moe_rl.metrics import reduce_updates
-
+        loss reads. The ranks' figures merged; keep_logp: logp_BS, the update's forward before the step,
+        [B, S]."""
         shards = self._send(batch.only(loss.fields), "train")
         outs = self._gather("train", [a.train.remote(s, loss, denominator, keep_logp)
                                       for a, s in zip(self.actors, shards, strict=True)])
-        logp = self._whole(batch, [{"logp": o.pop("logp")} for o in outs])["logp"] if keep_logp else None
-        losses = [o["loss"] for o in outs if "loss" in o]  # last-stage ranks: tp*cp per data-parallel replica
-        merged = reduce_updates(outs)  # over the ranks' shards: means, maxima of *max, minima of *min
+        logp = self._whole(batch, [ScoreResult(logp_BS=o.logp_BS) for o in outs]).logp_BS if keep_logp else None
+        losses = [o.figures["loss"] for o in outs if "loss" in o.figures]  # last-stage ranks: tp*cp per replica
+        merged = reduce_updates([o.figures for o in outs])  # over the shards: means, maxima of *max, minima of *min
         if losses:
             merged["loss"] = sum(losses) / self.tp_cp  # each replica's share of the global loss, summed
-        if logp is not None:
-            merged["logp"] = logp
-        return merged
+        return UpdateResult(merged, logp)
 
     def call(self, method: str, *args):
         return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
@@ -174,7 +172,7 @@ class PolicyGroup(TrainerGroup):
         for rows in update_rows(cfg, batch.size, self.dp, step):
             mb = full.rows(rows)
             if p.ewma_anchor:
-                old = self.score(mb.model_inputs(), anchor=True)["logp"]
+                old = self.score(mb.model_inputs(), anchor=True).logp_BS
                 c = correct(old, mb.logp_mu_BS, mb.mask_BS, p)
                 corrections.append(c.metrics)
                 if gap is None:  # the anchor vs the policy at the start of the step
@@ -189,10 +187,10 @@ class PolicyGroup(TrainerGroup):
             else:  # nothing kept (or NaN): a skip, never an epsilon
                 skipped += 1
             if logp is not None:  # pi_old from the update's forward, or (no update) a pass of its own
-                kept = updates[-1].pop("logp") if trained else self.score(mb.model_inputs())["logp"]
+                kept = updates[-1].logp_BS if trained else self.score(mb.model_inputs()).logp_BS
                 logp[rows, :kept.shape[1]] = kept
-        out = role_figures("policy", updates)
-        out["policy/skipped_nonfinite"] = sum(u["skipped_nonfinite"] for u in updates)  # a count, not a mean
+        out = role_figures("policy", [u.figures for u in updates])
+        out["policy/skipped_nonfinite"] = sum(u.figures["skipped_nonfinite"] for u in updates)  # a count, not a mean
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
         if gap is not None:
@@ -208,9 +206,9 @@ class PolicyGroup(TrainerGroup):
         updates = [self.train(b, SftLoss(), b.mask_BS.sum().double())
                    for b in tqdm(batches, desc="warm start", unit="step", disable=not self.cfg.logging.progress_bar, leave=False)]
         self.call("set_lr", self.cfg.trainer.lr)
-        nll = [u.get("nll", float("nan")) for u in updates]
+        nll = [u.figures.get("nll", float("nan")) for u in updates]
         return {"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll),
-                "warm_start/lr": updates[-1]["lr"]}
+                "warm_start/lr": updates[-1].figures["lr"]}
 
     def init_anchor(self) -> None:
         """theta_bar_0 := theta_0 (PPO-EWMA), when the algorithm anchors to an EWMA of the policy."""
@@ -239,8 +237,8 @@ class CriticGroup(TrainerGroup):
             denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
             if float(denominator) > 0:
                 updates.append(self.train(mb, self.loss, denominator))
-        return role_figures("critic", updates) | {
-            "critic/skipped_nonfinite": sum(u["skipped_nonfinite"] for u in updates),  # a count, not a mean
+        return role_figures("critic", [u.figures for u in updates]) | {
+            "critic/skipped_nonfinite": sum(u.figures["skipped_nonfinite"] for u in updates),  # a count, not a mean
             "timing/critic_train_s": time.perf_counter() - t0}
 
 
@@ -276,16 +274,16 @@ class Models:
         rollout's routes replayed, the critic and the reward model routing freely (the reward model's
         value at each episode's last position is its score). With `diagnostics` (and routes to replay)
         the policy also routes freely once, to measure what replay removes."""
-        scores = Scores(None if self.cfg.proximal_from_update else self.policy.score(batch.model_inputs())["logp"])
+        scores = Scores(None if self.cfg.proximal_from_update else self.policy.score(batch.model_inputs()).logp_BS)
         if diagnostics and batch.routes_BSLK is not None:
             free = self.policy.score(batch.model_inputs(routes=False), record_routes=True)
-            scores.free_logp_BS, scores.free_routes_BSLK = free["logp"], free["routes"]
+            scores.free_logp_BS, scores.free_routes_BSLK = free.logp_BS, free.routes_BSLK
         if self.reference:
-            scores.logp_ref_BS = self.reference.score(batch.model_inputs())["logp"]
+            scores.logp_ref_BS = self.reference.score(batch.model_inputs()).logp_BS
         if self.critic:
-            scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False))["values"]
+            scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False)).critic_out_BS
         if self.reward_model:  # each episode at its last token
-            values = self.reward_model.score(batch.model_inputs(routes=False))["values"]
+            values = self.reward_model.score(batch.model_inputs(routes=False)).critic_out_BS
             scores.reward_model_B = boundary_values(values, batch.lengths_B)  # the output at position length - 1
         return scores
 

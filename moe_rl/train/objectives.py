@@ -4,7 +4,7 @@ start. A loss is a small frozen dataclass (it travels to the ranks) called per m
 
     loss(outputs, mb) -> (numerator or {term: numerator}, metrics)
 
-outputs: the model's per-token outputs ({"logp", "entropy"} or {"values"}, [b, s]); mb: a microbatch
+outputs: the model's per-token outputs ({"logp_BS", "entropy_BS"} or {"critic_out_BS"}, [b, s]: named as train.results.ScoreResult); mb: a microbatch
 of moe_rl.batch.Batch carrying the fields the loss reads (`fields`: all a rank is sent). The worker divides each numerator by the
 minibatch's global denominator (see algos/aggregate.py and TrainWorker.train_step).
 """
@@ -54,7 +54,7 @@ class PolicyLoss:
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
         hp = losses.PolicyLossParams(self.clip_low, self.clip_high, self.dual_clip)
-        pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp"]
+        pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp_BS"]
         logp_old = mb.logp_old_BS
         if self.old_from_forward:
             logp_old = logp.detach()
@@ -68,11 +68,11 @@ class PolicyLoss:
             reg_BT = self.kl_coef * kl
             metrics["kl_ref"] = losses.masked_mean(kl.detach(), reg)
         if self.entropy_coef:
-            ent = -self.entropy_coef * outputs["entropy"]
+            ent = -self.entropy_coef * outputs["entropy_BS"]
             reg_BT = ent if reg_BT is None else reg_BT + ent
         if reg_BT is not None:
             numerators["regularizer"] = aggregate.loss_numerator(reg_BT, reg, self.aggregation)
-        metrics["entropy"] = losses.masked_mean(outputs["entropy"].detach(), pg)
+        metrics["entropy"] = losses.masked_mean(outputs["entropy_BS"].detach(), pg)
         return numerators, metrics
 
 
@@ -87,7 +87,7 @@ class ValueLoss:
     clip: float | None
 
     def __call__(self, outputs, mb):
-        pred = state_values(outputs["values"])
+        pred = state_values(outputs["critic_out_BS"])
         loss_BT, metrics = losses.clipped_value_loss(pred, mb.values_old_BS, mb.returns_BS, mb.mask_BS, self.clip)
         metrics["value_mean"] = losses.masked_mean(pred.detach(), mb.mask_BS)
         return aggregate.loss_numerator(loss_BT, mb.mask_BS, "token_mean"), metrics
@@ -101,4 +101,4 @@ class SftLoss:
 
     def __call__(self, outputs, mb):
         mask = mb.mask_BS
-        return -(outputs["logp"] * mask).sum(), {"nll": losses.masked_mean(-outputs["logp"].detach(), mask)}
+        return -(outputs["logp_BS"] * mask).sum(), {"nll": losses.masked_mean(-outputs["logp_BS"].detach(), mask)}

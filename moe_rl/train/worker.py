@@ -1,8 +1,8 @@
 """One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
 
     w = TrainWorker(settings.model_spec(cfg, hf_path), role="policy", optim=settings.optim_settings(cfg, cfg.trainer.lr))
-    out = w.score(batch)                                  # forward only: logp/entropy or values
-    metrics = w.train_step(batch, loss_fn, denominator)   # forward+backward over microbatches, step
+    out = w.score(batch)                                  # forward only: ScoreResult (logp/entropy or critic outputs)
+    update = w.train_step(batch, loss_fn, denominator)    # forward+backward over microbatches, step: UpdateResult
 
 Batches are this data-parallel rank's shard; every TP/PP rank of one replica receives the same shard.
 Microbatches run through megatron-core's `get_forward_backward_func` (pipeline schedules included).
@@ -35,6 +35,7 @@ from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
 from moe_rl.train.offload import HostCopies, storages
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
+from moe_rl.train.results import ScoreResult, UpdateResult
 from moe_rl.trajectory import route_torch_dtype
 
 
@@ -188,19 +189,19 @@ class TrainWorker:
             values = output.squeeze(-1).float()
             if self.cp > 1:
                 values = gather_sequence(values, 1, ps.get_context_parallel_group())
-            return {"values": values if pk is None else pk.unpack(values)}
+            return {"critic_out_BS": values if pk is None else pk.unpack(values)}
         if self.cp > 1:  # local logits score the next token of each local position; gather, then align
             ids = mb.input_ids_BS
             idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank(), ids.device)
             next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
             logp, ent = target_logprobs(output, next_ids[:, idx], *tp)
             logp, ent = (gather_sequence(x, 1, ps.get_context_parallel_group()) for x in (logp, ent))
-            return {"logp": torch.nn.functional.pad(logp[:, :-1], (1, 0)), "entropy": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
+            return {"logp_BS": torch.nn.functional.pad(logp[:, :-1], (1, 0)), "entropy_BS": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
         ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
         logp, ent = vocab_parallel_logprobs(output, ids, *tp)
         if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
             logp, ent = (torch.nn.functional.pad(pk.unpack(x)[:, 1:], (1, 0)) for x in (logp, ent))
-        return {"logp": logp, "entropy": ent}
+        return {"logp_BS": logp, "entropy_BS": ent}
 
     def _run(self, microbatches: list[Batch], forward_only: bool, loss_func=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -247,11 +248,11 @@ class TrainWorker:
         return mbs
 
     @torch.no_grad()
-    def score(self, batch: Batch, record_routes: bool = False) -> dict[str, torch.Tensor]:
-        """Forward only. Returns {"logp", "entropy"} (policy) or {"values"} (critic), [B, S], on every rank.
+    def score(self, batch: Batch, record_routes: bool = False) -> ScoreResult:
+        """Forward only: logp_BS and entropy_BS (policy) or critic_out_BS (critic), [B, S], on every rank.
 
         batch.routes_BSLK, when given, is replayed. With record_routes=True the routers choose freely and
-        the result also holds "routes": [B, S, L, K] (uint8 / int16, as rollout routes), the trainer's own
+        the result also holds routes_BSLK: [B, S, L, K] (uint8 / int16, as rollout routes), the trainer's own
         top-k for every position.
         """
         self._resident()
@@ -265,9 +266,9 @@ class TrainWorker:
             self._recording = None
             replay.clear(self.replay_instances)
         B, S = batch.input_ids_BS.shape
-        out = self._whole(mbs, results, B, S)
+        out = ScoreResult(**self._whole(mbs, results, B, S))
         if record_routes:
-            out["routes"] = self._gather_stage_routes(recorded, mbs, B, S)
+            out.routes_BSLK = self._gather_stage_routes(recorded, mbs, B, S)
         return out
 
     def _whole(self, mbs: list[Batch], results: list[dict[str, torch.Tensor]], B: int, S: int) -> dict[str, torch.Tensor]:
@@ -328,7 +329,7 @@ class TrainWorker:
         return {n: p.detach() for n, p in self.module.named_parameters()}
 
     @torch.no_grad()
-    def score_with(self, params: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
+    def score_with(self, params: dict[str, torch.Tensor], batch: Batch) -> ScoreResult:
         """Score with other weights (e.g. the EWMA anchor) swapped in, then restore the current ones."""
         current = {n: p.detach().clone() for n, p in self.module.named_parameters()}
         named = dict(self.module.named_parameters())
@@ -349,7 +350,7 @@ class TrainWorker:
         return box[0]
 
     def train_step(self, batch: Batch, loss_fn: Callable, denominator: torch.Tensor | dict[str, torch.Tensor],
-                   keep_logp: bool = False) -> dict:
+                   keep_logp: bool = False) -> UpdateResult:
         """One optimizer update on this shard.
 
         loss_fn(outputs: dict of [b, s] tensors, mb: Batch) -> (numerator, metrics dict)
@@ -357,7 +358,7 @@ class TrainWorker:
         A loss of several terms with their own denominators (e.g. an importance-weighted policy term
         and an unweighted KL term) passes `denominator` as {term: tensor} and returns its numerator
         as {term: 0-dim tensor}: the loss is sum_k numerator_k / denominator_k.
-        keep_logp: the result also holds "logp", the forward's log-probs before the update, [B, S]
+        keep_logp: the result also holds logp_BS, the forward's log-probs before the update, [B, S]
         (as `score` returns them), on every rank.
         """
         if self.optimizer is None:
@@ -376,7 +377,7 @@ class TrainWorker:
         def loss_func(mb, output_tensor):
             outputs = self._outputs(mb, output_tensor)
             if keep_logp:
-                kept.append({"logp": outputs["logp"].detach()})
+                kept.append({"logp_BS": outputs["logp_BS"].detach()})
             numerator, metrics = loss_fn(outputs, mb)
             if has_tokens[id(mb)]:  # an empty microbatch (padding for the expert group) has no figures
                 microbatch_metrics.append({k: v.detach().float() for k, v in metrics.items()})
@@ -413,9 +414,8 @@ class TrainWorker:
         metrics["skipped_nonfinite"] = float(not finite)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])  # what the update used
         metrics |= router_losses(len(mbs))
-        if keep_logp:
-            metrics["logp"] = self._whole(cpu_mbs, kept, *batch.input_ids_BS.shape)["logp"]
-        return metrics
+        logp = self._whole(cpu_mbs, kept, *batch.input_ids_BS.shape)["logp_BS"] if keep_logp else None
+        return UpdateResult(metrics, logp)
 
     def _finite(self, losses: list[dict]) -> bool:
         """Whether the loss (last pipeline stage) and every gradient on every rank of this model are

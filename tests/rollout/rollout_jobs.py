@@ -117,7 +117,7 @@ def megatron_score_job(rank, world, model_path, sequences, routes):
     lengths = torch.tensor([len(s) for s in sequences])
     replayed = w.score(Batch(ids, lengths, routes))
     free = w.score(Batch(ids, lengths), record_routes=True)
-    return {"replay": replayed["logp"], "free": free["logp"], "free_routes": free["routes"]}
+    return {"replay": replayed.logp_BS, "free": free.logp_BS, "free_routes": free.routes_BSLK}
 
 
 def agent_vllm_job(rank, world, model_path):

@@ -39,8 +39,8 @@ def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_pat
     # the converted checkpoint, loaded by a single-rank trainer, gives transformers' log-probs
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen), str(mc), "policy"))[0]
-    assert out["logp"].shape == ids.shape == (B, S)
-    torch.testing.assert_close(out["logp"][:, 1:], hf_token_logprobs(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
+    assert out.logp_BS.shape == ids.shape == (B, S)
+    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
 def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
@@ -59,7 +59,7 @@ def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, 
     assert_same_tensors(tiny_qwen_dense, back.out)
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen_dense), str(mc), "policy"))[0]
-    torch.testing.assert_close(out["logp"][:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
 def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, tiny_qwen):
@@ -83,7 +83,7 @@ def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, t
         assert torch.equal(exported.get(name), weights[name]), name
     # the export is a transformers token-classification model whose one label is the critic's value
     ids, _ = tokens()
-    ours = run_ranks(score_converted_job, 1, (str(rm), str(mc), "critic"))[0]["values"]
+    ours = run_ranks(score_converted_job, 1, (str(rm), str(mc), "critic"))[0].critic_out_BS
     with torch.no_grad():
         theirs = AutoModelForTokenClassification.from_pretrained(back.out)(ids).logits[..., 0]
     assert ours.shape == theirs.shape == (B, S)

@@ -34,8 +34,8 @@ def uneven_job(rank, world, hf_path, ep):
     mask = (torch.arange(S) < lengths.unsqueeze(1)) & (torch.arange(S) >= 2)
     rows = slice(0, B) if world == 1 else [slice(0, 3), slice(3, 4)][w.ps.get_data_parallel_rank()]
     shard = Batch(ids, lengths, mask_BS=mask).rows(rows)
-    out = {"rows": rows, "microbatches": len(w._microbatches(shard)), "score": w.score(shard)["logp"]}
-    out["step"] = w.train_step(shard, SftLoss(), mask.sum().double())
+    out = {"rows": rows, "microbatches": len(w._microbatches(shard)), "score": w.score(shard).logp_BS}
+    out["step"] = w.train_step(shard, SftLoss(), mask.sum().double()).figures
     return out
 
 

@@ -58,7 +58,7 @@ def test_te_spec_matches_transformers(tiny_qwen):
     needs("transformer_engine.pytorch")
     res = run_ranks(te_job, 1, (str(tiny_qwen), "none", 1))[0]
     ref = hf_token_logprobs(tiny_qwen, te_ids())  # transformers in fp32 on the CPU
-    assert float((res["logp"][:, 1:] - ref[:, 1:]).abs().max()) < TF32_GAP  # TE's TF32 GEMMs
+    assert float((res.logp_BS[:, 1:] - ref[:, 1:]).abs().max()) < TF32_GAP  # TE's TF32 GEMMs
 
 
 def fp8_support(recipe: str) -> tuple[bool, str]:
@@ -81,8 +81,8 @@ def test_fp8_recipe_scores_near_fp32(tiny_qwen, recipe):
     if not supported:
         pytest.skip(f"FP8 {recipe} on this GPU: {why}")
     res = run_ranks(te_job, 1, (str(tiny_qwen), recipe, 1))[0]
-    assert torch.isfinite(res["logp"]).all()
-    gap = (res["logp"] - hf_token_logprobs(tiny_qwen, te_ids()))[:, 1:].abs()  # vs transformers in fp32
+    assert torch.isfinite(res.logp_BS).all()
+    gap = (res.logp_BS - hf_token_logprobs(tiny_qwen, te_ids()))[:, 1:].abs()  # vs transformers in fp32
     print(f"\nFP8 {recipe} vs fp32 log-probs: mean |gap| {float(gap.mean()):.3g}, max {float(gap.max()):.3g}")
     # FP8 (E4M3 forward: 3 mantissa bits, rounding 2^-4 relative) in the layers' GEMMs, bf16 (2^-8) the
     # compute dtype elsewhere: loose bounds, by the figures of a CPU simulation on this model and batch
@@ -97,10 +97,10 @@ def test_nccl_tp2(tiny_qwen):
     needs("transformer_engine.pytorch")
     one = run_ranks(te_job, 1, (str(tiny_qwen), "none", 1))[0]
     two = run_ranks(te_job, 2, (str(tiny_qwen), "none", 2))
-    assert float((two[0]["logp"] - one["logp"]).abs().max()) < TF32_GAP
+    assert float((two[0].logp_BS - one.logp_BS).abs().max()) < TF32_GAP
     ref = hf_token_logprobs(tiny_qwen, te_ids())  # and each rank scores as transformers in fp32 does
     for r in two:
-        assert float((r["logp"][:, 1:] - ref[:, 1:]).abs().max()) < TF32_GAP
+        assert float((r.logp_BS[:, 1:] - ref[:, 1:]).abs().max()) < TF32_GAP
 
 
 def vllm_routes_job(rank, world, model_path):

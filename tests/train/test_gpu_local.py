@@ -84,7 +84,7 @@ def unpacked_replay(hf_path, dtype, optim, batch) -> dict:
     from moe_rl.train.worker import TrainWorker
 
     unpacked = TrainWorker(model_spec(hf_path, dtype=dtype), optim=replace(optim, pack_sequences=False))
-    return {"logp": unpacked.score(batch)["logp"], "packs": unpacked._packs()}
+    return {"logp": unpacked.score(batch).logp_BS, "packs": unpacked._packs()}
 
 
 def local_job(rank, world, hf_path, dtype, checks=False):
@@ -108,24 +108,24 @@ def local_job(rank, world, hf_path, dtype, checks=False):
     optim = optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24)
     policy = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim)
     free = policy.score(Batch(ids, lengths), record_routes=True)
-    replay = policy.score(Batch(ids, lengths, free["routes"]))
+    replay = policy.score(Batch(ids, lengths, free.routes_BSLK))
     out = {"device": str(policy.device), "free": free, "replay": replay}
     if checks:  # the same weights, each row its own microbatch row (right-padded), the routes replayed
-        out["replay_unpacked"] = attempt(unpacked_replay, hf_path, dtype, optim, Batch(ids, lengths, free["routes"]))
+        out["replay_unpacked"] = attempt(unpacked_replay, hf_path, dtype, optim, Batch(ids, lengths, free.routes_BSLK))
         out["packs"] = policy._packs()
     before = snapshot(policy)
-    shard = Batch(ids, lengths, free["routes"], **policy_tensors(replay["logp"], mask, adv))
-    out["policy_step"] = policy.train_step(shard, policy_loss(), Denominator(mask))
+    shard = Batch(ids, lengths, free.routes_BSLK, **policy_tensors(replay.logp_BS, mask, adv))
+    out["policy_step"] = policy.train_step(shard, policy_loss(), Denominator(mask)).figures
     out["policy_moved"] = largest_change(policy, before)
     if checks:
         out["offload"] = attempt(offload_round_trip, policy)
-        out["step_after_onload"] = attempt(policy.train_step, shard, policy_loss(), Denominator(mask))
+        out["step_after_onload"] = attempt(lambda: policy.train_step(shard, policy_loss(), Denominator(mask)).figures)
         out["cp_gather"] = attempt(cp_gather_round_trip, policy.device)
 
     critic = TrainWorker(model_spec(hf_path, dtype=dtype, routing_replay=False), role="critic", optim=optim)
     before = snapshot(critic)
     values = Batch(ids, lengths, mask_BS=mask, returns_BS=critic_returns(), values_old_BS=torch.zeros(B, S))
-    out["critic_step"] = critic.train_step(values, ValueLoss(None), Denominator(mask))
+    out["critic_step"] = critic.train_step(values, ValueLoss(None), Denominator(mask)).figures
     out["critic_moved"] = largest_change(critic, before)
     out["compiled"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "inductor", "aot_autograd")}
     return out
@@ -154,7 +154,7 @@ def test_fp32_scores_match_transformers_on_gpu(fp32, tiny_qwen):
     exact_fp32_matmuls()
     ids, _, _, _ = batch_tensors()
     assert fp32["device"] == "cuda:0"
-    assert largest_gap(fp32["free"]["logp"], hf_token_logprobs(tiny_qwen, ids, device="cuda")) <= 1e-5
+    assert largest_gap(fp32["free"].logp_BS, hf_token_logprobs(tiny_qwen, ids, device="cuda")) <= 1e-5
 
 
 @pytest.mark.parametrize("role", ["policy", "critic"])
@@ -166,14 +166,14 @@ def test_steps_change_the_weights(fp32, role):
 
 
 def test_replaying_recorded_routes_equals_free_routing(fp32):
-    routes = fp32["free"]["routes"]
+    routes = fp32["free"].routes_BSLK
     assert routes.shape == (B, S, 2, 2) and int(routes.max()) < 4  # 2 MoE layers, top-2 of 4 experts
-    assert largest_gap(fp32["replay"]["logp"], fp32["free"]["logp"]) <= 1e-6
+    assert largest_gap(fp32["replay"].logp_BS, fp32["free"].logp_BS) <= 1e-6
 
 
 def test_bf16_runs_near_fp32(fp32, bf16):
     valid = valid_positions()
-    gap_BS = (bf16["free"]["logp"] - fp32["free"]["logp"]).abs() * valid
+    gap_BS = (bf16["free"].logp_BS - fp32["free"].logp_BS).abs() * valid
     mean, largest = float(gap_BS.sum() / valid.sum()), float(gap_BS.max())
     print(f"\nbf16 vs fp32 log-probs on the GPU: mean |gap| {mean:.3g}, max {largest:.3g}")
     for role in ("policy", "critic"):
@@ -185,7 +185,7 @@ def test_packed_microbatches_replay_as_unpacked_ones(fp32):
     unpacked = fp32["replay_unpacked"]
     assert "error" not in unpacked, unpacked.get("error")
     assert fp32["packs"] and not unpacked["packs"]  # production packs; the reference does not
-    assert largest_gap(fp32["replay"]["logp"], unpacked["logp"]) <= 1e-5
+    assert largest_gap(fp32["replay"].logp_BS, unpacked["logp"]) <= 1e-5
 
 
 def test_offload_round_trip_on_cuda(fp32):

@@ -52,7 +52,7 @@ def compile_job(rank, world, hf_path):
     g = torch.Generator().manual_seed(0)
     for rows, length in ((2, 8), (3, 13)):
         ids, lengths = torch.randint(0, 300, (rows, length), generator=g), torch.full((rows,), length)
-        w.train_step(Batch(ids, lengths), lambda out, mb: (out["logp"].sum(), {}), torch.tensor(1.0))
+        w.train_step(Batch(ids, lengths), lambda out, mb: (out["logp_BS"].sum(), {}), torch.tensor(1.0))
     return {"flags": flags, "counters": {k: dict(v) for k, v in counters.items()}}
 
 

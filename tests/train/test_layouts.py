@@ -16,7 +16,7 @@ def reference(tiny_qwen):
     """Single rank: free routing scores, the routes it recorded, and a training step."""
     routes = torch.zeros(B, S, 2, 2, dtype=torch.long)  # placeholder for the first pass
     first = run_ranks(layout_job, 1, (str(tiny_qwen), {}, "alltoall", routes))[0]
-    routes = first["free"]["routes"]
+    routes = first["free"].routes_BSLK
     ref = run_ranks(layout_job, 1, (str(tiny_qwen), {}, "alltoall", routes))[0]
     return routes, ref
 
@@ -32,14 +32,14 @@ def test_single_rank_replay_of_own_routes_is_exact_and_logits_match_hf(reference
 
     routes, ref = reference
     valid, _ = _valid()
-    torch.testing.assert_close(ref["replay"]["logp"] * valid, ref["free"]["logp"] * valid, atol=0, rtol=0)
+    torch.testing.assert_close(ref["replay"].logp_BS * valid, ref["free"].logp_BS * valid, atol=0, rtol=0)
     ids, lengths, _, _ = batch_tensors()
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen)
     with torch.no_grad():
         lp = torch.log_softmax(hf(ids).logits.float(), -1)
     hf_logp = torch.zeros(B, S)
     hf_logp[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(ref["free"]["logp"] * valid, hf_logp * valid, **TOL)
+    torch.testing.assert_close(ref["free"].logp_BS * valid, hf_logp * valid, **TOL)
     assert routes.shape == (B, S, 2, 2) and routes.max() < 4
 
 
@@ -57,7 +57,7 @@ def test_step_loss_is_productions_ppo_of_the_scored_logprobs(reference):
     PPO-Clip, importance-weighted token sum over the global number of model tokens."""
     _, ref = reference
     _, _, mask, adv = batch_tensors()
-    logp = ref["replay"]["logp"]
+    logp = ref["replay"].logp_BS
     t = policy_tensors(logp, mask, adv)
     ratio = torch.exp(torch.where(mask, logp - t["logp_old_BS"], 0.0))
     clipped = ratio.clamp(1 - POLICY.clip_low, 1 + POLICY.clip_high)
@@ -74,10 +74,10 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     assert ref["mbs"] > 1  # the shard really was cut into microbatches
     assert all(d > 0 for d in ref["router_moved"])  # router gradients flow under replay
     valid, _ = _valid()
-    after_routes = ref["after_free"]["routes"]
+    after_routes = ref["after_free"].routes_BSLK
     changed = ((after_routes.sort(-1).values != routes.sort(-1).values).any(-1).any(-1) & valid).float().mean()
     # lr 1e-2 moves the routers: some tokens route differently now, and replay pins them to the old routes
-    gap = ((ref["after_replay"]["logp"] - ref["after_free"]["logp"]).abs() * valid).max()
+    gap = ((ref["after_replay"].logp_BS - ref["after_free"].logp_BS).abs() * valid).max()
     assert float(changed) > 0 and float(gap) > 0
 
 
@@ -105,10 +105,11 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
     for res in results:
         assert res["dp_rank"][0] == res["dp_rank"][1]  # parallel.dp_rank_of agrees with megatron's groups
         for key in ("free", "replay", "after_replay", "after_free"):
-            for name in ("logp", "entropy"):
-                torch.testing.assert_close(res[key][name] * valid, ref[key][name] * valid, **TOL, msg=f"{key}/{name}")
+            for name in ("logp_BS", "entropy_BS"):
+                torch.testing.assert_close(getattr(res[key], name) * valid, getattr(ref[key], name) * valid, **TOL,
+                                           msg=f"{key}/{name}")
         v = valid[:, :, None, None]
-        torch.testing.assert_close(res["free"]["routes"] * v, ref["free"]["routes"] * v)  # padding routes are arbitrary
+        torch.testing.assert_close(res["free"].routes_BSLK * v, ref["free"].routes_BSLK * v)  # padding routes are arbitrary
     if "cp" in layout:
         assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
@@ -127,5 +128,5 @@ def test_replay_under_activation_recompute(reference, tiny_qwen, pack):
     valid, _ = _valid()
     assert res["step"]["loss"] == pytest.approx(ref["step"]["loss"], abs=1e-6)
     assert res["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-5)
-    torch.testing.assert_close(res["after_replay"]["logp"] * valid, ref["after_replay"]["logp"] * valid, **TOL)
+    torch.testing.assert_close(res["after_replay"].logp_BS * valid, ref["after_replay"].logp_BS * valid, **TOL)
     assert res["refused"].startswith("sample 1 position 2 has no recorded route (ids [255, ")

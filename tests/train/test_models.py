@@ -36,7 +36,7 @@ def test_logprobs_match_transformers(arch, request):
         lp = torch.log_softmax(model(ids).logits.float(), -1)
     ref = torch.zeros(B, S)
     ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(res["free"]["logp"] * valid, ref * valid, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res["free"].logp_BS * valid, ref * valid, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch,layout", [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),

@@ -31,8 +31,8 @@ def gradients_job(rank, world, hf_path, layout, pad_id):
     w = TrainWorker(model_spec(hf_path, routing_replay=False),
                     optim=optim_settings(1e-2, grad_clip=1e9, micro_batch_tokens=24))
     ids, lengths, mask, adv = pad_batch(pad_id)
-    tensors = policy_tensors(w.score(Batch(ids, lengths))["logp"], mask, adv)
-    step = w.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask))
+    tensors = policy_tensors(w.score(Batch(ids, lengths)).logp_BS, mask, adv)
+    step = w.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask)).figures
     with torch.no_grad():  # the gradients take the weights' place, to leave through the weights' export
         for p in w.module.parameters():
             p.copy_(p.main_grad)

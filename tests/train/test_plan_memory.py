@@ -113,7 +113,7 @@ def state_bytes_job(rank, world, hf_path, layout, dtype):
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
-    logp = w.score(Batch(ids, lengths))["logp"]
+    logp = w.score(Batch(ids, lengths)).logp_BS
     w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
     params = list(w.module.parameters())
     buffers = [*w.model.buffers, *w.model.expert_parallel_buffers]

@@ -17,10 +17,11 @@ def test_the_update_forward_gives_pi_old_bitwise(tiny_qwen):
     fused = run_ranks(proximal_job, 2, (str(tiny_qwen), True))
     for s, f in zip(separate, fused, strict=True):
         assert "logp_old_BS" in s["fields"] and "logp_old_BS" not in f["fields"]  # nothing of pi_old is sent
-        assert s["step"]["loss"] == f["step"]["loss"] and s["step"]["grad_norm"] == f["step"]["grad_norm"]
-        assert s["step"]["update_ok"] == f["step"]["update_ok"] == 1.0 and s["moved"] == f["moved"] > 10
+        sf, ff = s["step"].figures, f["step"].figures
+        assert sf["loss"] == ff["loss"] and sf["grad_norm"] == ff["grad_norm"]
+        assert sf["update_ok"] == ff["update_ok"] == 1.0 and s["moved"] == f["moved"] > 10
         assert all(torch.equal(a, b) for a, b in zip(s["params"], f["params"], strict=True))
-        kept = f["step"]["logp"]  # the forward's log-probs before the update, as the shard is long
+        kept = f["step"].logp_BS  # the forward's log-probs before the update, as the shard is long
         assert torch.equal(kept, f["scored"][:, :kept.shape[1]]) and not f["scored"][:, kept.shape[1]:].any()
 
 

@@ -77,10 +77,10 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     free = Batch(ids, lengths)
     out = {"free": w.score(free, record_routes=True), "dp_rank": (dp, w.ps.get_data_parallel_rank())}
     out["replay"] = w.score(Batch(ids, lengths, routes))
-    tensors = policy_tensors(out["replay"]["logp"], mask, adv)  # pi_old: scored with the replayed routes
+    tensors = policy_tensors(out["replay"].logp_BS, mask, adv)  # pi_old: scored with the replayed routes
     shard = Batch(ids, lengths, routes, **tensors).rows(rows)
     routers = [(n, p.detach().clone()) for n, p in w.module.named_parameters() if "router" in n]
-    out["step"] = w.train_step(shard, policy_loss(), Denominator(mask))  # global denominator of the batch
+    out["step"] = w.train_step(shard, policy_loss(), Denominator(mask)).figures  # global denominator of the batch
     out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max()) for n, p in routers]
     out["after_replay"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(free, record_routes=True)
@@ -105,7 +105,7 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
     ids, lengths, mask, adv = batch_tensors()
 
     def batch():  # pi_old: the current weights' log-probs, offset (the same offset in both runs)
-        return Batch(ids, lengths, None, **policy_tensors(w.score(Batch(ids, lengths))["logp"], mask, adv))
+        return Batch(ids, lengths, None, **policy_tensors(w.score(Batch(ids, lengths)).logp_BS, mask, adv))
 
     if mode == "save":
         w.train_step(batch(), policy_loss(), Denominator(mask))
@@ -115,7 +115,7 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
         extra = {"children": [p.name for p in multiprocessing.active_children()]}  # what the save left running
     else:
         extra = checkpoint.load(w, ckpt_dir)
-    step2 = w.train_step(batch(), policy_loss(), Denominator(mask))
+    step2 = w.train_step(batch(), policy_loss(), Denominator(mask)).figures
     return {"step2": step2, "after": w.score(Batch(ids, lengths)), "extra": extra, "steps": w.steps}
 
 
@@ -144,7 +144,7 @@ def critic_job(rank, world, hf_path, layout):
     w = TrainWorker(model_spec(hf_path), role="critic",
                     optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=4096, pack_sequences=False))
     ids, lengths, mask, adv = batch_tensors()
-    before = w.score(Batch(ids, lengths))["values"]
+    before = w.score(Batch(ids, lengths)).critic_out_BS
     returns = critic_returns()
     # values_old 0 with clip=None: the loss is 1/2 (V(s_t) - G_t)^2 on model tokens, V(s_t) = out[t-1]
     batch = Batch(ids, lengths, mask_BS=mask, returns_BS=returns, values_old_BS=torch.zeros(B, S))
@@ -152,11 +152,11 @@ def critic_job(rank, world, hf_path, layout):
     emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() if w.ps.is_pipeline_first_stage() else None
     head = w.module.output_layer.weight if w.ps.is_pipeline_last_stage() else None
     head0 = None if head is None else head.detach().clone()
-    step = w.train_step(batch, ValueLoss(None), Denominator(mask))
-    after = w.score(Batch(ids, lengths))["values"]
+    step = w.train_step(batch, ValueLoss(None), Denominator(mask)).figures
+    after = w.score(Batch(ids, lengths)).critic_out_BS
     backbone = {n: p.detach().clone() for n, p in w.module.named_parameters() if "output_layer" not in n}
     # a second step: its loss is computed from `after` (nonzero values), where the V(s_t) shift shows
-    step2 = w.train_step(batch, ValueLoss(None), Denominator(mask))
+    step2 = w.train_step(batch, ValueLoss(None), Denominator(mask)).figures
     return {"before": before, "after": after, "step": step, "step2": step2, "backbone_names": sorted(backbone),
             "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
             "embedding_at_start": emb0}
@@ -183,8 +183,8 @@ def own_routes_job(rank, world, hf_path, seeds):
         lengths = torch.randint(3, S + 1, (B,), generator=g)
         valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
         free = w.score(Batch(ids, lengths), record_routes=True)
-        again = w.score(Batch(ids, lengths, free["routes"]))
-        gaps.append(float(((again["logp"] - free["logp"]).abs() * valid).max()))
+        again = w.score(Batch(ids, lengths, free.routes_BSLK))
+        gaps.append(float(((again.logp_BS - free.logp_BS).abs() * valid).max()))
     return gaps
 
 
@@ -199,9 +199,9 @@ def recompute_job(rank, world, hf_path, routes, pack=False):
     w = TrainWorker(model_spec(hf_path, recompute=True),
                     optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
-    tensors = policy_tensors(w.score(Batch(ids, lengths, routes))["logp"], mask, adv)
+    tensors = policy_tensors(w.score(Batch(ids, lengths, routes)).logp_BS, mask, adv)
     shard = Batch(ids, lengths, routes, **tensors)
-    step = w.train_step(shard, policy_loss(), Denominator(mask))
+    step = w.train_step(shard, policy_loss(), Denominator(mask)).figures
     after = w.score(Batch(ids, lengths, routes))
     broken = routes.clone()
     broken[1, 2, 0, 0] = 255  # no expert of the model (a uint8 route cannot say -1)
@@ -235,10 +235,10 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
                     refused.append(str(err).split(":")[0])
             out["refused"] = refused
             w.onload()
-        logp = w.score(Batch(ids, lengths))["logp"]
+        logp = w.score(Batch(ids, lengths)).logp_BS
         out["scores"].append(logp)
         out["steps"].append(w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
-                                         Denominator(mask)))
+                                         Denominator(mask)).figures)
     out["weights"] = {n: p.detach().clone() for n, p in w.module.named_parameters()}
     return out
 
@@ -253,14 +253,14 @@ def nonfinite_job(rank, world, hf_path):
     ids, lengths, mask, adv = batch_tensors()
     rows = parallel.dp_rows(B, rank, world)
     before = {n: p.detach().clone() for n, p in w.module.named_parameters()}
-    logp = w.score(Batch(ids, lengths))["logp"]
+    logp = w.score(Batch(ids, lengths)).logp_BS
     poisoned = adv.clone()
     poisoned[rows.start, 5] = float("nan") if rank == 0 else poisoned[rows.start, 5]
     bad = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, poisoned)).rows(rows), policy_loss(),
-                       Denominator(mask))
+                       Denominator(mask)).figures
     untouched = all(torch.equal(before[n], p) for n, p in w.module.named_parameters())
     good = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)).rows(rows), policy_loss(),
-                        Denominator(mask))
+                        Denominator(mask)).figures
     finite = all(bool(torch.isfinite(p).all()) for p in w.module.parameters())
     moved = any(not torch.equal(before[n], p) for n, p in w.module.named_parameters())
     return {"bad": bad, "untouched": untouched, "good": good, "finite": finite, "moved": moved}
@@ -276,8 +276,8 @@ def router_loss_job(rank, world, hf_path, aux, z):
     w = TrainWorker(model_spec(hf_path, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z),
                     optim=optim_settings(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
-    logp = w.score(Batch(ids, lengths))["logp"]
-    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
+    logp = w.score(Batch(ids, lengths)).logp_BS
+    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask)).figures
     routers = {n: p.detach().clone() for n, p in w.module.named_parameters() if "router" in n}
     return {"figures": figures, "routers": routers}
 
@@ -293,7 +293,7 @@ def reward_model_job(rank, world, hf_path, layout):
     spec = model_spec(hf_path, routing_replay=False)
     w = TrainWorker(spec, role="critic", optim=optim_settings(1e-3), value_head_from=hf_path, trains=False)
     ids, lengths, _, _ = batch_tensors()
-    return boundary_values(w.score(Batch(ids, lengths))["values"], lengths)
+    return boundary_values(w.score(Batch(ids, lengths)).critic_out_BS, lengths)
 
 
 def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
@@ -309,8 +309,8 @@ def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
-    routes = w.score(Batch(ids, lengths), record_routes=True)["routes"]
-    logp = w.score(Batch(ids, lengths, routes))["logp"]  # pi_old as the separate pass scores it
+    routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+    logp = w.score(Batch(ids, lengths, routes)).logp_BS  # pi_old as the separate pass scores it
     loss = dataclasses.replace(POLICY, old_from_forward=from_forward, check_sync=from_forward)
     rows = parallel.dp_rows(B, rank, world)
     shard = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=adv, logp_old_BS=logp,

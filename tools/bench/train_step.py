@@ -118,10 +118,10 @@ def main() -> None:
     denom = mask.sum().double()
 
     def nll(outputs, mb):
-        return -(outputs["logp"] * mb.mask_BS).sum(), {}
+        return -(outputs["logp_BS"] * mb.mask_BS).sum(), {}
 
     free = Batch(ids, lengths, mask_BS=mask)
-    routes = w.score(free, record_routes=True)["routes"]
+    routes = w.score(free, record_routes=True).routes_BSLK
     replayed = Batch(ids, lengths, routes, mask_BS=mask)
     t_hf, t_free, t_replay = [], [], []
     w.train_step(free, nll, denom)
@@ -150,7 +150,7 @@ def main() -> None:
         arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
         for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
             w.optim_settings = settings
-            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom)["loss"]  # round 0 warms up
+            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]  # round 0 warms up
     w.optim_settings = padded_settings
     t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
     parallel.shutdown()
