@@ -51,7 +51,7 @@ def hf_gradients(hf_path, ids, lengths, mask, tensors, out):
     logp, entropy = torch.zeros(B, S), torch.zeros(B, S)
     logp[:, 1:] = lp_BSV[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     entropy[:, 1:] = -(lp_BSV.exp() * lp_BSV).sum(-1)[:, :-1]
-    numerators, _ = policy_loss()({"logp": logp, "entropy": entropy}, Batch(ids, lengths, None, **tensors))
+    numerators, _ = policy_loss()({"logp_BS": logp, "entropy_BS": entropy}, Batch(ids, lengths, None, **tensors))
     den = Denominator(mask)
     sum(num / den[k] for k, num in numerators.items()).backward()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
