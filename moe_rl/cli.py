@@ -76,6 +76,20 @@ def _cmd_config_show(args) -> int:
     return 0
 
 
+def _cmd_config_explain(args) -> int:
+    from moe_rl import config_docs
+
+    print(config_docs.explain(args.path), end="")
+    return 0
+
+
+def _cmd_config_docs(args) -> int:
+    from moe_rl import config_docs
+
+    print(config_docs.markdown(), end="")
+    return 0
+
+
 def _size_for_check(cfg, path: str) -> str:
     """check-config --assume-cuda: will the run fit the GPUs it names (cluster.gpus_per_node, gpu_memory_gb)?
     Raises UserError (one line) if not; returns what to print."""
@@ -342,15 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "(reward_model.path; critic.init_from) instead of a causal LM")
     k.set_defaults(fn=_cmd_tiny)
 
-    g = sub.add_parser("config", **fmt, help="show a config fully resolved (every default filled in)",
+    g = sub.add_parser("config", **fmt, help="show a config fully resolved; explain a setting; every setting's docs",
                        description="`moe-rl config show CONFIG [overrides]` prints the config as a run would "
-                       "use it: the file, the overrides and every default, as YAML.")
+                       "use it: the file, the overrides and every default, as YAML. `moe-rl config explain PATH` "
+                       "says what a setting (rollout.temperature) or a section (rollout) is; `moe-rl config docs` "
+                       "prints every setting's description as Markdown (docs/config.md).")
     gsub = g.add_subparsers(dest="action", metavar="ACTION", required=True)
     gs = gsub.add_parser("show", **fmt, help="print the resolved config as YAML")
     gs.add_argument("config", help="YAML config file")
     gs.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     gs.add_argument("--assume-cuda", action="store_true", help="resolve as on a GPU machine (GPU recipes on a CPU box)")
     gs.set_defaults(fn=_cmd_config_show)
+    ge = gsub.add_parser("explain", **fmt, help="what a setting or a section is: its type, default and description")
+    ge.add_argument("path", help="a setting (rollout.temperature) or a section (rollout, model.tiny)")
+    ge.set_defaults(fn=_cmd_config_explain)
+    gd = gsub.add_parser("docs", **fmt, help="every section and setting as Markdown (docs/config.md)")
+    gd.set_defaults(fn=_cmd_config_docs)
 
     b = sub.add_parser("bench", **fmt, help="run a benchmark from tools/bench (prints ratios and a JSON line)",
                        description=f"Run tools/bench/NAME.py. Available: {', '.join(_benches()) or 'none'}.")

@@ -1,5 +1,5 @@
 """Typed configs from plain YAML data: frozen dataclass trees built with every key and type checked,
-and errors that name the field path (`ConfigError`, one line). The schema itself is moe_rl/config.py.
+and errors that name the field path (`ConfigError`, one line). The schema itself is moe_rl/config.py and its sections (config_run.py, config_rl.py).
 
     cfg = build(RunConfig, read_yaml(path), "", removed={})   # unknown keys: did-you-mean
     check_tree(cfg)                                           # every section's check()

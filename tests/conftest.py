@@ -78,7 +78,7 @@ def tiny_qwen_dense(tmp_path_factory):
 
 
 # Component settings as production builds them (moe_rl.settings, from the default RunConfig: defaults
-# live in config.py), with a test's own values replacing fields. Plain functions, importable from rank
+# live in the config sections), with a test's own values replacing fields. Plain functions, importable from rank
 # functions in spawned processes (`from conftest import optim_settings`).
 
 

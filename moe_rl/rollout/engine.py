@@ -43,7 +43,7 @@ from moe_rl.weights.sync import write_bucket
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Built from the config by moe_rl.settings.engine_settings (defaults live in config.py)."""
+    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections, config_run.py and config_rl.py)."""
 
     model_path: str
     dtype: str  # model.dtype

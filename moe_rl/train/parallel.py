@@ -31,12 +31,16 @@ class Layout:
     etp: int | None = None
 
     def check(self, world_size: int) -> int:
-        model = self.tp * self.pp * self.cp
-        if world_size % model:
-            raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp={model}")
+        """The data-parallel size of this layout over `world_size` ranks; ValueError where it cannot be
+        (config_run.layout_problem, the rule the config checks too)."""
+        from moe_rl.config_run import layout_problem
+
+        problem = layout_problem(world_size, self.tp, self.pp, self.cp, self.ep)
+        if problem:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         if self.etp is not None and self.etp < self.tp and self.ep == 1:
             raise ValueError(f"etp={self.etp} < tp={self.tp} needs expert parallelism (ep > 1); use etp=tp")
-        return world_size // model
+        return world_size // (self.tp * self.pp * self.cp)
 
 
 def ephemeral_ports() -> tuple[int, int]:

@@ -41,7 +41,7 @@ from moe_rl.trajectory import route_torch_dtype
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """Built from the config by moe_rl.settings.optim_settings (defaults live in config.py)."""
+    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections, config_run.py and config_rl.py)."""
 
     lr: float  # trainer.lr or critic.lr
     weight_decay: float  # trainer.*

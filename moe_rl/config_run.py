@@ -1,0 +1,262 @@
+"""The run's sections of the config: where and how it runs (run, model, parallel, logging, checkpoint,
+cluster). Each field's docstring is its description (`moe-rl config explain FIELD`, docs/config.md);
+each section checks its own fields (`check`); the rules between sections are config_rules.py's."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_rl.schema import ConfigError, in_range, positive
+
+Arch = Literal["qwen3_moe", "mixtral", "qwen2_moe"]  # qwen2_moe: with a gated shared expert
+FP8Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """The run itself: its name, seed, output directory and length."""
+
+    name: str = "run"
+    """The run's name: its TensorBoard directory under run.output_dir/tensorboard."""
+    seed: int = 1234
+    """Seeds everything the run draws: the model built at tiny size, the trainers' initialisation, the prompts
+    an environment generates, each step's sampling (per-group seeds), the minibatch order and evaluation."""
+    output_dir: str = "runs/default"
+    """Where the run writes: config.yaml, checkpoints/, tensorboard/, summary.json, history.pt (and the tiny
+    model it builds)."""
+    steps: int = 10
+    """RL steps: each a rollout, an update on its batch and a weight sync."""
+
+    def check(self) -> None:
+        positive("run.steps", self.steps)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
+            raise ConfigError("run.name", f"{self.name!r} names the TensorBoard run directory: use letters, digits, "
+                              "'_', '-' and '.' (no '/' or '..')")
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A random Mixture-of-Experts model built locally (no model hub); see moe_rl.tiny."""
+
+    arch: Arch = "qwen3_moe"
+    """The Hugging Face architecture built: qwen3_moe, mixtral or qwen2_moe (with a gated shared expert)."""
+    hidden_size: int = 64
+    """The model's hidden size."""
+    num_layers: int = 2
+    """Transformer layers (each with a Mixture-of-Experts MLP, but the first_dense_layers)."""
+    num_attention_heads: int = 2
+    """Attention (query) heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
+    head_dim: int = 32
+    """Each head's width (at least 32: vLLM's CPU attention)."""
+    num_experts: int = 4
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is routed to (the routes R3 replays have this many per layer)."""
+    moe_intermediate_size: int = 64
+    """Each expert's MLP width."""
+    max_position_embeddings: int = 512
+    """Positions the model has: rollout.max_model_len may not exceed it."""
+    first_dense_layers: int = 0
+    """the first layers have a dense MLP (Qwen's mlp_only_layers); qwen archs only"""
+
+    def check(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            positive(f"model.tiny.{name}", getattr(self, name))
+        if self.head_dim < 32:
+            raise ConfigError("model.tiny.head_dim", f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
+        if self.top_k > self.num_experts:
+            raise ConfigError("model.tiny.top_k", f"{self.top_k} exceeds model.tiny.num_experts={self.num_experts}")
+        in_range("model.tiny.first_dense_layers", self.first_dense_layers, 0, self.num_layers, hi_open=True)
+        if self.first_dense_layers and self.arch == "mixtral":
+            raise ConfigError("model.tiny.first_dense_layers", "Mixtral has experts in every layer; use qwen3_moe or qwen2_moe")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("model.tiny.num_key_value_heads",
+                              f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy model (a Hugging Face checkpoint, or a tiny one built locally) and how the trainers build
+    it."""
+
+    path: str = ""
+    """A Hugging Face checkpoint directory; empty means: build `tiny` under run.output_dir."""
+    tiny: TinyModel = field(default_factory=TinyModel)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trainers' parameter and compute dtype (bfloat16 on GPU; float32 on CPU)."""
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """megatron-core's layer implementation: local (PyTorch; CPU and GPU) or transformer_engine (GPU; needed
+    for FP8)."""
+    fp8: FP8Recipe = "none"
+    """Transformer Engine FP8 recipe for the trainers' GEMMs (none: off; needs layer_spec=transformer_engine
+    and a GPU)."""
+    recompute: bool = False
+    """Recompute each layer's activations in the backward pass (megatron-core's full recompute): less memory,
+    one more forward."""
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How a trainer's MoE layers send tokens to experts across expert-parallel ranks: alltoall, or
+    allgather."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE router losses in the trainers' updates (megatron-core's): the switch load-balancing loss and the
+    router z-loss, by their coefficients. Off by default: with routing replay the trainer scores the rollout's
+    routes, and a balancing term only moves the router toward other choices than those the engine will make;
+    policy/moe_aux_loss and policy/moe_z_loss log them where on."""
+    moe_z_loss_coeff: float = 0.0
+    """The router z-loss's coefficient in the trainers' updates (0: off; see moe_aux_loss_coeff)."""
+
+    def check(self) -> None:
+        self.tiny.check()
+        in_range("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0.0, None)
+        in_range("model.moe_z_loss_coeff", self.moe_z_loss_coeff, 0.0, None)
+        if self.fp8 != "none" and self.layer_spec != "transformer_engine":
+            raise ConfigError("model.fp8", f"'{self.fp8}' needs model.layer_spec=transformer_engine")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """The trainers' parallel layout (megatron-core): each model (policy, critic, reference, reward model) has
+    world_size ranks, tp*pp*cp*dp."""
+
+    tp: int = 1
+    """Tensor-parallel ranks of each trainer model (sequence parallelism is on with it where tp > 1)."""
+    pp: int = 1
+    """Pipeline-parallel stages of each trainer model."""
+    ep: int = 1
+    """Expert-parallel ranks: each MoE layer's experts are split over ep ranks inside dp*cp*tp."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over cp ranks."""
+    world_size: int = 1
+    """Trainer ranks; tp*pp*cp*dp must equal it (dp is derived). Sequence parallelism is on exactly when tp >
+    1 (megatron-core MoE requires it there; at tp=1 it means nothing), so it is no setting."""
+    distributed_optimizer: bool = True
+    """megatron-core's distributed optimizer: optimizer state sharded over the data-parallel ranks."""
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep", "cp", "world_size"):
+            positive(f"parallel.{name}", getattr(self, name))
+        problem = layout_problem(self.world_size, self.tp, self.pp, self.cp, self.ep)
+        if problem:
+            raise ConfigError(f"parallel.{problem[0]}", problem[1])
+
+
+def layout_problem(world_size: int, tp: int, pp: int, cp: int, ep: int) -> tuple[str, str] | None:
+    """Why `world_size` trainer ranks cannot take a layout, as (the setting at fault, why), or None:
+    tp*pp*cp must divide the ranks (dp is what remains), and ep must divide dp*cp*tp (megatron-core folds
+    expert parallelism into the dp*cp*tp ranks of one pipeline stage). The config's check and the
+    trainer's (train.parallel.Layout.check) alike.
+
+        layout_problem(8, 2, 1, 1, 4) is None
+        layout_problem(6, 4, 1, 1, 1) == ("world_size", "6 is not a multiple of tp*pp*cp=4")"""
+    model = tp * pp * cp
+    if world_size % model:
+        return "world_size", f"{world_size} is not a multiple of tp*pp*cp={model}"
+    fold = world_size // model * cp * tp
+    if fold % ep:
+        return "ep", f"{ep} must divide dp*cp*tp={fold}"
+    return None
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """What the run logs and how often (TensorBoard under run.output_dir/tensorboard/run.name)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under run.output_dir/tensorboard/run.name."""
+    progress_bar: bool = True
+    """Show progress bars for the warm start and the RL steps."""
+    log_every: int = 1
+    """TensorBoard scalars every this many steps (and at the last)."""
+    heatmap_every: int = 10
+    """the expert-load heatmaps (TensorBoard images; rows: MoE layers, columns: experts) every this many steps
+    (on logged steps); 0: never. The load figures themselves are scalars every logged step."""
+    routing_diagnostics_every: int = 10
+    """the diagnostic forward without routing replay (how far the trainer's own routing is from the rollout's:
+    routing/agreement, correction/logp_mismatch_no_replay) every this many steps; 0: never. It is a full extra
+    forward; it never runs when routes are not replayed (it would repeat the plain one)"""
+
+    def check(self) -> None:
+        positive("logging.log_every", self.log_every)
+        in_range("logging.heatmap_every", self.heatmap_every, 0, None)
+        in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """When the run saves checkpoints (under run.output_dir/checkpoints), how many it keeps, and where it
+    resumes from."""
+
+    every: int = 0
+    """steps between saves; 0: only at the end"""
+    at_end: bool = True
+    """also after the last step; false with every=0: the run writes no checkpoint"""
+    resume: str = "auto"
+    """"auto", "never", or a checkpoint directory"""
+    keep: int = 2
+    """Checkpoints kept (the newest); older ones are deleted."""
+
+    def check(self) -> None:
+        in_range("checkpoint.every", self.every, 0, None)
+        positive("checkpoint.keep", self.keep)
+        r = self.resume
+        if r in ("auto", "never"):
+            return  # a directory is checked when the run starts
+        if not r.strip():
+            raise ConfigError("checkpoint.resume", "is empty; use 'auto', 'never' or a checkpoint directory")
+        if r.strip().lower() in ("auto", "never"):
+            raise ConfigError("checkpoint.resume", f"{r!r} is not a keyword (did you mean '{r.strip().lower()}'?); use exactly "
+                              f"'auto', 'never' or a checkpoint directory (a directory with that name: ./{r.strip()})")
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    """Where the run's actors go: the Ray cluster, colocation, placement over nodes, CPU threads, timeouts,
+    and the GPU nodes a plan sizes against."""
+
+    address: str = ""
+    """empty: start a local Ray (or use RAY_ADDRESS when set)"""
+    num_cpus: int | None = None
+    """CPUs of the local Ray the run starts; null: those this process may use."""
+    colocate: bool = True
+    """trainer and rollout time-share the same resources"""
+    offload: bool = False
+    """colocated, synchronous: trainer ranks move parameters, gradients and optimizer state to host memory
+    while the engines generate, and back for training (bitwise; timing/offload_s, timing/onload_s)"""
+    placement: Literal["pack", "spread", "strict_spread"] = "pack"
+    """how the run's Ray placement group lays trainer ranks and engines out over nodes: pack (fill a node
+    first), spread (across nodes, best effort) or strict_spread (one bundle per node)"""
+    node_ip: str = ""
+    """this (driver) node's address when the machine has several (e.g. SLURM on one host)"""
+    call_timeout_s: float = 3600.0
+    """the longest the driver waits for a remote call (a rollout, a training step, a weight sync, ...); past
+    it the run stops naming the role, the rank or engine, and the call"""
+    gpus_per_node: int = 8
+    """the GPU nodes the run is meant for: `moe-rl plan` and `check-config --assume-cuda` size it against them
+    """
+    gpu_memory_gb: float = 80.0
+    """Memory of each GPU of those nodes, in GB (see gpus_per_node)."""
+    trainer_threads: int | None = None
+    """CPU threads (torch intra-op, OpenMP) of each trainer rank and of each engine worker; null: the node's
+    CPUs (as Ray counts them) divided among the processes that compute at the same time there (synchronous
+    runs alternate a model's ranks and the engines, asynchronous runs overlap them), at most OMP_NUM_THREADS
+    where the driver's environment sets it"""
+    engine_threads: int | None = None
+    """CPU threads of each engine worker; null: counted as for trainer_threads."""
+
+    def check(self) -> None:
+        if self.num_cpus is not None:
+            positive("cluster.num_cpus", self.num_cpus)
+        for name in ("trainer_threads", "engine_threads"):
+            if getattr(self, name) is not None:
+                positive(f"cluster.{name}", getattr(self, name))
+        positive("cluster.gpus_per_node", self.gpus_per_node)
+        in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
+        in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
