@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from moe_rl.schema import ConfigError, did_you_mean, in_range, positive
+from moe_rl.schema import ConfigError, in_range, positive
 
 
 @dataclass(frozen=True)
@@ -145,16 +145,7 @@ class EnvironmentSection:
     """the environment's own options, as its Options dataclass declares them"""
 
     def check(self) -> None:
-        from moe_rl.rollout.envs import EnvContext, EnvImportError, build_options, env_names, get_env
-
-        try:
-            env = get_env(self.name)
-        except EnvImportError as err:
-            raise ConfigError("environment.name", str(err)) from None
-        except KeyError:
-            raise ConfigError("environment.name", f"unknown environment '{self.name}'{did_you_mean(self.name, env_names())}; "
-                              f"choose one of {', '.join(env_names())}, or give an import path "
-                              "(package.module:Class or path/to/file.py:Class)") from None
+        """The fields alone; the environment they name is config_rules.check_environment's."""
         positive("environment.max_turns", self.max_turns)
         positive("environment.token_budget", self.token_budget)
         in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
@@ -162,18 +153,6 @@ class EnvironmentSection:
         if "tool_timeout_s" in self.options:
             raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s (every "
                               "environment may read it); move it there")
-        build_options(env, self.options)
-        if self.reward_fn and self.name != "single_turn":
-            raise ConfigError("environment.reward_fn", f"only the single_turn environment calls a reward function; "
-                              f"'{self.name}' computes its own rewards (set environment.name: single_turn)")
-        try:
-            env.check_context(EnvContext(self.tool_timeout_s, self.reward_fn))
-        except (ValueError, EnvImportError) as err:
-            raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or self.reward_fn else "environment",
-                              str(err)) from None
-        if not self.dataset and not env.generates_prompts():
-            raise ConfigError("environment.dataset", f"environment '{self.name}' makes no prompts of its own: give a "
-                              "JSONL or Parquet file of rows")
 
 
 @dataclass(frozen=True)
@@ -264,9 +243,6 @@ class AlgorithmSection:
             raise ConfigError("algorithm.icepop_max", f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
         in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
         in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
-        _registered("algorithm.advantage", self.advantage, "advantage")
-        _registered("algorithm.policy_loss", self.policy_loss, "policy_loss")
-        _registered("algorithm.correction", self.correction, "correction")
 
     @property
     def uses_critic(self) -> bool:
@@ -375,11 +351,3 @@ class RewardModelSection:
     """The reward model's score's weight in the combined reward."""
     rule_weight: float = 1.0
     """the environment's rewards (terminal and per turn)"""
-
-
-def _registered(path: str, name: str, kind: str) -> None:
-    from moe_rl.algos import registry
-
-    names = registry.names(kind)
-    if name not in names:
-        raise ConfigError(path, f"unknown {kind} '{name}'{did_you_mean(name, names)}; choose one of {', '.join(names)}")

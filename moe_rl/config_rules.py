@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_rl.schema import ConfigError
+from moe_rl.schema import ConfigError, did_you_mean
 
 
 def _meta(kind: str, name: str):
@@ -20,8 +20,49 @@ def _meta(kind: str, name: str):
     return registry.meta(kind, name)
 
 
+def check_registered(alg) -> None:
+    """algorithm.advantage, policy_loss and correction name registered methods (moe_rl.algos.registry)."""
+    from moe_rl.algos import registry
+
+    for kind in ("advantage", "policy_loss", "correction"):
+        name, names = getattr(alg, kind), registry.names(kind)
+        if name not in names:
+            raise ConfigError(f"algorithm.{kind}", f"unknown {kind} '{name}'{did_you_mean(name, names)}; choose one of "
+                              f"{', '.join(names)}")
+
+
+def check_environment(env) -> None:
+    """environment.name resolves (a built-in, or an import path), its options build (its Options
+    dataclass), it accepts the run's context (reward_fn), and it has prompts (its own, or a dataset)."""
+    from moe_rl.rollout.envs import EnvContext, EnvImportError, build_options, env_names, get_env
+
+    try:
+        cls = get_env(env.name)
+    except EnvImportError as err:
+        raise ConfigError("environment.name", str(err)) from None
+    except KeyError:
+        raise ConfigError("environment.name", f"unknown environment '{env.name}'{did_you_mean(env.name, env_names())}; "
+                          f"choose one of {', '.join(env_names())}, or give an import path "
+                          "(package.module:Class or path/to/file.py:Class)") from None
+    build_options(cls, env.options)
+    if env.reward_fn and env.name != "single_turn":
+        raise ConfigError("environment.reward_fn", f"only the single_turn environment calls a reward function; "
+                          f"'{env.name}' computes its own rewards (set environment.name: single_turn)")
+    try:
+        cls.check_context(EnvContext(env.tool_timeout_s, env.reward_fn))
+    except (ValueError, EnvImportError) as err:
+        raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or env.reward_fn else "environment",
+                          str(err)) from None
+    if not env.dataset and not cls.generates_prompts():
+        raise ConfigError("environment.dataset", f"environment '{env.name}' makes no prompts of its own: give a "
+                          "JSONL or Parquet file of rows")
+
+
 def check_compatible(cfg, cuda_available: bool) -> None:
-    """Cross-section rules: parallel layout vs model shape, GPU-only features vs this machine."""
+    """Cross-section rules (after every section's own checks): the registered methods and the environment
+    the config names, the parallel layout vs the model's shape, GPU-only features vs this machine."""
+    check_registered(cfg.algorithm)
+    check_environment(cfg.environment)
     tiny, par = cfg.model.tiny, cfg.parallel
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts, tiny.num_layers)
