@@ -3,7 +3,7 @@ each field's docstring (the string under the field in config_run.py and config_r
 type and default.
 
     explain("rollout.temperature")  # `moe-rl config explain rollout.temperature`
-    markdown()                      # docs/config.md: `moe-rl config docs > docs/config.md` (tests keep it current)
+    markdown()                      # docs/config.md (moe-rl config docs; a test keeps it current)
 """
 
 from __future__ import annotations
@@ -92,20 +92,24 @@ def explain(path: str) -> str:
         subs = [f"  {s.removeprefix(path + '.')}: a section (moe-rl config explain {s})" for s in secs
                 if s.rpartition(".")[0] == path]
         return f"{path}: {textwrap.fill(_section_doc(secs[path]), 100)}\n\n" + "\n".join(rows + subs) + "\n"
-    raise ConfigError(path, f"no such setting{did_you_mean(path, [*secs, *leaves])}; `moe-rl config docs` lists them all")
+    close = did_you_mean(path, [*secs, *leaves])
+    raise ConfigError(path, f"no such setting{close}; `moe-rl config docs` lists them all")
 
 
 def markdown() -> str:
     """docs/config.md: every section and setting with its type, default and description."""
     lines = ["# Configuration", "",
-             "Every setting of a run, section by section: its type, its default and what it does. Generated from",
-             "the docstrings in `moe_rl/config_run.py` and `moe_rl/config_rl.py` by `moe-rl config docs` (a test",
-             "fails when this file is stale); `moe-rl config explain PATH` prints one setting or section.", ""]
+             "Every setting of a run, section by section: its type, its default and what it does.",
+             "Generated from the docstrings in `moe_rl/config_run.py` and `moe_rl/config_rl.py` by",
+             "`moe-rl config docs` (a test fails when this file is stale); `moe-rl config explain PATH`",
+             "prints one setting or section.", ""]
     leaves = fields()
     for path, cls in sections().items():
         lines += [f"## `{path}`", "", _section_doc(cls), "", "| setting | type | default | description |",
                   "| --- | --- | --- | --- |"]
-        lines += [f"| `{f.path}` | {f.type} | `{f.default}` | {f.doc.replace(chr(10), ' ').replace('|', '&#124;')} |"
-                  for f in leaves if f.path.rpartition(".")[0] == path]
+        for f in leaves:
+            if f.path.rpartition(".")[0] == path:
+                doc = f.doc.replace("\n", " ").replace("|", "&#124;")
+                lines.append(f"| `{f.path}` | {f.type} | `{f.default}` | {doc} |")
         lines.append("")
     return "\n".join(lines)

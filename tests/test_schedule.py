@@ -66,16 +66,18 @@ class Recorder:
         return step in self.saves
 
     def save(self, step: int, in_flight: InFlight | None) -> None:
-        held = f" holding rollout {in_flight.step}" if in_flight is not None and in_flight.done is not None else ""
+        finished = in_flight is not None and in_flight.done is not None
+        held = f" holding rollout {in_flight.step}" if finished else ""
         self.events.append(f"save {step}{held}")
 
 
 def run_steps(tmp_path: Path, *overrides: str, first: int = 0, resumed: Collected | None = None,
               evals: dict | None = None, saves=frozenset()):
-    """What run does from the first rollout to the last evaluation, on recorders: (events, evaluated steps)."""
+    """What run does from the first rollout to the last evaluation, on recorders: (events, evaluated
+    steps)."""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml",
-                      [f"run.output_dir={tmp_path}", "run.steps=3", "trainer.eval_prompts=4", "trainer.eval_every=2",
-                       *overrides])
+                      [f"run.output_dir={tmp_path}", "run.steps=3", "trainer.eval_prompts=4",
+                       "trainer.eval_every=2", *overrides])
     rec = Recorder(set(saves))
     log = StepLog(tmp_path / "tb", False, cfg.run.steps, False, 1)
     evaluation = Evaluation(cfg, tmp_path, rec, log, {}, dict(evals or {}))
@@ -103,7 +105,7 @@ def test_asynchronous_the_next_rollout_runs_while_a_step_trains_and_a_checkpoint
     events, evaluated = run_steps(tmp_path, "rollout.async_mode=true", saves={2})
     assert events == [
         "offload", "wake", "evaluate", "generate 0",
-        "wait 0", "sleep", "onload", "generate 1", "train 0",  # step 1's rollout generates while step 0 trains
+        "wait 0", "sleep", "onload", "generate 1", "train 0",  # step 1's rollout runs while step 0 trains
         "wait 1", "sleep", "onload", "generate 2", "train 1",
         "finish 2", "save 2 holding rollout 2",  # the checkpoint holds step 2's rollout, finished
         "evaluate",  # step 2's weights, beside the rollout in flight
@@ -120,8 +122,10 @@ def test_a_resumed_asynchronous_run_trains_first_on_the_rollout_its_checkpoint_h
 
 
 def test_a_resumed_synchronous_run_does_not_evaluate_a_step_the_earlier_try_evaluated(tmp_path):
-    events, _ = run_steps(tmp_path, first=2, evals={0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}})
-    assert events == ["offload", "wake", "generate 2", "wait 2", "sleep", "onload", "train 2", "wake", "evaluate"]
+    evals = {0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}}
+    events, _ = run_steps(tmp_path, first=2, evals=evals)
+    assert events == ["offload", "wake", "generate 2", "wait 2", "sleep", "onload", "train 2",
+                      "wake", "evaluate"]
 
 
 def test_without_held_out_prompts_nothing_is_evaluated(tmp_path):

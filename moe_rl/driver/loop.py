@@ -49,11 +49,15 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         first, summary, evals = 0, prepare(cfg, models, rollouts), {}
     else:  # the warm start's figures and the evaluations up to the checkpoint, as the earlier try wrote them
         summary, evals = earlier_summary(out, first)
-        say(f"resumed at step {first}" + ("" if first < cfg.run.steps else f"; the earlier try reached run.steps="
-            f"{cfg.run.steps}: what it left undone after its last step (the evaluation, the summary) follows"))
-    log = StepLog(out / "tensorboard" / cfg.run.name, cfg.logging.tensorboard, cfg.run.steps, cfg.logging.progress_bar,
-                  cfg.logging.log_every, cfg.logging.heatmap_every)
-    log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")  # as run: every default filled in
+        done = "" if first < cfg.run.steps else (
+            f"; the earlier try reached run.steps={cfg.run.steps}: what it left undone after its last step "
+            "(the evaluation, the summary) follows")
+        say(f"resumed at step {first}{done}")
+    lg = cfg.logging
+    log = StepLog(out / "tensorboard" / cfg.run.name, lg.tensorboard, cfg.run.steps, lg.progress_bar,
+                  lg.log_every, lg.heatmap_every)
+    # the config as run: with every default
+    log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")
     if summary:  # the warm start, at step 0
         log.metrics.log(0, summary, advance=False)
     diag = cfg.logging.routing_diagnostics_every
@@ -76,7 +80,8 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
     return 0
 
 
-def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, log: StepLog, trips: int = 0) -> None:
+def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, log: StepLog,
+          trips: int = 0) -> None:
     """Steps first .. end - 1, each on the batch `schedule` hands it: `update(batch, step)` (train_step)
     gives its figures, logged with the rollout's; then its checkpoint where due (holding the rollout in
     flight) and the schedule's turn (`step_done`). timing/round_trips: the driver's waits on remote calls
@@ -118,7 +123,8 @@ def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
     tr = cfg.trainer
     if tr.warm_start_steps:
         say(f"supervised warm start: {tr.warm_start_steps} steps on scripted-expert episodes")
-        summary |= models.policy.warm_start(rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch), tr.warm_start_lr)
+        demos = rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch)
+        summary |= models.policy.warm_start(demos, tr.warm_start_lr)
         rollouts.sync(models.policy, 0)
     models.policy.init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)
     return summary

@@ -31,7 +31,8 @@ class Evaluation:
 
     def __init__(self, cfg: RunConfig, out: Path, rollouts, log, summary: dict, results: dict[int, dict]):
         self.out, self.rollouts, self.log, self.summary, self.results = out, rollouts, log, summary, results
-        self.prompts, self.every, self.samples = cfg.trainer.eval_prompts, cfg.trainer.eval_every, cfg.trainer.eval_samples
+        tr = cfg.trainer
+        self.prompts, self.every, self.samples = tr.eval_prompts, tr.eval_every, tr.eval_samples
         self.steps = cfg.run.steps
 
     def due(self, step: int) -> bool:
@@ -41,7 +42,8 @@ class Evaluation:
             and step < self.steps and step not in self.results
 
     def run(self, step: int) -> None:
-        say(f"evaluating on {len(self.rollouts.eval_prompts)} held-out prompts x {self.samples} (step {step})")
+        prompts = len(self.rollouts.eval_prompts)
+        say(f"evaluating on {prompts} held-out prompts x {self.samples} (step {step})")
         self.results[step] = self.rollouts.evaluate()
         self.log.metrics.log(step, self.results[step], advance=False)
         write_summary(self.out, self.summary, self.results)

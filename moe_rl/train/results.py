@@ -23,7 +23,8 @@ class ScoreResult:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields this result holds, by name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        held = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: x for name, x in held.items() if x is not None}
 
 
 @dataclass
