@@ -1,21 +1,17 @@
-"""Where the run's actors go: trainer ranks (policy, critic, reference) and rollout engines in one
-Ray placement group, and the CPU threads each computes with.
+"""Where the run's actors go: trainer ranks (policy, critic, reference, reward model) and rollout engines
+in one Ray placement group, and the CPU threads each computes with.
 
-One machine: the run starts a local Ray (the default). A cluster: `cluster.address` (or RAY_ADDRESS)
-names it (launch/ starts one on SLURM). A caller that keeps one Ray up for several runs in its process
-(a notebook, a test module) starts it with `ray.init(runtime_env=runtime_env(), ...)`: each run places
-its actors there and removes them, and the Ray stays. One placement group holds the run: without GPUs a bundle per
-trainer rank and per engine, with GPUs a bundle per GPU and each actor pinned to the bundle of its GPU
-(`gpu_layout`, `Placement`); `cluster.placement` packs them onto as few nodes as possible or spreads them
-over the nodes. Colocated (the default) actors reserve almost no CPU, so trainers and engines time-share
-a 2-core box, and on GPUs rank i of every model and engine worker i share GPU i; separate placement gives
-each actor a CPU and GPUs of its own.
+One placement group holds the run: without GPUs a bundle per trainer rank and per engine, with GPUs a
+bundle per GPU and each actor pinned to the bundle of its GPU (`gpu_layout`, `Placement`);
+`cluster.placement` packs them onto as few nodes as possible or spreads them over the nodes. Colocated
+(the default) actors reserve almost no CPU, so trainers and engines time-share a 2-core box, and on GPUs
+rank i of every model and engine worker i share GPU i; separate placement gives each actor a CPU and GPUs
+of its own. (The Ray the run uses, local or a cluster's, is session.py's.)
 
 Inside a trainer group, torch.distributed (gloo on CPU, NCCL on GPU) connects the ranks through rank
 0's node. Weight sync puts each rank's buckets in Ray's object store: an engine on the same node reads
 them where they lie (shared memory, no copy), an engine on another node receives them from Ray.
 """
-
 
 from __future__ import annotations
 

@@ -3,9 +3,10 @@ environment, SIGINT/SIGTERM turned into a stop at the next safe point, and `shut
 path runs: the run's actors, its placement group and the Ray it started go with it. Also the fault
 injection points tests kill processes at (`failpoint`).
 
-A caller that keeps one Ray up for several runs in its process (a notebook, a test module) starts it with
-`ray.init(runtime_env=runtime_env(), ...)`: each run places its actors there and removes them, and the Ray
-stays.
+One machine: the run starts a local Ray (the default). A cluster: `cluster.address` (or RAY_ADDRESS)
+names it (launch/ starts one on SLURM). A caller that keeps one Ray up for several runs in its process (a
+notebook, a test module) starts it with `ray.init(runtime_env=runtime_env(), ...)`: each run places its
+actors there and removes them, and the Ray stays.
 """
 
 from __future__ import annotations
