@@ -140,3 +140,20 @@ def test_the_closing_lines_name_the_best_step_and_say_when_rl_ended_below_the_st
     assert "held-out reward: 0.300 -> 0.200   success rate: 0.300 -> 0.200" in out
     report(tmp_path, {}, {0: ev(0.1), 5: ev(0.25)}, [], 5)
     assert "best evaluation: step 5 (held-out reward 0.250; checkpoint not kept)" in capsys.readouterr().out
+
+
+def test_the_closing_lines_and_the_summary_hold_the_baselines(tmp_path, capsys):
+    import json
+
+    from moe_rl.driver.report import report
+
+    def ev(r):
+        return {"eval/reward_mean": r, "eval/success_rate": r}
+
+    baselines = {"random guesses": ev(0.376), "binary search": ev(1.0)}
+    report(tmp_path, {}, {0: ev(0.4), 3: ev(0.9)}, [], 3, baselines)
+    out = capsys.readouterr().out
+    assert "baselines on the same held-out prompts, success rate: random guesses 0.376, binary search 1.000" \
+        in out
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["baselines"] == baselines and saved["eval/success_rate_after"] == 0.9

@@ -73,10 +73,11 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         session.check_interrupted()
         last = max(first, cfg.run.steps)
         evaluation.final(last)
+        baselines = rollouts.baselines()  # the environment's reference policies on the held-out prompts
     finally:
         log.close()
     torch.save(log.history, out / "history.pt")
-    report(out, summary, evals, log.history, last)
+    report(out, summary, evals, log.history, last, baselines)
     return 0
 
 

@@ -44,9 +44,11 @@ def earlier_summary(out: Path, step: int) -> tuple[dict, dict[int, dict]]:
     return {k: v for k, v in saved.items() if k.startswith("warm_start/")}, evals
 
 
-def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int) -> None:
-    """summary.json (`write_summary`) and the closing lines."""
-    summary = write_summary(out, summary, evals)
+def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int,
+           baselines: dict[str, dict[str, float]] | None = None) -> None:
+    """summary.json (`write_summary`, with the environment's reference policies on the same held-out
+    prompts: `baselines`, Rollouts.baselines) and the closing lines."""
+    summary = write_summary(out, summary | ({"baselines": baselines} if baselines else {}), evals)
     lines = [f"run finished: {steps} steps, output in {out}"]
     if "best_eval_step" in summary:
         best = summary["best_eval_step"]
@@ -58,6 +60,9 @@ def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict]
     if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
         lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
                      f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")
+    if baselines:
+        lines.append("baselines on the same held-out prompts, success rate: " + ", ".join(
+            f"{name} {figures['eval/success_rate']:.3f}" for name, figures in baselines.items()))
     if history:
         lines.append(f"training reward: first step {history[0].get('reward/mean', float('nan')):.3f}, "
                      f"last step {history[-1].get('reward/mean', float('nan')):.3f}")

@@ -369,6 +369,27 @@ class Rollouts:
         trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0), "evaluation"))])[0]
         return evaluation_figures(trajs, len(self.eval_prompts), n)
 
+    def baselines(self) -> dict[str, dict[str, float]]:
+        """The environment's reference policies (Environment.reference_policies: chance, optimal, ...) on
+        the held-out prompts, trainer.eval_samples episodes each as the evaluation plays them, through the
+        same agent loop, in this process: their evaluation figures (`evaluation_figures`) by name."""
+        import asyncio
+
+        from transformers import AutoTokenizer
+
+        from moe_rl.rollout.agent import Agent
+        from moe_rl.rollout.demos import ExpertPolicy
+
+        if not self.eval_prompts:
+            return {}
+        tok, n = AutoTokenizer.from_pretrained(self.model_path), self.cfg.trainer.eval_samples
+        out = {}
+        for name, turn in self.env.env_cls.reference_policies().items():
+            agent = Agent(ExpertPolicy(tok, turn, self.cfg.run.seed), tok, self.env, self.agent_settings)
+            groups = asyncio.run(agent.run_groups(self.eval_prompts, n))
+            out[name] = evaluation_figures([t for g in groups for t in g], len(self.eval_prompts), n)
+        return out
+
     def demonstrations(self, steps: int, rows: int) -> list[Batch]:
         """`steps` batches of `rows` episodes played by the environment's scripted expert through the
         same agent loop (same chat template, observations and masks as RL), run in this process; on
@@ -383,7 +404,8 @@ class Rollouts:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(self.model_path)
-        agent = Agent(ExpertPolicy(tok, self.env.env_cls, cfg.run.seed), tok, self.env, self.agent_settings)
+        expert = ExpertPolicy(tok, self.env.env_cls.expert_turn, cfg.run.seed)
+        agent = Agent(expert, tok, self.env, self.agent_settings)
         if self.env.env_cls.generates_prompts():
             prompts = generated_prompts(cfg, steps * rows, cfg.run.seed + 31337)
         else:

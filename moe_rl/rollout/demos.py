@@ -16,14 +16,16 @@ from moe_rl.rollout.engine import GenerationResult
 
 
 class ExpertPolicy:
-    """Plays `env.expert_turn` in place of the model (token-in/token-out like the engine)."""
+    """Plays a scripted turn function in place of the model (token-in/token-out like the engine):
+    `turn(conversation, rng) -> text`, an environment's `expert_turn` or one of its
+    `reference_policies`."""
 
-    def __init__(self, tokenizer, env_cls, seed: int):
-        self.tok, self.env_cls, self.rng = tokenizer, env_cls, random.Random(seed)
+    def __init__(self, tokenizer, turn, seed: int):
+        self.tok, self.turn, self.rng = tokenizer, turn, random.Random(seed)
         self.eos = end_of_turn_id(tokenizer)
         self.version = 0
 
     async def agenerate(self, ids, sampling):
-        text = self.env_cls.expert_turn(self.tok.decode(ids), self.rng)
+        text = self.turn(self.tok.decode(ids), self.rng)
         out = self.tok.encode(text, add_special_tokens=False)[: max(0, sampling.max_tokens - 1)] + [self.eos]
         return GenerationResult("demo", list(ids), out, [-1.0] * len(out), "stop", 0, None)

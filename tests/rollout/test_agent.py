@@ -133,8 +133,8 @@ def test_calculator_expert_calls_the_tool_then_answers(tok):
     from moe_rl.rollout.demos import ExpertPolicy
 
     env = get_env("calculator")
-    agent = Agent(ExpertPolicy(tok, env, 0), tok, EnvSpec(env), agent_settings(max_turns=3, token_budget=300,
-                                                                              max_tokens_per_turn=32))
+    settings = agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32)
+    agent = Agent(ExpertPolicy(tok, env.expert_turn, 0), tok, EnvSpec(env), settings)
     prompt = env.generate_prompts(1, seed=3, options=env.Options())[0]
     t = run(agent.run_episode(prompt))
     text = tok.decode(t.token_ids)
@@ -410,3 +410,28 @@ def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
     assert run(agent.run_groups([{"prompt": "q"}], 2)) == []
     assert agent.stats.rejected["env_error"] == 2
     assert agent.stats.first_error == f"step: ZeroDivisionError: division by zero ({tmp_path / 'scores.py'}:2)"
+
+
+def test_the_guessing_games_reference_policies_are_chance_and_optimal(tok):
+    """guess_number's reference policies (the baselines a run reports), played through the agent loop:
+    binary search wins every game within 4 guesses of 1..9; random guesses in range, the feedback ignored,
+    win 1 - (8/9)^4 = 0.376 of them (400 games: within 4 standard deviations, 0.097)."""
+    import math
+
+    from moe_rl.rollout.demos import ExpertPolicy
+
+    env = get_env("guess_number")
+    prompts = env.generate_prompts(400, seed=5, options=env.Options())
+    policies = env.reference_policies()
+    assert list(policies) == ["random guesses", "binary search"]
+    won = {}
+    for name, turn in policies.items():
+        settings = agent_settings(max_turns=4, token_budget=128)
+        agent = Agent(ExpertPolicy(tok, turn, 1), tok, EnvSpec(env), settings)
+        trajs = [t for g in run(agent.run_groups(prompts, 1)) for t in g]
+        won[name] = sum(t.terminal_reward == 1.0 for t in trajs) / len(prompts)
+        if name == "binary search":
+            assert all(len(t.spans) <= 4 for t in trajs)
+    assert won["binary search"] == 1.0
+    chance = 1 - (8 / 9) ** 4
+    assert abs(won["random guesses"] - chance) < 4 * math.sqrt(chance * (1 - chance) / len(prompts))

@@ -148,6 +148,13 @@ class Environment:
         raise NotImplementedError(f"{cls.__name__} has no scripted expert")
 
     @classmethod
+    def reference_policies(cls) -> dict[str, Any]:
+        """Scripted policies a run plays on its held-out prompts and reports beside its own results (how
+        far it is from chance and from optimal), by name: turn functions like `expert_turn`. By default
+        the scripted expert, where the class has one."""
+        return {"scripted expert": cls.expert_turn} if cls.has_expert() else {}
+
+    @classmethod
     def generate_prompts(cls, n: int, seed: int, options: Any) -> list[dict]:
         """Prompts for environments that make their own (used when no dataset is configured)."""
         raise NotImplementedError(f"{cls.__name__} needs a dataset (environment.dataset)")

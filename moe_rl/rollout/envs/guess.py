@@ -55,6 +55,22 @@ class GuessNumber(Environment):
         return str(rng.randint(low, high))
 
     @classmethod
+    def binary_search_turn(cls, conversation: str, rng) -> str:
+        """The optimal player: the middle of the range the feedback so far leaves (it always wins within
+        ceil(log2(high - low + 2)) guesses: 4 for 1..9)."""
+        low, high = (int(x) for x in re.search(r"from (-?\d+) to (-?\d+)", conversation).groups())
+        tail = conversation.split(f"from {low} to {high}", 1)[1]
+        for guess, feedback in re.findall(r"(-?\d+)\D*?\b(higher|lower)\b", tail):
+            low, high = (int(guess) + 1, high) if feedback == "higher" else (low, int(guess) - 1)
+        return str((low + high) // 2)
+
+    @classmethod
+    def reference_policies(cls) -> dict:
+        """Chance (random guesses in range, the feedback ignored: the warm start's expert) and optimal
+        (binary search)."""
+        return {"random guesses": cls.expert_turn, "binary search": cls.binary_search_turn}
+
+    @classmethod
     def generate_prompts(cls, n: int, seed: int, options: Options) -> list[dict]:
         low, high = options.low, options.high
         rng = random.Random(seed)
