@@ -68,14 +68,6 @@ def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
     return out
 
 
-def heatmap_pixels(x_HW: torch.Tensor, cell: int = 24) -> torch.Tensor:
-    """An [H, W] array as a grayscale image in [0, 1] (white: the largest value), each value a cell x
-    cell square, so that a 2 x 4 map is legible in TensorBoard. Returns [H * cell, W * cell]."""
-    x = x_HW.double()
-    x = x / x.max() if float(x.max()) > 0 else x
-    return x.repeat_interleave(cell, 0).repeat_interleave(cell, 1).float()
-
-
 class Metrics:
     """TensorBoard scalars under `log_dir`, written every `every` steps (and at the last step), and a
     progress bar advanced every step."""
@@ -91,8 +83,9 @@ class Metrics:
         self.bar, self.progress = None, progress  # the bar starts after the first step: its one-time costs
         # (engine warm-up, first compilations) stay out of the rate and the time left
     def log(self, step: int, values: dict[str, object], advance: bool = True) -> dict[str, float]:
-        """Scalars (returned), plus `hist/TAG` values as histograms and `heatmap/TAG` [H, W] values as
-        images (every `heatmap_every` steps) in TensorBoard."""
+        """Scalars (returned), plus `hist/TAG` values as histograms and `heatmap/TAG/PANEL` [L, E] expert
+        loads as one labelled image per TAG, its panels side by side (plots.expert_load_image; every
+        `heatmap_every` steps), in TensorBoard."""
         clean, extra = {}, {}
         for k, v in values.items():
             if k.startswith(("hist/", "heatmap/")):
@@ -103,11 +96,18 @@ class Metrics:
         if self.writer is not None and (step % self.every == 0 or step == self.total or not advance):
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
+            heatmaps: dict[str, dict[str, torch.Tensor]] = {}
             for k, v in extra.items():
                 if k.startswith("hist/") and v.numel():
                     self.writer.add_histogram(k.removeprefix("hist/"), v.double(), step)
                 elif k.startswith("heatmap/") and self.heatmap_every and step % self.heatmap_every == 0:
-                    self.writer.add_image(k.removeprefix("heatmap/"), heatmap_pixels(v), step, dataformats="HW")
+                    tag, _, panel = k.removeprefix("heatmap/").rpartition("/")
+                    heatmaps.setdefault(tag, {})[panel] = v
+            for tag, panels in heatmaps.items():
+                from moe_rl.plots import expert_load_image
+
+                self.writer.add_image(tag, expert_load_image({p: v.numpy() for p, v in panels.items()}), step,
+                                      dataformats="HWC")
             self.writer.flush()
         if self.progress and advance:
             if self.bar is None:
@@ -134,10 +134,10 @@ class Metrics:
             self.bar.close()
 
 
-def expert_load_figures(name: str, load_LE: torch.Tensor) -> dict[str, object]:
+def expert_load_figures(name: str, load_LE: torch.Tensor, title: str) -> dict[str, object]:
     """Expert-load figures of one routing (algos.stats.expert_load's [L, E] shares): the load imbalance
     (max / mean) and usage entropy (over log E) per layer and summarised, and the shares themselves as a
-    heatmap (rows: layers, columns: experts)."""
+    panel titled `title` of the moe/expert_load heatmap (rows: layers, columns: experts)."""
     from moe_rl.algos import stats
 
     imbalance, entropy = stats.load_imbalance(load_LE), stats.usage_entropy(load_LE)
@@ -145,7 +145,7 @@ def expert_load_figures(name: str, load_LE: torch.Tensor) -> dict[str, object]:
             f"moe/{name}_usage_entropy_min": entropy.min(),
             **{f"moe/{name}_layer{i:02d}_load_imbalance": x for i, x in enumerate(imbalance)},
             **{f"moe/{name}_layer{i:02d}_usage_entropy": x for i, x in enumerate(entropy)},
-            f"heatmap/moe/{name}_expert_load": load_LE}
+            f"heatmap/moe/expert_load/{title}": load_LE}
 
 
 def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, object]:
@@ -185,9 +185,11 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         out["routing/filled_tail_positions_per_sample"] = (batch.lengths_B - batch.routed_len_B).float().mean()
     if num_experts and batch.routes_BSLK is not None:  # the positions the engine computed (placeholders excluded)
         computed = torch.arange(batch.input_ids_BS.shape[1]) < batch.routed_len_B.unsqueeze(1)
-        out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts)))
+        out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts),
+                                       "rollout (vLLM)"))
         if scores.free_routes_BSLK is not None:  # the trainer's own choices at the same positions
-            out.update(expert_load_figures("trainer_free", stats.expert_load(scores.free_routes_BSLK, computed, num_experts)))
+            free = stats.expert_load(scores.free_routes_BSLK, computed, num_experts)
+            out.update(expert_load_figures("trainer_free", free, "trainer (free routing)"))
     out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/rollout/length": batch.lengths_B, "hist/reward/score": batch.score_B,
                 "hist/policy/advantage": targets.adv_BS[valid]})
     return out

@@ -82,7 +82,7 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert {"moe/rollout_layer01_load_imbalance", "moe/rollout_layer01_usage_entropy",
             "moe/rollout_usage_entropy_min"} <= tags  # the values, counted by hand: the asynchronous run's test
     assert [e.step for e in acc.Scalars("moe/trainer_free_load_imbalance_max")] == [3]
-    assert {"moe/rollout_expert_load", "moe/trainer_free_expert_load"} <= set(acc.Tags()["images"])
+    assert "moe/expert_load" in acc.Tags()["images"]  # rollout and trainer side by side (tests/test_plots.py)
     assert {"reward/score", "policy/advantage", "rollout/model_tokens", "rollout/length"} <= set(acc.Tags()["histograms"])
     for role in ("policy", "critic", "engine"):  # each role's largest process, not only the driver's
         assert 0.1 < acc.Scalars(f"memory/{role}_rss_gib_max")[-1].value < 20, role

@@ -14,6 +14,7 @@ def say(msg: str) -> None:
 
 
 SUMMARY_FILE = "summary.json"
+CURVE_FILE = "learning_curve.png"
 
 
 def write_summary(out: Path, summary: dict, evals: dict[int, dict]) -> dict:
@@ -47,7 +48,10 @@ def earlier_summary(out: Path, step: int) -> tuple[dict, dict[int, dict]]:
 def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict], steps: int,
            baselines: dict[str, dict[str, float]] | None = None) -> None:
     """summary.json (`write_summary`, with the environment's reference policies on the same held-out
-    prompts: `baselines`, Rollouts.baselines) and the closing lines."""
+    prompts: `baselines`, Rollouts.baselines), learning_curve.png (plots.learning_curve) and the
+    closing lines."""
+    from moe_rl.plots import learning_curve
+
     summary = write_summary(out, summary | ({"baselines": baselines} if baselines else {}), evals)
     lines = [f"run finished: {steps} steps, output in {out}"]
     if "best_eval_step" in summary:
@@ -63,6 +67,8 @@ def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict]
     if baselines:
         lines.append("baselines on the same held-out prompts, success rate: " + ", ".join(
             f"{name} {figures['eval/success_rate']:.3f}" for name, figures in baselines.items()))
+    if history or evals:
+        lines.append(f"learning curve: {learning_curve(history, evals, baselines or {}, out / CURVE_FILE)}")
     if history:
         lines.append(f"training reward: first step {history[0].get('reward/mean', float('nan')):.3f}, "
                      f"last step {history[-1].get('reward/mean', float('nan')):.3f}")
