@@ -40,6 +40,8 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
 
     out, proc = reference
     assert "run finished: 3 steps" in proc.stdout
+    curve = out / "learning_curve.png"
+    assert f"learning curve: {curve}" in proc.stdout and curve.stat().st_size > 10_000
     # where the start-up's time went, phase by phase (the ranks and engines side by side)
     assert re.search(r"start-up: [\d.]+ s \(model [\d.]+ s, GAE kernel [\d.]+ s, Ray [\d.]+ s, trainer ranks [\d.]+ s, "
                      r"engines \(beyond the ranks\) [\d.]+ s, weight-sync connect [\d.]+ s\)", proc.stdout), proc.stdout
