@@ -55,9 +55,10 @@ def test_odd_lengths_match_one_rank(one_rank, tiny_qwen, layout):
     results = run_ranks(odd_job, 2, (str(tiny_qwen), layout))
     for res in results:
         for pack in (False, True):
-            for name in ("logp", "entropy"):
-                assert res[pack][name].shape == (B, S)
-                torch.testing.assert_close(res[pack][name] * valid, one_rank[False][name] * valid, atol=1e-5, rtol=0)
+            for name in ("logp_BS", "entropy_BS"):
+                got, want = getattr(res[pack], name), getattr(one_rank[False], name)
+                assert got.shape == (B, S)
+                torch.testing.assert_close(got * valid, want * valid, atol=1e-5, rtol=0)
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
     total = sum(losses) if "ep" in layout else losses[0]  # EP2 is data-parallel 2: shares of the loss
     assert total == pytest.approx(one_rank["step"]["loss"], abs=1e-5)
