@@ -103,9 +103,9 @@ class Metrics:
                 elif k.startswith("heatmap/") and self.heatmap_every and step % self.heatmap_every == 0:
                     tag, _, panel = k.removeprefix("heatmap/").rpartition("/")
                     heatmaps.setdefault(tag, {})[panel] = v
-            for tag, panels in heatmaps.items():
+            if heatmaps:
                 from moe_rl.plots import expert_load_image
-
+            for tag, panels in heatmaps.items():
                 self.writer.add_image(tag, expert_load_image({p: v.numpy() for p, v in panels.items()}), step,
                                       dataformats="HWC")
             self.writer.flush()

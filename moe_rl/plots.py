@@ -75,7 +75,7 @@ def expert_load_image(loads: dict[str, np.ndarray]) -> np.ndarray:
 
     loads = {name: np.asarray(x, dtype=np.float64) for name, x in loads.items()}
     layers, experts = next(iter(loads.values())).shape
-    top = max(max(float(x.max()) for x in loads.values()), 1.0 / experts) or 1.0
+    top = max(max(float(x.max()) for x in loads.values()), 1.0 / experts)
     norm = Normalize(0.0, top)
     fig = _figure(1.2 + (0.45 * experts + 1.0) * len(loads), 1.1 + 0.4 * layers)
     axes = np.atleast_1d(fig.subplots(1, len(loads)))
