@@ -193,11 +193,12 @@ def _train(args, config) -> int:
     from moe_rl.driver.rollout_actor import EngineStartError
     from moe_rl.driver.rollout_manager import RolloutError
     from moe_rl.rollout.data import DatasetError
+    from moe_rl.rollout.demos import DemonstrationError
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.weights.hf import CheckpointError
 
     mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-                RolloutError, EngineStartError)
+                RolloutError, EngineStartError, DemonstrationError)
     try:
         return loop.main(cfg, resume_with_changes=args.resume_with_changes)
     except Exception as err:  # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug

@@ -99,9 +99,9 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
         assert figures["eval/pass@1"] == pytest.approx(figures["eval/mean@2"])  # pass@1 is the mean success
     assert summary["best_eval_step"] in (1, 2) and f"best evaluation: step {summary['best_eval_step']}" in proc.stdout
     # the environment's reference policy (its scripted expert: look up, then answer), same held-out prompts
-    assert 0 <= summary["baselines"]["scripted expert"]["eval/success_rate"] <= 1
+    assert summary["baselines"]["scripted expert"]["eval/success_rate"] == 1.0
     assert summary["baselines"]["scripted expert"]["eval/prompts"] == 4
-    assert "baselines on the same held-out prompts, success rate: scripted expert " in proc.stdout
+    assert "baselines on the same held-out prompts, success rate: scripted expert 1.000" in proc.stdout
     acc = EventAccumulator(str(out / "tensorboard" / "tool_env"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/pass@2")] == [0, 1, 2]

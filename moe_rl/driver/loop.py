@@ -53,6 +53,7 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
             f"; the earlier try reached run.steps={cfg.run.steps}: what it left undone after its last step "
             "(the evaluation, the summary) follows")
         say(f"resumed at step {first}{done}")
+    baselines = rollouts.baselines()  # the reference policies on the held-out prompts, before RL
     lg = cfg.logging
     log = StepLog(out / "tensorboard" / cfg.run.name, lg.tensorboard, cfg.run.steps, lg.progress_bar,
                   lg.log_every, lg.heatmap_every)
@@ -73,7 +74,6 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         session.check_interrupted()
         last = max(first, cfg.run.steps)
         evaluation.final(last)
-        baselines = rollouts.baselines()  # the environment's reference policies on the held-out prompts
     finally:
         log.close()
     torch.save(log.history, out / "history.pt")

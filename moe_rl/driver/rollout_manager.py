@@ -385,7 +385,8 @@ class Rollouts:
         tok, n = AutoTokenizer.from_pretrained(self.model_path), self.cfg.trainer.eval_samples
         out = {}
         for name, turn in self.env.env_cls.reference_policies().items():
-            agent = Agent(ExpertPolicy(tok, turn, self.cfg.run.seed), tok, self.env, self.agent_settings)
+            expert = ExpertPolicy(tok, turn, self.cfg.run.seed, self.cfg.rollout.max_new_tokens)
+            agent = Agent(expert, tok, self.env, self.agent_settings)
             groups = asyncio.run(agent.run_groups(self.eval_prompts, n))
             out[name] = evaluation_figures([t for g in groups for t in g], len(self.eval_prompts), n)
         return out
@@ -404,7 +405,7 @@ class Rollouts:
 
         cfg = self.cfg
         tok = AutoTokenizer.from_pretrained(self.model_path)
-        expert = ExpertPolicy(tok, self.env.env_cls.expert_turn, cfg.run.seed)
+        expert = ExpertPolicy(tok, self.env.env_cls.expert_turn, cfg.run.seed, cfg.rollout.max_new_tokens)
         agent = Agent(expert, tok, self.env, self.agent_settings)
         if self.env.env_cls.generates_prompts():
             prompts = generated_prompts(cfg, steps * rows, cfg.run.seed + 31337)

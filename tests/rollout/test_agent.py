@@ -412,6 +412,25 @@ def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
     assert agent.stats.first_error == f"step: ZeroDivisionError: division by zero ({tmp_path / 'scores.py'}:2)"
 
 
+def test_a_scripted_turn_longer_than_the_turn_limit_is_an_error_not_a_cut_demonstration(tok):
+    """A scripted expert whose turn does not fit rollout.max_new_tokens (here the tool example's
+    `<lookup>tiger</lookup>`: 22 tokens + end of turn, under a limit of 16) would train and score on cut
+    turns (the tool never sees a whole call): an error naming the setting and the length it needs."""
+    from moe_rl.rollout.demos import DemonstrationError, ExpertPolicy
+
+    def lookup(conversation, rng):
+        return "<lookup>tiger</lookup>"
+
+    settings = agent_settings(max_turns=2, token_budget=200, max_tokens_per_turn=16)
+    agent = Agent(ExpertPolicy(tok, lookup, 0, turn_limit=16), tok, EnvSpec("guess_number"), settings)
+    cut = r"lookup played a turn of 22 tokens .* rollout.max_new_tokens=16 cuts it: raise it to at least 23"
+    with pytest.raises(DemonstrationError, match=cut):
+        run(agent.run_groups([{"secret": 3}], 1))
+    settings = agent_settings(max_turns=2, token_budget=200, max_tokens_per_turn=23)
+    fits = Agent(ExpertPolicy(tok, lookup, 0, turn_limit=23), tok, EnvSpec("guess_number"), settings)
+    assert "<lookup>tiger</lookup>" in tok.decode(run(fits.run_episode({"secret": 3})).token_ids)
+
+
 def test_the_guessing_games_reference_policies_are_chance_and_optimal(tok):
     """guess_number's reference policies (the baselines a run reports), played through the agent loop:
     binary search wins every game within 4 guesses of 1..9; random guesses in range, the feedback ignored,
