@@ -27,7 +27,8 @@ from moe_rl.algos import rewards as R
 from moe_rl.trajectory import Trajectory, trajectory_success
 
 # the fields a step's targets fill (algos.targets.Targets names them alike)
-TARGET_FIELDS = ("adv_BS", "returns_BS", "values_old_BS", "logp_old_BS", "logp_ref_BS", "is_weight_BS", "pg_mask_BS")
+TARGET_FIELDS = ("adv_BS", "returns_BS", "values_old_BS", "logp_old_BS", "logp_ref_BS", "is_weight_BS",
+                 "pg_mask_BS")
 
 
 @dataclass
@@ -169,8 +170,10 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
         rewards_BS=R.place_terminal_reward(terminal, mask) + span_rewards,
         score_B=torch.tensor([t.total_reward for t in trajs]),
         success_B=torch.tensor([trajectory_success(t) for t in trajs], dtype=torch.bool),
-        turns_B=torch.tensor([len(t.spans) for t in trajs]), group_B=torch.tensor([t.group_id for t in trajs]),
+        turns_B=torch.tensor([len(t.spans) for t in trajs]),
+        group_B=torch.tensor([t.group_id for t in trajs]),
         terminated_B=torch.tensor([t.terminated for t in trajs]),
         boundary_len_B=torch.tensor([t.boundary_len for t in trajs]),
         prompt_len_B=torch.tensor([t.prompt_len for t in trajs]),
-        version_B=torch.tensor([t.weight_version for t in trajs]), routed_len_B=routed if routes is not None else None)
+        version_B=torch.tensor([t.weight_version for t in trajs]),
+        routed_len_B=routed if routes is not None else None)

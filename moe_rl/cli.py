@@ -48,7 +48,8 @@ def _cmd_check_config(args) -> int:
 
         for kind in registry.KINDS:
             print(f"{kind}: {', '.join(registry.names(kind))}")
-        print(f"aggregation: {', '.join(typing.get_args(typing.get_type_hints(config.AlgorithmSection)['aggregation']))}")
+        print("aggregation: "
+              f"{', '.join(typing.get_args(typing.get_type_hints(config.AlgorithmSection)['aggregation']))}")
         print(f"environment: {', '.join(env_names())}")
         return 0
     if not args.config:
@@ -58,10 +59,11 @@ def _cmd_check_config(args) -> int:
     print(config.dump_yaml(cfg), end="")
     par = cfg.parallel
     actors = ", ".join(f"{n} {k}" for k, n in cfg.actors.items() if n)
-    shared = "colocated: GPU i holds rank i of every model and an engine worker" if cfg.cluster.colocate else "one per actor"
-    print(f"# ok: {args.config} — trainer ranks {par.world_size} = tp {par.tp} x pp {par.pp} x cp {par.cp} x dp {par.dp}"
-          f" (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on GPUs it needs "
-          f"{cfg.gpus} GPU(s) ({shared})",
+    shared = "colocated: GPU i holds rank i of every model and an engine worker" if cfg.cluster.colocate \
+        else "one per actor"
+    print(f"# ok: {args.config} — trainer ranks {par.world_size} = tp {par.tp} x pp {par.pp} x cp {par.cp} x "
+          f"dp {par.dp} (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on "
+          f"GPUs it needs {cfg.gpus} GPU(s) ({shared})",
           file=sys.stderr)
     if sized:
         print(sized, file=sys.stderr)
@@ -99,14 +101,15 @@ def _size_for_check(cfg, path: str) -> str:
         return f"# {err} (not sized: moe-rl plan {path} --model-config PATH)"
     if problems:
         raise UserError("; ".join(problems))
-    return f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GiB GPUs per node (moe-rl plan {path} for the sizes)"
+    return (f"# fits {cfg.cluster.gpus_per_node} x {cfg.cluster.gpu_memory_gb:g} GiB GPUs per node (moe-rl "
+            f"plan {path} for the sizes)")
 
 
 # the fields of a Hugging Face config that sizing reads as whole numbers (null: absent)
 _MODEL_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "vocab_size", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-               "intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
-               "decoder_sparse_step", "first_k_dense_replace")
+               "vocab_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
+               "max_position_embeddings", "decoder_sparse_step", "first_k_dense_replace")
 
 
 def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:
@@ -123,16 +126,17 @@ def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"plan: no model config at {path}; pass --model-config PATH (a config.json)") from None
+        raise UserError(f"plan: no model config at {path}; pass --model-config PATH (a "
+                        "config.json)") from None
     except OSError as err:
         raise UserError(f"plan: {flag}: cannot read {path} ({err.strerror or err})") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         where = f" at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-        raise UserError(f"plan: {flag}: {path} is not valid JSON{where} ({getattr(err, 'msg', err)}); give the model's "
-                        "config.json") from None
+        raise UserError(f"plan: {flag}: {path} is not valid JSON{where} ({getattr(err, 'msg', err)}); give "
+                        "the model's config.json") from None
     if not isinstance(data, dict):
-        raise UserError(f"plan: {flag}: {path} holds a JSON {type(data).__name__}, not an object; give the model's "
-                        "config.json (an object of fields such as hidden_size)")
+        raise UserError(f"plan: {flag}: {path} holds a JSON {type(data).__name__}, not an object; give the "
+                        "model's config.json (an object of fields such as hidden_size)")
     for key in _MODEL_INTS:
         value = data.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -151,7 +155,8 @@ def _plan(cfg, model_config: str | None):
         raise UserError(f"plan: the model config{where} has no {err}") from None
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"plan: {err}{where if path and path not in str(err) else ''}") from None
-    except (TypeError, AttributeError, ZeroDivisionError) as err:  # a field of another type than sizing expects
+    # a field of another type than sizing expects
+    except (TypeError, AttributeError, ZeroDivisionError) as err:
         raise UserError(f"plan: the model config{where} has a field sizing cannot use ({type(err).__name__}: "
                         f"{err})") from None
 
@@ -159,7 +164,8 @@ def _plan(cfg, model_config: str | None):
 def _cmd_plan(args) -> int:
     from moe_rl import config, plan
 
-    sizes = [f"cluster.{k}={v}" for k, v in (("gpus_per_node", args.gpus_per_node), ("gpu_memory_gb", args.gpu_memory_gb))
+    sizes = [f"cluster.{k}={v}"
+             for k, v in (("gpus_per_node", args.gpus_per_node), ("gpu_memory_gb", args.gpu_memory_gb))
              if v is not None]
     cfg = config.load_config(args.config, [*args.overrides, *sizes], cuda_available=True)
     p = _plan(cfg, args.model_config)
@@ -197,11 +203,12 @@ def _train(args, config) -> int:
     from moe_rl.rollout.sandbox import SandboxUnavailable
     from moe_rl.weights.hf import CheckpointError
 
-    mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError, BatchCheckError,
-                RolloutError, EngineStartError, DemonstrationError)
+    mistakes = (DatasetError, CheckpointError, SandboxUnavailable, FileNotFoundError, PlacementError,
+                BatchCheckError, RolloutError, EngineStartError, DemonstrationError)
     try:
         return loop.main(cfg, resume_with_changes=args.resume_with_changes)
-    except Exception as err:  # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug
+    # a mistake (here or raised by a rank: Ray's error carries it), a fault, or a bug
+    except Exception as err:
         mistake = getattr(err, "cause", err)
         if isinstance(mistake, mistakes):
             raise UserError(str(mistake)) from None
@@ -219,7 +226,8 @@ def _cmd_tiny(args) -> int:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; give a new or empty directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise UserError(f"{out} is not empty; give a new directory, or --overwrite to replace the model there")
+        raise UserError(f"{out} is not empty; give a new directory, or --overwrite to replace the model "
+                        "there")
     path = build_tiny_checkpoint(out, TinyModel(arch=args.arch), seed=args.seed, overwrite=True,
                                  reward_model=args.reward_model)
     print(f"tiny {args.arch} {'reward model' if args.reward_model else 'checkpoint'} written to {path}")
@@ -265,7 +273,8 @@ def _check_convert_layout(args, layout) -> None:
 
     from moe_rl.config_rules import check_layout_fits_hf_config
 
-    hf = Path(args.src) if args.direction == "hf-to-mcore" else Path(args.hf_config or Path(args.src) / "hf_config")
+    hf = Path(args.src) if args.direction == "hf-to-mcore" \
+        else Path(args.hf_config or Path(args.src) / "hf_config")
     try:
         hf_config = json.loads((hf / "config.json").read_text())
     except (OSError, ValueError):
@@ -290,7 +299,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help ends with its default, where it has one worth showing."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == [] or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default == [] \
+                or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -313,25 +323,27 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load a YAML config with overrides, validate every field and the "
                        "combinations (parallel layout vs model, GPU-only features), print the result.")
     c.add_argument("config", nargs="?", help="YAML config file, e.g. configs/quickstart.yaml")
-    c.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides (values parsed as YAML)")
-    c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy losses, "
-                   "corrections, aggregation modes and environments")
+    c.add_argument("overrides", nargs="*", default=[],
+                   help="section.key=value overrides (values parsed as YAML)")
+    c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy "
+                   "losses, corrections, aggregation modes and environments")
     c.add_argument("--assume-cuda", action="store_true",
                    help="validate as on a GPU machine (for GPU recipes checked on a CPU box)")
     c.set_defaults(fn=_cmd_check_config)
 
     n = sub.add_parser("plan", **fmt, help="will a config fit its GPU cluster? memory per role and GPU",
                        description="Size a run from its config and the model's Hugging Face config alone (no "
-                       "weights): GPUs per role (policy, critic, reference, engines), per-GPU memory (weights, "
-                       "gradients, optimizer state, activations, engine KV cache), the host memory of one step's "
-                       "routes and the bytes of one weight sync. Exit 2, one line per problem, if it cannot fit.")
+                       "weights): GPUs per role (policy, critic, reference, engines), per-GPU memory "
+                       "(weights, gradients, optimizer state, activations, engine KV cache), the host memory "
+                       "of one step's routes and the bytes of one weight sync. Exit 2, one line per problem, "
+                       "if it cannot fit.")
     n.add_argument("config", help="YAML config file")
     n.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     n.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.gpus_per_node, 8)")
     n.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU as its maker names it, read as GiB "
                    "(H100 80GB: 80; default: cluster.gpu_memory_gb, 80)")
-    n.add_argument("--model-config", help="the model's config.json (default: model.path/config.json; the tiny model "
-                   "when model.path is empty)")
+    n.add_argument("--model-config", help="the model's config.json (default: model.path/config.json; the "
+                   "tiny model when model.path is empty)")
     n.set_defaults(fn=_cmd_plan)
 
     t = sub.add_parser("train", **fmt, help="run RL training from a config",
@@ -340,14 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
     t.add_argument("--resume-with-changes", action="store_true",
-                   help="resume a run.output_dir whose config.yaml differs from this config in settings beyond run.steps, "
-                   "logging.*, checkpoint.every/keep/at_end/resume and cluster addresses, threads and timeouts (the "
-                   "changes are printed); without it such a resume is refused")
+                   help="resume a run.output_dir whose config.yaml differs from this config in settings "
+                   "beyond run.steps, logging.*, checkpoint.every/keep/at_end/resume and cluster addresses, "
+                   "threads and timeouts (the changes are printed); without it such a resume is refused")
     t.set_defaults(fn=_cmd_train)
 
     k = sub.add_parser("tiny", **fmt, help="build a tiny random MoE checkpoint (Hugging Face format) locally",
-                       description="Write a random Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert) checkpoint with a byte-level tokenizer "
-                       "and chat template: loadable by transformers, vLLM and mbridge.")
+                       description="Write a random Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert) "
+                       "checkpoint with a byte-level tokenizer and chat template: loadable by transformers, "
+                       "vLLM and mbridge.")
     k.add_argument("out", help="output directory (new or empty)")
     k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe"], default="qwen3_moe",
                    help="architecture (Hugging Face model_type)")
@@ -357,34 +370,38 @@ def build_parser() -> argparse.ArgumentParser:
                    "(reward_model.path; critic.init_from) instead of a causal LM")
     k.set_defaults(fn=_cmd_tiny)
 
-    g = sub.add_parser("config", **fmt, help="show a config fully resolved; explain a setting; every setting's docs",
+    g = sub.add_parser("config", **fmt,
+                       help="show a config fully resolved; explain a setting; every setting's docs",
                        description="`moe-rl config show CONFIG [overrides]` prints the config as a run would "
-                       "use it: the file, the overrides and every default, as YAML. `moe-rl config explain PATH` "
-                       "says what a setting (rollout.temperature) or a section (rollout) is; `moe-rl config docs` "
-                       "prints every setting's description as Markdown (docs/config.md).")
+                       "use it: the file, the overrides and every default, as YAML. `moe-rl config explain "
+                       "PATH` says what a setting (rollout.temperature) or a section (rollout) is; `moe-rl "
+                       "config docs` prints every setting's description as Markdown (docs/config.md).")
     gsub = g.add_subparsers(dest="action", metavar="ACTION", required=True)
     gs = gsub.add_parser("show", **fmt, help="print the resolved config as YAML")
     gs.add_argument("config", help="YAML config file")
     gs.add_argument("overrides", nargs="*", default=[], help="section.key=value overrides")
-    gs.add_argument("--assume-cuda", action="store_true", help="resolve as on a GPU machine (GPU recipes on a CPU box)")
+    gs.add_argument("--assume-cuda", action="store_true",
+                    help="resolve as on a GPU machine (GPU recipes on a CPU box)")
     gs.set_defaults(fn=_cmd_config_show)
-    ge = gsub.add_parser("explain", **fmt, help="what a setting or a section is: its type, default and description")
+    ge = gsub.add_parser("explain", **fmt,
+                         help="what a setting or a section is: its type, default and description")
     ge.add_argument("path", help="a setting (rollout.temperature) or a section (rollout, model.tiny)")
     ge.set_defaults(fn=_cmd_config_explain)
     gd = gsub.add_parser("docs", **fmt, help="every section and setting as Markdown (docs/config.md)")
     gd.set_defaults(fn=_cmd_config_docs)
 
-    b = sub.add_parser("bench", **fmt, help="run a benchmark from tools/bench (prints ratios and a JSON line)",
+    b = sub.add_parser("bench", **fmt,
+                       help="run a benchmark from tools/bench (prints ratios and a JSON line)",
                        description=f"Run tools/bench/NAME.py. Available: {', '.join(_benches()) or 'none'}.")
     b.add_argument("name", help="benchmark name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(fn=_cmd_bench)
 
     v = sub.add_parser("convert", **fmt, help="convert checkpoints between Hugging Face and Megatron formats",
-                       description="Hugging Face safetensors <-> Megatron dist checkpoints (policy or critic). "
-                       "The layout (--tp/--pp/--ep) splits the work over local ranks; the dist checkpoint itself "
-                       "loads into any layout. mcore-to-hf also exports trained RL checkpoints "
-                       "(runs/NAME/checkpoints/step_N/policy or .../critic).",
+                       description="Hugging Face safetensors <-> Megatron dist checkpoints (policy or "
+                       "critic). The layout (--tp/--pp/--ep) splits the work over local ranks; the dist "
+                       "checkpoint itself loads into any layout. mcore-to-hf also exports trained RL "
+                       "checkpoints (runs/NAME/checkpoints/step_N/policy or .../critic).",
                        epilog="e.g. moe-rl convert hf-to-mcore models/base ckpt/base --tp 2 --ep 2;  "
                        "moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000300/policy export/hf")
     v.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"],
@@ -392,12 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src", help="HF model directory (hf-to-mcore) or Megatron dist checkpoint (mcore-to-hf)")
     v.add_argument("out", help="output directory (must be new or empty)")
     for flag in ("tp", "pp", "ep"):
-        v.add_argument(f"--{flag}", type=_positive, default=1, help=f"{flag.upper()} size of the ranks that convert")
+        v.add_argument(f"--{flag}", type=_positive, default=1,
+                       help=f"{flag.upper()} size of the ranks that convert")
     v.add_argument("--etp", type=_positive, default=None, help="expert tensor parallel size (default: tp)")
-    v.add_argument("--critic", action="store_true", help="hf-to-mcore: build the critic (value head from score.weight if present)")
-    v.add_argument("--value-head-from", help="hf-to-mcore --critic: reward-model checkpoint holding the value head")
-    v.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf-to-mcore: storage dtype (default: the checkpoint's)")
-    v.add_argument("--hf-config", help="mcore-to-hf: base model directory (default: the checkpoint's hf_config/)")
+    v.add_argument("--critic", action="store_true",
+                   help="hf-to-mcore: build the critic (value head from score.weight if present)")
+    v.add_argument("--value-head-from",
+                   help="hf-to-mcore --critic: reward-model checkpoint holding the value head")
+    v.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="hf-to-mcore: storage dtype (default: the checkpoint's)")
+    v.add_argument("--hf-config",
+                   help="mcore-to-hf: base model directory (default: the checkpoint's hf_config/)")
     v.set_defaults(fn=_cmd_convert)
     return p
 

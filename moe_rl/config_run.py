@@ -32,8 +32,8 @@ class RunSection:
     def check(self) -> None:
         positive("run.steps", self.steps)
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
-            raise ConfigError("run.name", f"{self.name!r} names the TensorBoard run directory: use letters, digits, "
-                              "'_', '-' and '.' (no '/' or '..')")
+            raise ConfigError("run.name", f"{self.name!r} names the TensorBoard run directory: use letters, "
+                              "digits, '_', '-' and '.' (no '/' or '..')")
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,19 @@ class TinyModel:
                      "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
             positive(f"model.tiny.{name}", getattr(self, name))
         if self.head_dim < 32:
-            raise ConfigError("model.tiny.head_dim", f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
+            raise ConfigError("model.tiny.head_dim",
+                              f"{self.head_dim} is unsupported by vLLM's CPU attention; use >= 32")
         if self.top_k > self.num_experts:
-            raise ConfigError("model.tiny.top_k", f"{self.top_k} exceeds model.tiny.num_experts={self.num_experts}")
+            raise ConfigError("model.tiny.top_k",
+                              f"{self.top_k} exceeds model.tiny.num_experts={self.num_experts}")
         in_range("model.tiny.first_dense_layers", self.first_dense_layers, 0, self.num_layers, hi_open=True)
         if self.first_dense_layers and self.arch == "mixtral":
-            raise ConfigError("model.tiny.first_dense_layers", "Mixtral has experts in every layer; use qwen3_moe or qwen2_moe")
+            raise ConfigError("model.tiny.first_dense_layers",
+                              "Mixtral has experts in every layer; use qwen3_moe or qwen2_moe")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.tiny.num_key_value_heads",
-                              f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+                              f"{self.num_key_value_heads} must divide "
+                              f"num_attention_heads={self.num_attention_heads}")
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,10 @@ class CheckpointSection:
         if not r.strip():
             raise ConfigError("checkpoint.resume", "is empty; use 'auto', 'never' or a checkpoint directory")
         if r.strip().lower() in ("auto", "never"):
-            raise ConfigError("checkpoint.resume", f"{r!r} is not a keyword (did you mean '{r.strip().lower()}'?); use exactly "
-                              f"'auto', 'never' or a checkpoint directory (a directory with that name: ./{r.strip()})")
+            raise ConfigError("checkpoint.resume", f"{r!r} is not a keyword (did you mean "
+                                                   f"'{r.strip().lower()}'?); use exactly "
+                              "'auto', 'never' or a checkpoint directory (a directory with that name: "
+                              f"./{r.strip()})")
 
 
 @dataclass(frozen=True)

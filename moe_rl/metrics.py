@@ -113,7 +113,8 @@ class Metrics:
             if self.bar is None:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=self.total, initial=step, desc="RL steps", unit="step", dynamic_ncols=True)
+                self.bar = tqdm(total=self.total, initial=step, desc="RL steps", unit="step",
+                                dynamic_ncols=True)
             else:
                 self.bar.update(1)
             if step >= self.total:  # the last step: what follows (evaluation, saving) is not a step
@@ -141,7 +142,8 @@ def expert_load_figures(name: str, load_LE: torch.Tensor, title: str) -> dict[st
     from moe_rl.algos import stats
 
     imbalance, entropy = stats.load_imbalance(load_LE), stats.usage_entropy(load_LE)
-    return {f"moe/{name}_load_imbalance_max": imbalance.max(), f"moe/{name}_load_imbalance_mean": imbalance.mean(),
+    return {f"moe/{name}_load_imbalance_max": imbalance.max(),
+            f"moe/{name}_load_imbalance_mean": imbalance.mean(),
             f"moe/{name}_usage_entropy_min": entropy.min(),
             **{f"moe/{name}_layer{i:02d}_load_imbalance": x for i, x in enumerate(imbalance)},
             **{f"moe/{name}_layer{i:02d}_usage_entropy": x for i, x in enumerate(entropy)},
@@ -163,13 +165,14 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
 
     replayed = gap(scores.logp_BS)
     out = {
-        "reward/mean": batch.score_B.mean(), "reward/max": batch.score_B.max(), "reward/min": batch.score_B.min(),
-        "reward/success_rate": batch.success_B.float().mean(),
-        "rollout/length_mean": batch.lengths_B.float().mean(), "rollout/model_tokens_mean": valid.sum(1).float().mean(),
+        "reward/mean": batch.score_B.mean(), "reward/max": batch.score_B.max(),
+        "reward/min": batch.score_B.min(), "reward/success_rate": batch.success_B.float().mean(),
+        "rollout/length_mean": batch.lengths_B.float().mean(),
+        "rollout/model_tokens_mean": valid.sum(1).float().mean(),
         "rollout/turns_mean": batch.turns_B.float().mean(),
         "policy/advantage_mean": (targets.adv_BS * valid).sum() / n_tok,
-        "correction/logp_mismatch_mean": replayed.sum() / n_tok, "correction/logp_mismatch_max": replayed.max(),
-        **targets.metrics,
+        "correction/logp_mismatch_mean": replayed.sum() / n_tok,
+        "correction/logp_mismatch_max": replayed.max(), **targets.metrics,
     }
     if scores.free_logp_BS is not None:
         out["correction/logp_mismatch_no_replay"] = gap(scores.free_logp_BS).sum() / n_tok
@@ -177,21 +180,26 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         # positions that influence a sampled token: everything before each sample's last model token
         S = batch.input_ids_BS.shape[1]
         attn = torch.arange(S).expand_as(valid) < last_action_index(valid).unsqueeze(1)
-        same = (scores.free_routes_BSLK.sort(-1).values == batch.routes_BSLK.sort(-1).values).all(-1)  # [B, S, L]
-        out["routing/agreement"] = (same & attn.unsqueeze(-1)).sum() / (attn.sum() * same.shape[-1]).clamp(min=1)
+        # [B, S, L]
+        same = (scores.free_routes_BSLK.sort(-1).values == batch.routes_BSLK.sort(-1).values).all(-1)
+        out["routing/agreement"] = ((same & attn.unsqueeze(-1)).sum()
+                                    / (attn.sum() * same.shape[-1]).clamp(min=1))
     if targets.returns_BS is not None:
-        out["critic/explained_variance"] = stats.explained_variance(targets.values_old_BS, targets.returns_BS, valid)
+        out["critic/explained_variance"] = stats.explained_variance(targets.values_old_BS, targets.returns_BS,
+                                                                    valid)
     if batch.routes_BSLK is not None:
-        out["routing/filled_tail_positions_per_sample"] = (batch.lengths_B - batch.routed_len_B).float().mean()
-    if num_experts and batch.routes_BSLK is not None:  # the positions the engine computed (placeholders excluded)
+        out["routing/filled_tail_positions_per_sample"] = \
+            (batch.lengths_B - batch.routed_len_B).float().mean()
+    # the positions the engine computed (placeholders excluded)
+    if num_experts and batch.routes_BSLK is not None:
         computed = torch.arange(batch.input_ids_BS.shape[1]) < batch.routed_len_B.unsqueeze(1)
         out.update(expert_load_figures("rollout", stats.expert_load(batch.routes_BSLK, computed, num_experts),
                                        "rollout (vLLM)"))
         if scores.free_routes_BSLK is not None:  # the trainer's own choices at the same positions
             free = stats.expert_load(scores.free_routes_BSLK, computed, num_experts)
             out.update(expert_load_figures("trainer_free", free, "trainer (free routing)"))
-    out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/rollout/length": batch.lengths_B, "hist/reward/score": batch.score_B,
-                "hist/policy/advantage": targets.adv_BS[valid]})
+    out.update({"hist/rollout/model_tokens": valid.sum(1), "hist/rollout/length": batch.lengths_B,
+                "hist/reward/score": batch.score_B, "hist/policy/advantage": targets.adv_BS[valid]})
     return out
 
 

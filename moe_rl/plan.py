@@ -26,8 +26,9 @@ the rank's pipeline stage split over tp, and P_e its routed-expert parameters sp
 An estimate of the tensors a layer keeps for backward, per token (bf16):
 attention 2 * (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP 2 * (h + k (2h + 3f)) + 4E (fp32 router
 logits), dense MLP 2 * (2h + 3 f_dense). The logits' l (`logit_bytes`; tests/train/test_plan_memory.py
-measures it) is the most the log-probs and the entropy hold at once. Training: 24 = the fp32 z - max(z) and exp(z - max)
-kept for backward (8) plus the four fp32 temporaries their backward holds together (16: the gradients of
+measures it) is the most the log-probs and the entropy hold at once. Training: 24 = the fp32 z - max(z)
+and exp(z - max) kept for backward (8) plus the four fp32 temporaries their backward holds together (16:
+the gradients of
 the entropy's exp(z) * z with respect to both factors, the gather's zeros and its scatter_add), more than
 the forward's peak (b for the model's logits + 12 for z, exp(z) and exp(z) * z); the model's logits are
 freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp, then the KV
@@ -79,16 +80,18 @@ class ModelShape:
 
         experts = c.get("num_experts") or c.get("num_local_experts")
         if not experts:
-            raise ValueError("the model config names no experts (num_experts / num_local_experts): not an MoE model")
+            raise ValueError("the model config names no experts (num_experts / num_local_experts): not an "
+                             "MoE model")
         heads = c["num_attention_heads"]
         return ModelShape(
             hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-            kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            vocab=c["vocab_size"], experts=experts, top_k=c["num_experts_per_tok"],
-            moe_ffn=c.get("moe_intermediate_size") or c["intermediate_size"], dense_ffn=c.get("intermediate_size", 0),
-            shared_ffn=c.get("shared_expert_intermediate_size") or 0,
-            dense_layers=len(dense_layers(SimpleNamespace(**c))), tied=bool(c.get("tie_word_embeddings", False)),
-            qk_norm=c.get("model_type") == "qwen3_moe", qkv_bias=c.get("model_type") == "qwen2_moe")
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab=c["vocab_size"], experts=experts,
+            top_k=c["num_experts_per_tok"], moe_ffn=c.get("moe_intermediate_size") or c["intermediate_size"],
+            dense_ffn=c.get("intermediate_size", 0), shared_ffn=c.get("shared_expert_intermediate_size") or 0,
+            dense_layers=len(dense_layers(SimpleNamespace(**c))),
+            tied=bool(c.get("tie_word_embeddings", False)), qk_norm=c.get("model_type") == "qwen3_moe",
+            qkv_bias=c.get("model_type") == "qwen2_moe")
 
     @property
     def moe_layers(self) -> int:
@@ -123,7 +126,8 @@ class ModelShape:
 
     @property
     def non_expert(self) -> int:
-        return (self.layers * self.attention + self.moe_layers * self.moe_shared + self.dense_layers * self.dense_mlp
+        return (self.layers * self.attention + self.moe_layers * self.moe_shared
+                + self.dense_layers * self.dense_mlp
                 + self.embeddings)
 
     @property
@@ -204,7 +208,8 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
     etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
-    p_dense, p_expert = max(((d / tp, e / (ep * etp)) for d, e in (stage_params(shape, pp, s) for s in range(pp))),
+    p_dense, p_expert = max(((d / tp, e / (ep * etp))
+                             for d, e in (stage_params(shape, pp, s) for s in range(pp))),
                             key=sum)  # the stage with the most parameters per rank
     out = {"weights": (p_dense + p_expert) * b}
     tokens = cfg.trainer.micro_batch_tokens / (tp * cp)
@@ -216,13 +221,15 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
         dp_shards, edp_shards = (par.dp * cp, edp) if distributed else (1, 1)
         out["gradients"] = (p_dense + p_expert) * 4
         out["optimizer"] = p_dense * opt / dp_shards + p_expert * opt / edp_shards
-        kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)  # 1F1B: pp microbatches of L/pp
+        # 1F1B: pp microbatches of L/pp
+        kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)
         if cfg.model.recompute:  # and one layer's full activations while it is recomputed
             kept += tokens * shape.activation_bytes(False)
         out["activations"] = kept
         if role == "policy" and cfg.algorithm.anchor == "ewma":
             out["ewma_anchor"] = (p_dense + p_expert) * 4
-    out["logits"] = 0.0 if role in ("critic", "reward_model") else tokens * shape.vocab * logit_bytes(b, trains)
+    out["logits"] = 0.0 if role in ("critic", "reward_model") \
+        else tokens * shape.vocab * logit_bytes(b, trains)
     return out
 
 
@@ -243,7 +250,8 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, f
     reserve = ENGINE_RESERVE_GIB * GiB
     from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
 
-    util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
+    util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None \
+        else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
     kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None else max(0.0, util * gpu_bytes - weights - reserve)
     return {"weights": weights, "runtime": reserve, "kv_cache": kv}, kv / shape.kv_bytes_per_token(b, tp)
 
@@ -257,43 +265,47 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     problems: list[str] = []
     roles = []
     rm_config = Path(cfg.reward_model.path) / "config.json" if cfg.reward_model.path else None
-    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config and rm_config.is_file()
+    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config
+              and rm_config.is_file()
               else shape}  # a reward model has its own shape, where its config is here
     for role in ("policy", "critic", "reference", "reward_model"):
         if actors[role]:
             roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), cfg, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
     engines = RolePlan("engine", actors["engine"] * cfg.rollout.engine_tp, engine,
-                       [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} sequences of "
-                        f"max_model_len={cfg.rollout.max_model_len})"])
+                       [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} "
+                        f"sequences of max_model_len={cfg.rollout.max_model_len})"])
     roles.append(engines)
-    if cfg.cluster.colocate:  # GPU i holds rank i of every model and an engine worker (placement.gpu_layout), all resident
+    # GPU i holds rank i of every model and an engine worker (placement.gpu_layout), all resident
+    if cfg.cluster.colocate:
         shared = sum(rp.total for rp in roles)
         if shared > usable:
             problems.append("colocated: " + " + ".join(f"{rp.role} {rp.total / GiB:.1f}" for rp in roles) +
-                            f" = {shared / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB ({USABLE:.0%} of "
-                            f"{cluster.gpu_memory_gb:g} GiB)")
+                            f" = {shared / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB "
+                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
     for rp in roles[:-1] if not cfg.cluster.colocate else ():
         if rp.total > usable:
-            problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB "
-                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
+            problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} "
+                            f"GiB ({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
     if engines.total > gpu:  # vLLM's utilisation is a share of the whole GPU; a fixed KV cache may overshoot
-        problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a {cluster.gpu_memory_gb:g} GiB GPU")
+        problems.append(f"engine: {engines.total / GiB:.1f} GiB per GPU does not fit a "
+                        f"{cluster.gpu_memory_gb:g} GiB GPU")
     if kv_tokens < cfg.rollout.max_model_len:
         problems.append(f"engine: {kv_tokens:,.0f} KV-cache tokens cannot hold one sequence of max_model_len="
                         f"{cfg.rollout.max_model_len} ({engine['weights'] / GiB:.1f} GiB of weights on each "
                         f"{cluster.gpu_memory_gb:g} GiB GPU; rollout.engine_tp={cfg.rollout.engine_tp})")
     if cfg.rollout.engine_tp > cluster.gpus_per_node:
-        problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
-                        "an engine's workers share one node")
+        problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp} spans nodes ({cluster.gpus_per_node} "
+                        "GPUs per node): an engine's workers share one node")
     if cfg.parallel.tp > cluster.gpus_per_node:
         problems.append(f"parallel.tp={cfg.parallel.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
                         "tensor parallelism needs one node's links")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    route_bytes = samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k * (1 if shape.experts <= 256 else 2)
+    route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
+                   * (1 if shape.experts <= 256 else 2))
     sync_bytes = shape.total * dtype_bytes(cfg)
-    return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus, math.ceil(cfg.gpus / cluster.gpus_per_node),
-                route_bytes, sync_bytes, problems)
+    return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
+                math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems)
 
 
 def _count(n: int) -> str:

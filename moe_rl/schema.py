@@ -1,5 +1,6 @@
 """Typed configs from plain YAML data: frozen dataclass trees built with every key and type checked,
-and errors that name the field path (`ConfigError`, one line). The schema itself is moe_rl/config.py and its sections (config_run.py, config_rl.py).
+and errors that name the field path (`ConfigError`, one line). The schema itself is moe_rl/config.py and
+its sections (config_run.py, config_rl.py).
 
     cfg = build(RunConfig, read_yaml(path), "", removed={})   # unknown keys: did-you-mean
     check_tree(cfg)                                           # every section's check()
@@ -44,7 +45,8 @@ def in_range(path, value, lo, hi, lo_open=False, hi_open=False) -> None:
     if not ok:
         lo_s = "-inf" if lo is None else str(lo)
         hi_s = "inf" if hi is None else str(hi)
-        interval = f"{'(' if lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if hi_open or hi is None else ']'}"
+        interval = (f"{'(' if lo_open or lo is None else '['}{lo_s}, "
+                    f"{hi_s}{')' if hi_open or hi is None else ']'}")
         raise ConfigError(path, f"{value} is outside the allowed range {interval}")
 
 
@@ -58,7 +60,8 @@ def did_you_mean(word: str, options) -> str:
 def build(cls, data: Any, path: str, removed: dict[str, str]):
     """Build dataclass `cls` from plain YAML data, checking keys and types; no defaults are guessed."""
     if not isinstance(data, dict):
-        raise ConfigError(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+        raise ConfigError(path or "<root>",
+                          f"expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -66,7 +69,8 @@ def build(cls, data: Any, path: str, removed: dict[str, str]):
         sub = f"{path}.{key}" if path else str(key)
         if key not in fields:
             hint = f" ({removed[sub]})" if sub in removed else did_you_mean(str(key), fields)
-            raise ConfigError(sub, f"unknown key{hint}; allowed: {', '.join(fields) or f'none ({path} takes no keys)'}")
+            raise ConfigError(sub, f"unknown key{hint}; allowed: "
+                                   f"{', '.join(fields) or f'none ({path} takes no keys)'}")
         kwargs[key] = coerce(hints[key], value, sub, removed)
     return cls(**kwargs)
 
@@ -91,7 +95,8 @@ def coerce(tp, value: Any, path: str, removed: dict[str, str] | None = None):
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(path, f"{value!r} is not allowed{did_you_mean(str(value), map(str, allowed))}; choose one of {', '.join(map(str, allowed))}")
+            raise ConfigError(path, f"{value!r} is not allowed{did_you_mean(str(value), map(str, allowed))}; "
+                                    f"choose one of {', '.join(map(str, allowed))}")
         return value
     if origin is dict:
         if not isinstance(value, dict):
@@ -101,7 +106,8 @@ def coerce(tp, value: Any, path: str, removed: dict[str, str] | None = None):
         if not isinstance(value, list):
             raise ConfigError(path, f"expected a list, got {value!r} ({type(value).__name__})")
         args = typing.get_args(tp)
-        return [coerce(args[0], v, f"{path}[{i}]", removed) for i, v in enumerate(value)] if args else list(value)
+        return [coerce(args[0], v, f"{path}[{i}]", removed) for i, v in enumerate(value)] if args \
+            else list(value)
     if tp is Any:
         return value
     if tp is bool:
@@ -212,18 +218,19 @@ def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data; a missing file, invalid YAML or a repeated key is a ConfigError."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError("", f"config file '{path}' is a directory; give a YAML file, e.g. configs/quickstart.yaml")
+        raise ConfigError("", f"config file '{path}' is a directory; give a YAML file, e.g. "
+                              "configs/quickstart.yaml")
     if not path.is_file():
         raise ConfigError("", f"config file '{path}' does not exist")
     try:
         data = load_unique_keys(path.read_text())
         if not data:  # nothing, or `{}`: every default, which is rarely what was meant
-            raise ConfigError("", f"config file '{path}' is empty; to run with every default, say so with one line "
-                              "such as `run: {}`")
+            raise ConfigError("", f"config file '{path}' is empty; to run with every default, say so with "
+                              "one line such as `run: {}`")
         return data
     except DuplicateKey as dup:
-        raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML would keep "
-                          "only the last, silently: keep one") from None
+        raise ConfigError(dup.path, f"appears twice in '{path}' (lines {dup.first} and {dup.second}); YAML "
+                          "would keep only the last, silently: keep one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

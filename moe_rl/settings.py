@@ -10,17 +10,19 @@ def model_spec(cfg: RunConfig, hf_path: str):
     from moe_rl.train.model import ModelSpec
 
     m = cfg.model
-    return ModelSpec(hf_path=hf_path, dtype=m.dtype, layer_spec=m.layer_spec, fp8=m.fp8, recompute=m.recompute,
-                     moe_dispatcher=m.moe_dispatcher, routing_replay=cfg.rollout.record_routes,
-                     moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff)
+    return ModelSpec(hf_path=hf_path, dtype=m.dtype, layer_spec=m.layer_spec, fp8=m.fp8,
+                     recompute=m.recompute, moe_dispatcher=m.moe_dispatcher,
+                     routing_replay=cfg.rollout.record_routes, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                     moe_z_loss_coeff=m.moe_z_loss_coeff)
 
 
 def optim_settings(cfg: RunConfig, lr: float):
     from moe_rl.train.worker import OptimSettings
 
     tr = cfg.trainer
-    return OptimSettings(lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
-                         grad_clip=tr.grad_clip, distributed_optimizer=cfg.parallel.distributed_optimizer,
+    return OptimSettings(lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
+                         adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
+                         distributed_optimizer=cfg.parallel.distributed_optimizer,
                          micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences)
 
 
@@ -29,20 +31,21 @@ def engine_settings(cfg: RunConfig, model_path: str):
 
     r = cfg.rollout
     return EngineSettings(model_path, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=cfg.run.seed,
-                          record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb, route_source=r.route_source,
-                          weight_transfer=r.weight_transfer, max_num_seqs=r.max_num_seqs,
-                          max_num_batched_tokens=r.max_num_batched_tokens,
+                          record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb,
+                          route_source=r.route_source, weight_transfer=r.weight_transfer,
+                          max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                           gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate,
-                          sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp, expert_parallel=r.engine_ep)
+                          sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp,
+                          expert_parallel=r.engine_ep)
 
 
 def agent_settings(cfg: RunConfig):
     from moe_rl.rollout.agent import AgentSettings
 
     env, r = cfg.environment, cfg.rollout
-    return AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget, max_model_len=r.max_model_len,
-                         max_tokens_per_turn=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                         overlong_filter=env.overlong_filter)
+    return AgentSettings(max_turns=env.max_turns, token_budget=env.token_budget,
+                         max_model_len=r.max_model_len, max_tokens_per_turn=r.max_new_tokens,
+                         temperature=r.temperature, top_p=r.top_p, overlong_filter=env.overlong_filter)
 
 
 def env_spec(cfg: RunConfig):
@@ -81,10 +84,11 @@ def target_params(cfg: RunConfig):
     a = cfg.algorithm
     return TargetParams(
         advantage=a.advantage, gamma=a.gamma, lam=a.lam, lam_critic=a.lam_critic,
-        length_adaptive_alpha=a.length_adaptive_alpha, whiten=a.whiten_advantages, kl_reward_coef=a.kl_reward_coef,
-        kl_reward_estimator=a.kl_reward_estimator, needs_reference=cfg.uses_reference,
-        overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
-        token_budget=cfg.environment.token_budget, correction=a.correction,
+        length_adaptive_alpha=a.length_adaptive_alpha, whiten=a.whiten_advantages,
+        kl_reward_coef=a.kl_reward_coef, kl_reward_estimator=a.kl_reward_estimator,
+        needs_reference=cfg.uses_reference, overlong_buffer=a.overlong_buffer,
+        overlong_penalty=a.overlong_penalty, token_budget=cfg.environment.token_budget,
+        correction=a.correction,
         correction_params=CorrectionParams(a.is_cap, a.seq_is_cap, a.icepop_min, a.icepop_max),
         ewma_anchor=a.anchor == "ewma", aggregation=a.aggregation,
         loss_constant=a.loss_constant or float(cfg.environment.token_budget), self_normalize=a.self_normalize,

@@ -69,16 +69,17 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
     if spec.arch == "mixtral":
         from transformers import MixtralConfig
 
-        return MixtralConfig(**common, num_local_experts=spec.num_experts, intermediate_size=spec.moe_intermediate_size)
+        return MixtralConfig(**common, num_local_experts=spec.num_experts,
+                             intermediate_size=spec.moe_intermediate_size)
     if spec.arch == "qwen2_moe":  # routed experts plus one sigmoid-gated shared expert; q/k/v biases
         from transformers import Qwen2MoeConfig
 
         common.pop("head_dim")  # hidden_size / num_attention_heads
         return Qwen2MoeConfig(
             **common, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
-            shared_expert_intermediate_size=spec.moe_intermediate_size, intermediate_size=spec.moe_intermediate_size,
-            decoder_sparse_step=1, norm_topk_prob=False, mlp_only_layers=list(range(spec.first_dense_layers)),
-            output_router_logits=False,
+            shared_expert_intermediate_size=spec.moe_intermediate_size,
+            intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=False,
+            mlp_only_layers=list(range(spec.first_dense_layers)), output_router_logits=False,
             use_sliding_window=False,
         )
     raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral or qwen2_moe")
@@ -96,12 +97,14 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, se
 
     spec = spec or TinyModel()
     out = Path(out_dir)
-    stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE, **({"reward_model": True} if reward_model else {})}
+    stamp = {"spec": spec.__dict__, "seed": seed, "vocab": VOCAB_SIZE,
+             **({"reward_model": True} if reward_model else {})}
     stamp_file = out / "moe_rl_tiny.json"
     if not overwrite and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")):  # another model's shards
+    # another model's shards
+    for stale in (*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")):
         stale.unlink()
     tok = build_tokenizer(out)
     cfg = hf_config(spec, tok.eos_token_id, tok.pad_token_id)

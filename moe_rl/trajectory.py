@@ -18,7 +18,8 @@ import torch
 
 
 def route_dtype(num_experts: int):
-    """The smallest dtype that holds a global expert id (int16, not uint16: torch supports few operations on uint16)."""
+    """The smallest dtype that holds a global expert id (int16, not uint16: torch supports few operations
+    on uint16)."""
     return np.uint8 if num_experts <= 256 else np.int16
 
 
@@ -82,9 +83,11 @@ class RoutingRecord:
         """
         missing = self.missing_positions(length)
         if missing.size:
-            raise ValueError(f"routing record has no route for positions {missing[:5].tolist()} (of {length})")
+            raise ValueError(f"routing record has no route for positions {missing[:5].tolist()} (of "
+                             f"{length})")
         P, L, K = self.experts_PLK.shape
-        out = torch.empty(length, L, K, dtype=torch.uint8 if self.experts_PLK.dtype == np.uint8 else torch.int16)
+        out = torch.empty(length, L, K,
+                          dtype=torch.uint8 if self.experts_PLK.dtype == np.uint8 else torch.int16)
         n = min(P, length)
         out[:n] = torch.from_numpy(self.experts_PLK[:n].copy())  # a copy: arrays from Ray are read-only
         computed = np.zeros(length, dtype=bool)
@@ -173,15 +176,16 @@ def trajectory_state(t: Trajectory) -> dict:
     state["outcome"] = t.outcome.value
     state["spans"] = [list(s) for s in t.spans]
     if t.routes is not None:
-        state["routes"] = (torch.from_numpy(t.routes.experts_PLK.copy()), torch.from_numpy(t.routes.computed_P.copy()))
+        state["routes"] = (torch.from_numpy(t.routes.experts_PLK.copy()),
+                           torch.from_numpy(t.routes.computed_P.copy()))
     return state
 
 
 def trajectory_from_state(state: dict) -> Trajectory:
     """`trajectory_state`'s inverse."""
     routes = None if state["routes"] is None else RoutingRecord(*(x.numpy() for x in state["routes"]))
-    return Trajectory(**{**state, "outcome": Outcome(state["outcome"]), "spans": [tuple(s) for s in state["spans"]],
-                         "routes": routes})
+    return Trajectory(**{**state, "outcome": Outcome(state["outcome"]),
+                         "spans": [tuple(s) for s in state["spans"]], "routes": routes})
 
 
 def validate_trajectory(t: Trajectory, max_len: int | None = None) -> list[str]:

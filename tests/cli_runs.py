@@ -79,7 +79,8 @@ def train_on_kept_ray(*args: str, expect: int | None = None) -> subprocess.Compl
 
     if not ray.is_initialized():
         with contextlib.chdir(ROOT):
-            ray.init(num_cpus=2, include_dashboard=False, runtime_env=session.runtime_env(), log_to_driver=False)
+            ray.init(num_cpus=2, include_dashboard=False, runtime_env=session.runtime_env(),
+                     log_to_driver=False)
     return run_main("train", *args, expect=expect)
 
 

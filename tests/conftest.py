@@ -64,7 +64,8 @@ def tiny_qwen2_moe(tmp_path_factory):
     from moe_rl.config import TinyModel
     from moe_rl.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), TinyModel(arch="qwen2_moe"), seed=0)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_moe"), TinyModel(arch="qwen2_moe"),
+                                 seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +79,8 @@ def tiny_qwen_dense(tmp_path_factory):
 
 
 # Component settings as production builds them (moe_rl.settings, from the default RunConfig: defaults
-# live in the config sections), with a test's own values replacing fields. Plain functions, importable from rank
+# live in the config sections), with a test's own values replacing fields. Plain functions, importable from
+# rank
 # functions in spawned processes (`from conftest import optim_settings`).
 
 

@@ -47,11 +47,13 @@ def hand_counted_expert_load(figures: dict, checkpoint: Path, num_experts: int) 
                     counts[e] += 1
         share = [c / sum(counts) for c in counts]
         entropy = -sum(x * math.log(x) for x in share if x > 0) / math.log(num_experts)
-        assert figures[f"moe/rollout_layer{layer:02d}_load_imbalance"] == pytest.approx(max(share) * num_experts)
+        assert figures[f"moe/rollout_layer{layer:02d}_load_imbalance"] == pytest.approx(max(share)
+                                                                                        * num_experts)
         assert figures[f"moe/rollout_layer{layer:02d}_usage_entropy"] == pytest.approx(entropy)
 
 
 def engine_processes(pid: int) -> list:
     import psutil
 
-    return [p for p in psutil.Process(pid).children(recursive=True) if "RolloutActor" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "RolloutActor" in " ".join(p.cmdline())]

@@ -41,7 +41,8 @@ def traj(n_prompt, turns, terminal, group=0, outcome=Outcome.COMPLETED, obs=2):
             ids += [9] * obs
             mask += [False] * obs
     logp = [-0.5 if m else 0.0 for m in mask]
-    return Trajectory(ids, mask, logp, spans, rewards, terminal, outcome, len(ids), 0, n_prompt, group_id=group)
+    return Trajectory(ids, mask, logp, spans, rewards, terminal, outcome, len(ids), 0, n_prompt,
+                      group_id=group)
 
 
 def test_build_batch_places_rewards_and_pads_by_hand():
@@ -53,7 +54,8 @@ def test_build_batch_places_rewards_and_pads_by_hand():
     assert batch.mask_BS.int().tolist() == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 1, 0, 0, 0]]
     # turn feedback on its span's last token, the terminal reward on the last model token
     assert batch.rewards_BS.equal(torch.tensor([[0, 0, 0, -0.05, 0, 0, 1.0], [0] * 7]))
-    assert batch.loss_mask_BS[1].sum() == 0 and batch.loss_mask_BS[0].equal(batch.mask_BS[0])  # excluded: no policy loss
+    # excluded: no policy loss
+    assert batch.loss_mask_BS[1].sum() == 0 and batch.loss_mask_BS[0].equal(batch.mask_BS[0])
     assert batch.score_B.tolist() == pytest.approx([0.95, 0.0]) and batch.turns_B.tolist() == [2, 1]
     assert batch.terminated_B.tolist() == [True, False] and batch.prompt_len_B.tolist() == [2, 3]
     sub = batch.rows(torch.tensor([1]))  # cut to the rows' longest length
@@ -64,7 +66,8 @@ def test_build_batch_places_rewards_and_pads_by_hand():
 def test_batch_rows_pad_and_microbatches_keep_every_field_aligned():
     trajs = [traj(2, [(2, 0.0)], 1.0), traj(1, [(1, 0.0)], 0.0), traj(3, [(3, 0.0)], 1.0)]  # lengths 4, 2, 6
     b = batching.build_batch(trajs, None)
-    b = batching.Batch(**{**b.__dict__, "routes_BSLK": torch.arange(3 * 6 * 2 * 1, dtype=torch.uint8).reshape(3, 6, 2, 1),
+    b = batching.Batch(**{**b.__dict__,
+                          "routes_BSLK": torch.arange(3 * 6 * 2 * 1, dtype=torch.uint8).reshape(3, 6, 2, 1),
                           "adv_BS": torch.arange(18.0).reshape(3, 6)})
     mbs = b.microbatches(token_budget=8)  # rows 0+1 cost 2 x 4 = 8; row 2 alone (6)
     assert [m.size for m in mbs] == [2, 1] and [m.input_ids_BS.shape[1] for m in mbs] == [4, 6]
@@ -75,10 +78,12 @@ def test_batch_rows_pad_and_microbatches_keep_every_field_aligned():
     assert grown.routes_BSLK.shape == (4, 8, 2, 1) and grown.routes_BSLK[:3, :6].equal(b.routes_BSLK)
     assert grown.score_B.tolist() == [1.0, 0.0, 1.0, 0.0]
     uniform = b.uniform_microbatches(2, 2, 6)
-    assert [m.input_ids_BS.shape for m in uniform] == [(2, 6), (2, 6)] and uniform[1].lengths_B.tolist() == [6, 0]
+    assert [m.input_ids_BS.shape for m in uniform] == [(2, 6), (2, 6)] \
+        and uniform[1].lengths_B.tolist() == [6, 0]
     assert b.model_inputs(routes=False).routes_BSLK is None and b.model_inputs().adv_BS is None
     moved = b.to("meta")  # what a trainer rank does with the batch it receives (there: its GPU)
-    assert all(getattr(moved, f).device.type == "meta" for f in ("input_ids_BS", "lengths_B", "routes_BSLK", "adv_BS",
+    assert all(getattr(moved, f).device.type == "meta"
+               for f in ("input_ids_BS", "lengths_B", "routes_BSLK", "adv_BS",
                                                                   "score_B", "mask_BS"))
     assert moved.routes_BSLK.dtype == torch.uint8
 
@@ -112,7 +117,8 @@ def test_kl_reward_shapes_outcome_estimators():
     assert adv[1, 1:].tolist() == pytest.approx([-expected] * 2, rel=1e-6)
     assert float(t.metrics["reward/kl_penalty_mean"]) == pytest.approx(0.25)
     plain = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64, ref).adv_BS
-    shaped = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False, kl_reward_coef=0.2), 64, ref).adv_BS
+    shaped = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False, kl_reward_coef=0.2),
+                          64, ref).adv_BS
     # rloo: A_0 = R_0 - R_1: 1 without the penalty, 0.8 with it
     assert plain[0, 1].item() == pytest.approx(1.0) and shaped[0, 1].item() == pytest.approx(0.8)
 
@@ -124,15 +130,18 @@ def test_a_reward_models_score_combines_with_the_rule_reward_by_weight():
     b, _ = _outcome_batch()
     rm = RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0)
     scores = torch.tensor([0.5, 2.0])
-    t = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64, reward_model=scores, rm=rm)
-    assert t.adv_BS[0, 1:].tolist() == pytest.approx([1.25, 1.25]) and t.adv_BS[1, 1:].tolist() == pytest.approx([-1.25] * 2)
+    t = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64, reward_model=scores,
+                     rm=rm)
+    assert t.adv_BS[0, 1:].tolist() == pytest.approx([1.25, 1.25]) \
+        and t.adv_BS[1, 1:].tolist() == pytest.approx([-1.25] * 2)
     assert float(t.metrics["reward/model_mean"]) == pytest.approx(1.25)
     assert float(t.metrics["reward/combined_mean"]) == pytest.approx((2.25 + 1.0) / 2)
-    rtg = step_targets(b, AlgorithmSection(advantage="reward_to_go", whiten_advantages=False), 64, reward_model=scores,
-                       rm=rm)
+    rtg = step_targets(b, AlgorithmSection(advantage="reward_to_go", whiten_advantages=False), 64,
+                       reward_model=scores, rm=rm)
     assert rtg.adv_BS[:, 1:].flatten().tolist() == pytest.approx([2.25, 2.25, 1.0, 1.0])
     without = step_targets(b, AlgorithmSection(advantage="rloo", whiten_advantages=False), 64)
-    assert without.adv_BS[0, 1:].tolist() == pytest.approx([1.0, 1.0]) and "reward/model_mean" not in without.metrics
+    assert without.adv_BS[0, 1:].tolist() == pytest.approx([1.0, 1.0]) \
+        and "reward/model_mean" not in without.metrics
 
 
 @pytest.mark.parametrize("advantage", ["gae", "reward_to_go", "grpo"])
@@ -152,15 +161,18 @@ def test_overlong_penalty_reaches_every_estimator(advantage):
         assert base.abs().max() == 0
         assert [pen[i, first[i]].item() for i in (0, 1)] == pytest.approx([2**-0.5, -(2**-0.5)], rel=1e-5)
     else:  # gamma = lambda = 1, V = 0: the first action's advantage is the whole return, 0.5 or 0.5 - 1
-        assert pen[0, first[0]].item() == pytest.approx(0.5) and base[0, first[0]].item() == pytest.approx(0.5)
-        assert pen[1, first[1]].item() == pytest.approx(-0.5) and base[1, first[1]].item() == pytest.approx(0.5)
+        assert pen[0, first[0]].item() == pytest.approx(0.5) \
+            and base[0, first[0]].item() == pytest.approx(0.5)
+        assert pen[1, first[1]].item() == pytest.approx(-0.5) \
+            and base[1, first[1]].item() == pytest.approx(0.5)
     assert float(m["reward/overlong_penalty_mean"]) == pytest.approx(-0.5)
 
 
 def _policy_mb(weight, adv=0.0):
     mask = torch.tensor([[True, True, False]])
     return SimpleNamespace(pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=torch.full((1, 3), adv),
-                           logp_old_BS=torch.tensor([[-1.0, -2.0, 0.0]]), is_weight_BS=torch.full((1, 3), weight),
+                           logp_old_BS=torch.tensor([[-1.0, -2.0, 0.0]]),
+                           is_weight_BS=torch.full((1, 3), weight),
                            logp_ref_BS=torch.tensor([[-1.5, -1.0, 0.0]]))
 
 
@@ -173,7 +185,8 @@ def test_importance_weight_multiplies_the_policy_term_only():
     one, _ = fn(out, _policy_mb(1.0))
     two, _ = fn(out, _policy_mb(2.0))
     k3 = (math.exp(-0.5) + 0.5 - 1) + (math.exp(1) - 1 - 1)
-    assert float(one["regularizer"]) == pytest.approx(0.1 * k3) and float(two["regularizer"]) == float(one["regularizer"])
+    assert float(one["regularizer"]) == pytest.approx(0.1 * k3) \
+        and float(two["regularizer"]) == float(one["regularizer"])
     assert float(one["policy"]) == 0.0
     # the policy term itself is weighted: with A = 1 (ratio 1, unclipped) its numerator is -w per token
     one, _ = fn(out, _policy_mb(1.0, adv=1.0))
@@ -184,8 +197,8 @@ def test_importance_weight_multiplies_the_policy_term_only():
 def test_value_loss_regresses_shifted_values():
     """out = (0.1, 0.2, 0.3): V(s_1) = 0.1, V(s_2) = 0.2 on model tokens 1, 2; returns 1 and 0:
     1/2 ((0.1 - 1)^2 + (0.2 - 0)^2) = 0.425 (no clipping)."""
-    mb = SimpleNamespace(mask_BS=torch.tensor([[False, True, True]]), returns_BS=torch.tensor([[0.0, 1.0, 0.0]]),
-                         values_old_BS=torch.zeros(1, 3))
+    mb = SimpleNamespace(mask_BS=torch.tensor([[False, True, True]]),
+                         returns_BS=torch.tensor([[0.0, 1.0, 0.0]]), values_old_BS=torch.zeros(1, 3))
     num, metrics = ValueLoss(None)({"critic_out_BS": torch.tensor([[0.1, 0.2, 0.3]])}, mb)
     assert float(num) == pytest.approx(0.425) and float(metrics["value_mean"]) == pytest.approx(0.15)
 
@@ -199,7 +212,8 @@ def test_non_finite_rewards_are_rejected_by_name():
 
 
 def test_step_metrics_reduce_over_updates():
-    ups = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9}, {"loss": 3.0, "ratio_max": 1.2, "ratio_min": 0.7, "x": 2}]
+    ups = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9},
+           {"loss": 3.0, "ratio_max": 1.2, "ratio_min": 0.7, "x": 2}]
     assert reduce_updates(ups) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.7, "x": 2.0}
 
 
@@ -222,5 +236,8 @@ def test_a_steps_targets_reach_the_batch_under_their_own_names():
     from moe_rl.algos.targets import Targets
     from moe_rl.batch import TARGET_FIELDS, Batch
 
-    batch_fields, target_fields = {f.name for f in dataclasses.fields(Batch)}, {f.name for f in dataclasses.fields(Targets)}
-    assert set(TARGET_FIELDS) <= batch_fields & target_fields, set(TARGET_FIELDS) - (batch_fields & target_fields)
+    batch_fields, target_fields = {f.name
+                                   for f in dataclasses.fields(Batch)}, {f.name
+                                                                         for f in dataclasses.fields(Targets)}
+    assert set(TARGET_FIELDS) <= batch_fields & target_fields, \
+        set(TARGET_FIELDS) - (batch_fields & target_fields)

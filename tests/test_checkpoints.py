@@ -65,13 +65,14 @@ def test_a_kept_rollout_round_trips_through_a_safe_load(tmp_path):
 
     def traj(dtype, routes=True):
         rec = RoutingRecord(np.arange(12, dtype=dtype).reshape(3, 2, 2) * 3, np.array([True, True, False]))
-        return Trajectory([1, 2, 3], [False, True, True], [0.0, -0.5, -0.25], [(1, 2)], [0.5], 1.0, Outcome.TRUNCATED_TURNS,
-                          3, 4, 1, rec if routes else None, group_id=7, sample_index=1, info={"turns": 1, "tool_errors": 0},
-                          versions=[4, 4, 5])
+        return Trajectory([1, 2, 3], [False, True, True], [0.0, -0.5, -0.25], [(1, 2)], [0.5], 1.0,
+                          Outcome.TRUNCATED_TURNS, 3, 4, 1, rec if routes else None, group_id=7,
+                          sample_index=1, info={"turns": 1, "tool_errors": 0}, versions=[4, 4, 5])
 
     stats = RolloutStats(Counter({"completed": 5, "truncated_turns": 2}), Counter({"empty": 3}), 1, 2, 4,
                          {"memory_rss_gib_max": 1.5})
-    kept = Collected([([traj(np.uint8), traj(np.int16, routes=False)], stats), ([traj(np.int16)], RolloutStats())], 2.5)
+    kept = Collected([([traj(np.uint8), traj(np.int16, routes=False)], stats),
+                      ([traj(np.int16)], RolloutStats())], 2.5)
     torch.save(kept.state(), tmp_path / "kept.pt")
     back = Collected.from_state(torch.load(tmp_path / "kept.pt", weights_only=True))
     assert back.wait_s == 2.5 and len(back.results) == 2

@@ -27,14 +27,16 @@ def test_check_config_says_how_many_gpus_a_recipe_needs(recipe, gpus, actors):
     out = run("check-config", f"configs/{recipe}.yaml", "--assume-cuda")
     assert out.returncode == 0, out.stderr
     assert f"actors: {actors}; on GPUs it needs {gpus} GPU(s) (one per actor)" in out.stderr
-    assert f"{gpus} GPUs" in (ROOT / "configs" / f"{recipe}.yaml").read_text().splitlines()[1]  # the header says so
+    # the header says so
+    assert f"{gpus} GPUs" in (ROOT / "configs" / f"{recipe}.yaml").read_text().splitlines()[1]
 
 
 def test_misspelled_override_is_one_line_exit_2():
     out = run("check-config", "configs/quickstart.yaml", "algorithm.gama=0.9")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moe-rl: error: algorithm.gama: unknown key (did you mean 'gamma'?)")
+    assert len(lines) == 1 \
+        and lines[0].startswith("moe-rl: error: algorithm.gama: unknown key (did you mean 'gamma'?)")
     assert "Traceback" not in out.stderr
 
 
@@ -111,14 +113,17 @@ def test_cli_conventions():
     assert "architecture (Hugging Face model_type) (default: qwen3_moe)" in " ".join(tiny.split())
     assert "seed of the random weights (default: 0)" in tiny
     train = run_main("train")
-    assert train.returncode == 2 and train.stderr.strip().endswith("the following arguments are required: config")
-    listed = dict(line.split(": ", 1) for line in run_main("check-config", "--list").stdout.strip().splitlines())
+    assert train.returncode == 2 \
+        and train.stderr.strip().endswith("the following arguments are required: config")
+    listed = dict(line.split(": ", 1)
+                  for line in run_main("check-config", "--list").stdout.strip().splitlines())
     assert listed["aggregation"] == "token_mean, seq_mean, seq_sum_const"
     assert {"calculator", "guess_number"} <= set(listed["environment"].split(", "))
     shown = run_main("config", "show", "configs/quickstart.yaml", "run.steps=7")
     assert shown.returncode == 0 and "  steps: 7\n" in shown.stdout
     assert "max_engine_restarts: null" in shown.stdout  # a default the file does not set
-    recipe = run_main("config", "show", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda")  # a GPU recipe on this box
+    # a GPU recipe on this box
+    recipe = run_main("config", "show", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda")
     assert recipe.returncode == 0 and "weight_transfer: nccl" in recipe.stdout, recipe.stderr
 
 
@@ -162,7 +167,8 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     shutil.copytree(tmp_path / "rm", other)
     for f in other.glob("tokenizer*"):
         f.unlink()
-    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "vocab_size": 300}))
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()),
+                                                   "vocab_size": 300}))
     rows = tmp_path / "eval.jsonl"
     rows.write_text(json.dumps({"secret": 3}) + "\n")
     from test_preflight import checkpoint
@@ -172,7 +178,8 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
     checkpoint(done, 3)
     changed = tmp_path / "changed"
     checkpoint(changed, 2)
-    (changed / "config.yaml").write_text(run_main("config", "show", "configs/quickstart.yaml", "algorithm.lam=0.9").stdout)
+    (changed / "config.yaml").write_text(run_main("config", "show", "configs/quickstart.yaml",
+                                                  "algorithm.lam=0.9").stdout)
     damaged = tmp_path / "damaged"
     (checkpoint(damaged, 2) / "policy" / "__0_0.distcp").write_bytes(b"")
     custom = ["examples/custom_reward/config.yaml", f"run.output_dir={tmp_path / 'run'}"]
@@ -182,30 +189,40 @@ def test_file_mistakes_are_one_line_before_anything_starts(tmp_path):
         "is a directory; give a YAML file ": ["check-config", str(tmp_path)],
         "is empty; to run with every default": ["train", str(tmp_path / "empty.yaml")],
         "braces.yaml' is empty; to run with every default": ["train", str(tmp_path / "braces.yaml")],
-        f"run.output_dir: '{tmp_path}/file' is a file": ["train", q[0], f"run.output_dir={tmp_path / 'file'}"],
+        f"run.output_dir: '{tmp_path}/file' is a file": ["train", q[0],
+                                                         f"run.output_dir={tmp_path / 'file'}"],
         "model.path: '/nonexistent' does not exist": ["train", *q, "model.path=/nonexistent"],
         f"model.path: '{tmp_path}/file' is not a directory": ["train", *q, f"model.path={tmp_path / 'file'}"],
         "no_config' has no config.json": ["train", *q, f"model.path={tmp_path / 'no_config'}"],
-        "is a 'llama' model; supported: mixtral, qwen2_moe, qwen3_moe": ["train", *q, f"model.path={tmp_path / 'llama'}"],
-        "dataset '/nonexistent.jsonl' does not exist": ["train", *q, "environment.dataset=/nonexistent.jsonl"],
-        "loop_state.pt is not a loop state this program wrote": ["train", q[0], f"run.output_dir={tmp_path / 'out'}"],
-        "checkpoint.resume: /nonexistent is not a complete checkpoint": ["train", *q, "checkpoint.resume=/nonexistent"],
+        "is a 'llama' model; supported: mixtral, qwen2_moe, qwen3_moe": ["train", *q,
+                                                                         f"model.path={tmp_path / 'llama'}"],
+        "dataset '/nonexistent.jsonl' does not exist": ["train", *q,
+                                                        "environment.dataset=/nonexistent.jsonl"],
+        "loop_state.pt is not a loop state this program wrote": ["train", q[0],
+                                                                 f"run.output_dir={tmp_path / 'out'}"],
+        "checkpoint.resume: /nonexistent is not a complete checkpoint": ["train", *q,
+                                                                         "checkpoint.resume=/nonexistent"],
         "step_000004 has no policy or critic checkpoint": ["train", *q, f"checkpoint.resume={half}"],
         "rm_bias' has a score.bias": ["train", *q, f"reward_model.path={biased}"],
         "reward_model.path: '/nonexistent' does not exist": ["train", *q, "reward_model.path=/nonexistent"],
-        f"reward_model.path: '{tmp_path}/lm' has no score head": ["train", *q, f"reward_model.path={tmp_path / 'lm'}"],
+        f"reward_model.path: '{tmp_path}/lm' has no score head": ["train", *q,
+                                                                  f"reward_model.path={tmp_path / 'lm'}"],
         "rm_vocab' has another tokenizer than the policy's": ["train", *q, f"reward_model.path={other}"],
         f"trainer.eval_prompts=64, but {rows} has 1 rows": ["train", *q, f"trainer.eval_dataset={rows}"],
         "rewards.py:score raised ZeroDivisionError: division by zero": ["train", *custom,
                                                                          f"environment.reward_fn={tmp_path}/rewards.py:score"],
-        "rollout.max_model_len: 1024 is above the 512 positions the model has": ["train", *q, "rollout.max_model_len=1024"],
-        "damaged/checkpoints/step_000002/policy/__0_0.distcp is truncated (0 of": ["train", q[0], f"run.output_dir={damaged}"],
+        "rollout.max_model_len: 1024 is above the 512 positions the model "
+        "has": ["train", *q, "rollout.max_model_len=1024"],
+        "damaged/checkpoints/step_000002/policy/__0_0.distcp is truncated "
+        "(0 of": ["train", q[0], f"run.output_dir={damaged}"],
         "run.steps: 3: this run already reached it": ["train", q[0], f"run.output_dir={done}", "run.steps=3"],
         "holds a run of another config, to be resumed from step_000002: algorithm.lam: 0.9 -> 0.95":
             ["train", q[0], f"run.output_dir={changed}"],
         "run.output_dir: is empty": ["train", q[0], "run.output_dir="],
-        "run.output_dir: cannot write to '/proc/moe_rl_run'": ["train", q[0], "run.output_dir=/proc/moe_rl_run"],
-        "unrecognized arguments: --run.steps=3 (overrides take no dashes: run.steps=3)": ["train", *q, "--run.steps=3"],
+        "run.output_dir: cannot write to '/proc/moe_rl_run'": ["train", q[0],
+                                                               "run.output_dir=/proc/moe_rl_run"],
+        "unrecognized arguments: --run.steps=3 (overrides take no dashes: run.steps=3)": ["train", *q,
+                                                                                          "--run.steps=3"],
     }
     for expect, argv in cases.items():
         t = time.monotonic()
@@ -224,17 +241,20 @@ def test_plan_model_config_mistakes_are_one_line(tmp_path):
     from moe_rl.tiny import VOCAB_SIZE, hf_config
 
     hf = hf_config(TinyModel(), eos_token_id=VOCAB_SIZE - 1, pad_token_id=VOCAB_SIZE - 2).to_dict()
-    files = {"text.json": "not json\n", "list.json": "[1, 2]", "typed.json": json.dumps({**hf, "hidden_size": "64"}),
-             "ok.json": json.dumps(hf)}
+    files = {"text.json": "not json\n", "list.json": "[1, 2]",
+             "typed.json": json.dumps({**hf, "hidden_size": "64"}), "ok.json": json.dumps(hf)}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    expect = {"text.json": f"plan: --model-config: {tmp_path}/text.json is not valid JSON at line 1 column 1 (Expecting value)",
+    expect = {"text.json": f"plan: --model-config: {tmp_path}/text.json is not valid JSON at line 1 column 1 "
+                           "(Expecting value)",
               "list.json": f"plan: --model-config: {tmp_path}/list.json holds a JSON list, not an object",
               "typed.json": f'plan: {tmp_path}/typed.json: hidden_size is "64"; a whole number >= 0'}
     for name, line in expect.items():
-        assert one_line_error(run_main("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / name))).startswith(
+        assert one_line_error(run_main("plan", "configs/quickstart.yaml", "--model-config",
+                                       str(tmp_path / name))).startswith(
             f"moe-rl: error: {line}"), name
-    assert run_main("plan", "configs/quickstart.yaml", "--model-config", str(tmp_path / "ok.json")).returncode == 0
+    assert run_main("plan", "configs/quickstart.yaml", "--model-config",
+                    str(tmp_path / "ok.json")).returncode == 0
 
 
 def test_tiny_and_convert_refuse_before_any_work(tmp_path):
@@ -243,23 +263,27 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     model = tmp_path / "model"
     assert run_main("tiny", str(model)).returncode == 0
     stamp = (model / "config.json").read_text()
-    assert "is not empty; give a new directory, or --overwrite" in one_line_error(run_main("tiny", str(model), "--seed", "1"))
+    assert "is not empty; give a new directory, or --overwrite" in one_line_error(
+        run_main("tiny", str(model), "--seed", "1"))
     assert (model / "config.json").read_text() == stamp
     (model / "model-00001-of-00002.safetensors").write_bytes(b"another model's shard")
     assert run_main("tiny", str(model), "--seed", "1", "--overwrite").returncode == 0
-    assert (model / "config.json").read_text() == stamp and not (model / "model-00001-of-00002.safetensors").exists()
-    assert "is a file; give a new or empty directory" in one_line_error(run_main("tiny", str(model / "config.json"),
-                                                                                 "--overwrite"))
+    assert (model / "config.json").read_text() == stamp \
+        and not (model / "model-00001-of-00002.safetensors").exists()
+    assert "is a file; give a new or empty directory" in one_line_error(
+        run_main("tiny", str(model / "config.json"), "--overwrite"))
     out = str(tmp_path / "converted")
     assert "argument --tp: '0' is not a positive whole number" in one_line_error(
         run_main("convert", "hf-to-mcore", str(model), out, "--tp", "0"))
     for direction, src in (("hf-to-mcore", model), ("mcore-to-hf", tmp_path / "no_checkpoint_needed_yet")):
-        assert one_line_error(run_main("convert", direction, str(src), out, "--ep", "3", "--hf-config", str(model))) == \
+        assert one_line_error(run_main("convert", direction, str(src), out, "--ep", "3", "--hf-config",
+                                       str(model))) == \
             "moe-rl: error: --ep 3 does not divide the 4 experts"
     # a process of its own, as its ranks print the progress bar; the bar's total is the count it ends with
     ok = run("convert", "hf-to-mcore", str(model), out)
     total = re.search(r"HF -> Megatron \(rank 0\):\s+0%\|\s*\| 0/(\d+)", ok.stderr)
-    assert ok.returncode == 0 and total and f"from the {total.group(1)} Megatron parameters of rank 0" in ok.stdout, ok.stderr
+    assert ok.returncode == 0 and total \
+        and f"from the {total.group(1)} Megatron parameters of rank 0" in ok.stdout, ok.stderr
     assert "not installed" not in ok.stderr  # megatron's TE/apex notices stay quiet
     line = one_line_error(run_main("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}",
                                    f"model.path={model}", "parallel.tp=4", "parallel.world_size=4"))
@@ -271,9 +295,9 @@ def test_settings_vllm_refuses_at_engine_start_are_one_line_exit_2(tmp_path):
     """A setting that passes the checks before Ray but that vLLM refuses when the engine starts (here a KV
     cache too small for one block): vLLM's own message in one line, exit 2 (a mistake to fix, not a
     fault a launcher would retry: a dead engine actor would have been exit 3)."""
-    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}", "rollout.kv_cache_gb=0.000001",
-              "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "cluster.num_cpus=2",
-              "logging.progress_bar=false", timeout=300)
+    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}",
+              "rollout.kv_cache_gb=0.000001", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
+              "cluster.num_cpus=2", "logging.progress_bar=false", timeout=300)
     line = one_line_error(out)
-    assert line.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the cache "
-                           "blocks"), line
+    assert line.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the "
+                           "cache blocks"), line

@@ -32,7 +32,8 @@ def test_overrides_are_typed_and_nested():
     assert cfg.algorithm.gamma == 0.99 and cfg.parallel.tp == 2 and cfg.parallel.dp == 1
     assert cfg.algorithm.dual_clip == 3.0 and isinstance(cfg.algorithm.dual_clip, float)
     assert cfg.critic.value_clip is None
-    assert load_config(QUICKSTART, ["trainer.lr=1e-3"], cuda_available=False).trainer.lr == 1e-3  # YAML 1.1 quirk
+    # YAML 1.1 quirk
+    assert load_config(QUICKSTART, ["trainer.lr=1e-3"], cuda_available=False).trainer.lr == 1e-3
 
 
 def test_unknown_key_suggests_the_closest():
@@ -71,9 +72,11 @@ def test_unregistered_method_names_are_rejected_with_choices():
     (["model.fp8=mxfp8"], "model.fp8"),
     (["rollout.route_source=vllm"], "rollout.route_source"),
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
-    (["algorithm.advantage=grpo", "algorithm.lam_critic=0.9", "rollout.samples_per_prompt=4"], "algorithm.lam_critic"),
+    (["algorithm.advantage=grpo", "algorithm.lam_critic=0.9", "rollout.samples_per_prompt=4"],
+     "algorithm.lam_critic"),
     (["critic.enabled=false"], "critic.enabled"),
-    (["algorithm.advantage=reinforce_pp_baseline", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
+    (["algorithm.advantage=reinforce_pp_baseline", "rollout.samples_per_prompt=1"],
+     "rollout.samples_per_prompt"),
     (["model.moe_dispatcher=allgather", "parallel.pp=2", "parallel.world_size=2"], "model.moe_dispatcher"),
 ])
 def test_incompatible_combinations(overrides, field):
@@ -81,7 +84,8 @@ def test_incompatible_combinations(overrides, field):
 
 
 def test_gpu_features_pass_where_cuda_exists():
-    cfg = from_dict({}, ["model.layer_spec=transformer_engine", "model.fp8=blockwise", "rollout.route_source=vllm"],
+    cfg = from_dict({}, ["model.layer_spec=transformer_engine", "model.fp8=blockwise",
+                         "rollout.route_source=vllm"],
                     cuda_available=True)
     assert cfg.model.fp8 == "blockwise" and cfg.rollout.route_source == "vllm"
 
@@ -93,10 +97,13 @@ def test_engine_memory_settings_on_gpu():
     # a fixed KV cache and the share vLLM checks is free at start-up, together
     assert from_dict({}, gpu + ["rollout.kv_cache_gb=20"], cuda_available=True).rollout.kv_cache_gb == 20
     # our capture hook needs vLLM's CPU model runner
-    assert _err(["rollout.route_source=capture"], cuda=True).startswith("rollout.route_source: 'capture' hooks")
-    assert _err(["rollout.gpu_memory_utilization=1.5"], cuda=True).startswith("rollout.gpu_memory_utilization: 1.5 is outside")
+    assert _err(["rollout.route_source=capture"],
+                cuda=True).startswith("rollout.route_source: 'capture' hooks")
+    assert _err(["rollout.gpu_memory_utilization=1.5"],
+                cuda=True).startswith("rollout.gpu_memory_utilization: 1.5 is outside")
     # on CPU the budget holds max_num_seqs whole prompts, or it is refused
-    assert from_dict({}, ["rollout.max_num_batched_tokens=32768"], cuda_available=False).rollout.max_num_batched_tokens
+    assert from_dict({}, ["rollout.max_num_batched_tokens=32768"],
+                     cuda_available=False).rollout.max_num_batched_tokens
 
 
 def test_colocation_settings_on_gpu():
@@ -120,11 +127,12 @@ def test_ipc_weight_transfer_needs_colocation():
     """vLLM keys CUDA IPC handles by the sender's GPU: engines on GPUs of their own could not open them, and
     the run would fail at its first weight sync instead of here."""
     assert _err(["rollout.weight_transfer=ipc", "cluster.colocate=false"], cuda=True) == (
-        "rollout.weight_transfer: 'ipc' hands engines CUDA IPC handles, which vLLM keys by the sender's GPU: it "
-        "needs engines on their trainer ranks' GPUs (cluster.colocate=true); with engines on GPUs of their own "
-        "use 'nccl' or 'store'")
+        "rollout.weight_transfer: 'ipc' hands engines CUDA IPC handles, which vLLM keys by the sender's GPU: "
+        "it needs engines on their trainer ranks' GPUs (cluster.colocate=true); with engines on GPUs of "
+        "their own use 'nccl' or 'store'")
     for other in ("nccl", "store"):  # what the message offers instead passes
-        cfg = from_dict({}, [f"rollout.weight_transfer={other}", "cluster.colocate=false"], cuda_available=True)
+        cfg = from_dict({}, [f"rollout.weight_transfer={other}", "cluster.colocate=false"],
+                        cuda_available=True)
         assert cfg.rollout.weight_transfer == other
 
 
@@ -160,15 +168,19 @@ def _write(tmp_path, text: str):
 
 def test_duplicate_yaml_keys_are_refused_with_path_and_lines(tmp_path):
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, "run:\n  steps: 2\nalgorithm:\n  gamma: 0.9\nrun:\n  seed: 1\n"), cuda_available=False)
+        load_config(_write(tmp_path, "run:\n  steps: 2\nalgorithm:\n  gamma: 0.9\nrun:\n  seed: 1\n"),
+                    cuda_available=False)
     assert str(info.value).startswith("run: appears twice in") and "(lines 1 and 5)" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, "rollout:\n  temperature: 1.0\n  top_p: 0.9\n  temperature: 0.5\n"), cuda_available=False)
-    assert str(info.value).startswith("rollout.temperature: appears twice") and "(lines 2 and 4)" in str(info.value)
+        load_config(_write(tmp_path, "rollout:\n  temperature: 1.0\n  top_p: 0.9\n  temperature: 0.5\n"),
+                    cuda_available=False)
+    assert str(info.value).startswith("rollout.temperature: appears twice") \
+        and "(lines 2 and 4)" in str(info.value)
     with pytest.raises(ConfigError, match=r"^environment\.options\.low: appears twice .*lines 2 and 2"):
         load_config(_write(tmp_path, "environment:\n  options: {low: 1, low: 2}\n"), cuda_available=False)
     # the same key in different sections, and anchors/aliases, are fine
-    cfg = load_config(_write(tmp_path, "run: &r {steps: 2}\ntrainer:\n  epochs: 2\ncritic:\n  warmup_steps: 2\n"),
+    cfg = load_config(_write(tmp_path,
+                             "run: &r {steps: 2}\ntrainer:\n  epochs: 2\ncritic:\n  warmup_steps: 2\n"),
                       cuda_available=False)
     assert cfg.run.steps == 2 and cfg.trainer.epochs == 2
 
@@ -188,23 +200,32 @@ def test_resume_accepts_keywords_and_paths():
 @pytest.mark.parametrize("overrides, start", [
     (["rollout.kv_cache_gb=-1"], "rollout.kv_cache_gb: -1.0 is outside the allowed range (0.0, inf)"),
     (["rollout.kv_cache_gb=0"], "rollout.kv_cache_gb: 0.0 is outside"),
-    (["rollout.async_mode=true", "rollout.max_staleness=0"], "rollout.max_staleness: 0 with rollout.async_mode=true"),
-    (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"], "algorithm.aggregation: 'token_mean'"),
+    (["rollout.async_mode=true", "rollout.max_staleness=0"],
+     "rollout.max_staleness: 0 with rollout.async_mode=true"),
+    (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"],
+     "algorithm.aggregation: 'token_mean'"),
     (["algorithm.policy_loss=gmpo"], "algorithm.aggregation: 'token_mean'"),
     (["algorithm.advantage=grpo", "critic.enabled=true"], "critic.enabled: true with advantage 'grpo'"),
-    (["algorithm.advantage=reward_to_go", "critic.enabled=true"], "critic.enabled: true with advantage 'reward_to_go'"),
-    (["algorithm.kl_loss_estimator=full"], "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
+    (["algorithm.advantage=reward_to_go", "critic.enabled=true"],
+     "critic.enabled: true with advantage 'reward_to_go'"),
+    (["algorithm.kl_loss_estimator=full"],
+     "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
     (["algorithm.anchor=ewma"], "algorithm.anchor: 'ewma' with algorithm.correction=none"),
-    (["algorithm.anchor=ewma", "algorithm.correction=bypass"], "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
-    (["algorithm.overlong_buffer=128"], "algorithm.overlong_buffer: 128 must be below environment.token_budget=128"),
+    (["algorithm.anchor=ewma", "algorithm.correction=bypass"],
+     "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
+    (["algorithm.overlong_buffer=128"],
+     "algorithm.overlong_buffer: 128 must be below environment.token_budget=128"),
     (["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization: is a GPU setting"),
-    (["rollout.max_num_batched_tokens=1000"], "rollout.max_num_batched_tokens: 1000 would make vLLM split prompts"),
-    (["rollout.max_num_batched_tokens=64"], "rollout.max_num_batched_tokens: 64 is below rollout.max_num_seqs=128"),
+    (["rollout.max_num_batched_tokens=1000"],
+     "rollout.max_num_batched_tokens: 1000 would make vLLM split prompts"),
+    (["rollout.max_num_batched_tokens=64"],
+     "rollout.max_num_batched_tokens: 64 is below rollout.max_num_seqs=128"),
     (["rollout.max_num_seqs=0"], "rollout.max_num_seqs: 0 must be a positive integer"),
     (["cluster.offload=true", "cluster.colocate=false"], "cluster.offload: true without cluster.colocate"),
     (["cluster.offload=true", "rollout.async_mode=true"], "cluster.offload: true with rollout.async_mode"),
     (["rollout.sleep_engines=true"], "rollout.sleep_engines: vLLM's sleep mode needs CUDA"),
-    (["rollout.engine_tp=2", "rollout.engine_ep=true"], "rollout.engine_ep: vLLM's expert parallelism is a GPU feature"),
+    (["rollout.engine_tp=2", "rollout.engine_ep=true"],
+     "rollout.engine_ep: vLLM's expert parallelism is a GPU feature"),
     (["rollout.engine_ep=true"], "rollout.engine_ep: true with rollout.engine_tp=1"),
 ])
 def test_refused_settings(overrides, start):
@@ -212,10 +233,13 @@ def test_refused_settings(overrides, start):
 
 
 def test_accepted_neighbours_of_refused_settings():
-    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"], ["rollout.async_mode=true", "rollout.max_staleness=2"],
+    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"],
+          ["rollout.async_mode=true", "rollout.max_staleness=2"],
           ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean"],
-          ["algorithm.advantage=grpo", "critic.enabled=false"], ["algorithm.advantage=gae", "critic.enabled=true"],
-          ["algorithm.anchor=ewma", "algorithm.correction=tis_token"], ["algorithm.anchor=ewma", "algorithm.correction=icepop"],
+          ["algorithm.advantage=grpo", "critic.enabled=false"],
+          ["algorithm.advantage=gae", "critic.enabled=true"],
+          ["algorithm.anchor=ewma", "algorithm.correction=tis_token"],
+          ["algorithm.anchor=ewma", "algorithm.correction=icepop"],
           ["algorithm.anchor=old", "algorithm.correction=bypass"],
           # the overlong buffer is measured against the episode budget, not the per-turn cap
           ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
@@ -225,37 +249,51 @@ def test_accepted_neighbours_of_refused_settings():
         from_dict({}, overrides, cuda_available=False)
 
 
-@pytest.mark.parametrize("field", ["rollout.engine=vllm", "rollout.in_process=false", "parallel.sequence_parallel=true"])
+@pytest.mark.parametrize("field", ["rollout.engine=vllm", "rollout.in_process=false",
+                                   "parallel.sequence_parallel=true"])
 def test_removed_fields_are_unknown_keys(field):
     key = field.partition("=")[0]
     assert _err([field]).startswith(f"{key}: unknown key (removed: ")
 
 
 def test_dynamic_sampling_with_a_reward_model_is_refused():
-    msg = _err(["trainer.warm_start_steps=0", "environment.dynamic_sampling=true", "reward_model.path=/rm"], {})
-    assert msg.startswith("environment.dynamic_sampling: drops groups whose environment rewards are all equal")
-    assert _err(["reward_model.weight=0.5"], {}).startswith("reward_model.weight: 0.5 has no effect in this run: only "
-                                                            "reward_model.path reads it")
+    msg = _err(["trainer.warm_start_steps=0", "environment.dynamic_sampling=true", "reward_model.path=/rm"],
+               {})
+    assert msg.startswith("environment.dynamic_sampling: drops groups whose environment rewards are all "
+                          "equal")
+    assert _err(["reward_model.weight=0.5"], {}).startswith("reward_model.weight: 0.5 has no effect in this "
+                                                            "run: only reward_model.path reads it")
 
 
 @pytest.mark.parametrize("data, start", [
     ({"name": "guess_number", "options": {"hgh": 20}},
      "environment.options.hgh: unknown key (did you mean 'high'?); allowed: low, high"),
-    ({"name": "guess_number", "options": {"low": "one"}}, "environment.options.low: expected int, got 'one' (str)"),
+    ({"name": "guess_number", "options": {"low": "one"}},
+     "environment.options.low: expected int, got 'one' (str)"),
     ({"name": "guess_number", "options": {"low": 1.5}}, "environment.options.low: expected int"),
-    ({"name": "guess_number", "options": {"low": 5, "high": 3}}, "environment.options: low=5 must be <= high=3"),
-    ({"name": "guess_number", "options": {"high": 0}}, "environment.options: low=1 must be <= high=0"),  # default low
-    ({"name": "arithmetic", "options": {"max_operand": -1}}, "environment.options: max_operand=-1 must be >= 0"),
-    ({"name": "calculator", "options": {"low": 1}}, "environment.options.low: unknown key; allowed: max_operand"),
-    ({"name": "calculator", "options": {"tool_timeout_s": 3}}, "environment.options.tool_timeout_s: set by environment.tool_timeout_s"),
+    ({"name": "guess_number", "options": {"low": 5, "high": 3}},
+     "environment.options: low=5 must be <= high=3"),
+    # default low
+    ({"name": "guess_number", "options": {"high": 0}}, "environment.options: low=1 must be <= high=0"),
+    ({"name": "arithmetic", "options": {"max_operand": -1}},
+     "environment.options: max_operand=-1 must be >= 0"),
+    ({"name": "calculator", "options": {"low": 1}},
+     "environment.options.low: unknown key; allowed: max_operand"),
+    ({"name": "calculator", "options": {"tool_timeout_s": 3}},
+     "environment.options.tool_timeout_s: set by environment.tool_timeout_s"),
     ({"name": "math", "dataset": "d.jsonl", "options": {"extract": "first"}},
      "environment.options.extract: 'first' is not allowed; choose one of boxed, boxed_or_last_number"),
-    ({"name": "single_turn", "dataset": "d.jsonl"}, "environment.reward_fn: the single_turn environment scores each answer"),
-    ({"name": "single_turn", "dataset": "d.jsonl", "reward_fn": "os:no_such_fn"}, "environment.reward_fn: 'os:no_such_fn': os has no no_such_fn"),
-    ({"name": "single_turn", "dataset": "d.jsonl", "reward_fn": "os:getcwd"}, "environment.reward_fn: 'os:getcwd' must take (row, response)"),
-    ({"name": "guess_number", "reward_fn": "os:getcwd"}, "environment.reward_fn: only the single_turn environment calls"),
+    ({"name": "single_turn", "dataset": "d.jsonl"},
+     "environment.reward_fn: the single_turn environment scores each answer"),
+    ({"name": "single_turn", "dataset": "d.jsonl", "reward_fn": "os:no_such_fn"},
+     "environment.reward_fn: 'os:no_such_fn': os has no no_such_fn"),
+    ({"name": "single_turn", "dataset": "d.jsonl", "reward_fn": "os:getcwd"},
+     "environment.reward_fn: 'os:getcwd' must take (row, response)"),
+    ({"name": "guess_number", "reward_fn": "os:getcwd"},
+     "environment.reward_fn: only the single_turn environment calls"),
     ({"name": "math"}, "environment.dataset: environment 'math' makes no prompts of its own"),
-    ({"name": "no_such_pkg.envs:Task"}, "environment.name: 'no_such_pkg.envs:Task': importing no_such_pkg.envs failed (ModuleNotFoundError"),
+    ({"name": "no_such_pkg.envs:Task"},
+     "environment.name: 'no_such_pkg.envs:Task': importing no_such_pkg.envs failed (ModuleNotFoundError"),
     ({"name": "os:path"}, "environment.name: 'os:path' is not an Environment subclass"),
     ({"name": "examples/nope.py:Task"}, "environment.name: 'examples/nope.py:Task': no file "),
 ])
@@ -273,7 +311,8 @@ def test_environment_option_declarations(monkeypatch):
     guess, calc = get_env("guess_number"), get_env("calculator")
     assert guess.has_expert() and get_env("arithmetic").has_expert() and calc.has_expert()
     assert guess(guess.Options(low=3)).options.low == 3 and guess().options.high == 9
-    assert [p["high"] for p in guess.generate_prompts(2, seed=0, options=build_options(guess, {"high": 2}))] == [2, 2]
+    assert [p["high"]
+            for p in guess.generate_prompts(2, seed=0, options=build_options(guess, {"high": 2}))] == [2, 2]
     cfg = from_dict({"environment": {"options": {"low": 2, "high": 2}}}, cuda_available=False)
     assert cfg.environment.options == {"low": 2, "high": 2}
 
@@ -284,9 +323,11 @@ def test_environment_option_declarations(monkeypatch):
 
     monkeypatch.setitem(_ENVS, "mine", Mine)
     assert not Mine.has_expert()
-    assert _err(["trainer.warm_start_steps=0"], {"environment": {"name": "mine", "options": {"x": 1}}}).startswith(
+    assert _err(["trainer.warm_start_steps=0"],
+                {"environment": {"name": "mine", "options": {"x": 1}}}).startswith(
         "environment.options.x: unknown key; allowed: ")
-    assert "trainer.warm_start_steps" in _err([], {"environment": {"name": "mine"}, "trainer": {"warm_start_steps": 1}})
+    assert "trainer.warm_start_steps" in _err([], {"environment": {"name": "mine"},
+                                                   "trainer": {"warm_start_steps": 1}})
 
     class Typed(Mine):
         @dataclass(frozen=True)
@@ -298,13 +339,15 @@ def test_environment_option_declarations(monkeypatch):
     cfg = from_dict({"environment": {"name": "typed", "options": {"names": [1, 2], "scale": 2}}},
                     ["trainer.warm_start_steps=0"], cuda_available=False)
     assert build_options(Typed, cfg.environment.options) == Typed.Options(names=[1, 2], scale=2.0)
-    assert _err(["trainer.warm_start_steps=0"], {"environment": {"name": "typed", "options": {"names": [1, "b"]}}}) \
+    assert _err(["trainer.warm_start_steps=0"],
+                {"environment": {"name": "typed", "options": {"names": [1, "b"]}}}) \
         == "environment.options.names[1]: expected int, got 'b' (str)"
 
 
 @pytest.mark.parametrize("overrides, field", [
     (["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_sum_const"], "algorithm.aggregation"),
-    (["algorithm.correction=tis_token", "algorithm.self_normalize=true", "algorithm.aggregation=seq_sum_const"],
+    (["algorithm.correction=tis_token", "algorithm.self_normalize=true",
+      "algorithm.aggregation=seq_sum_const"],
      "algorithm.self_normalize"),
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2",
       "critic.warmup_steps=3"], "critic.warmup_steps"),
@@ -330,13 +373,15 @@ def test_engine_restarts_follow_the_weight_transfer():
 
 @pytest.mark.parametrize("changes, fused", [
     ({}, True),  # one epoch, one minibatch, anchor old, no correction
-    ({"algorithm": {"correction": "bypass"}}, True),  # pi_old is mu: the pass is only for figures, skipped too
+    # pi_old is mu: the pass is only for figures, skipped too
+    ({"algorithm": {"correction": "bypass"}}, True),
     ({"trainer": {"proximal_pass": "separate"}}, False),
     ({"trainer": {"epochs": 2}}, False),  # the second epoch's ratio needs the policy before the first
     ({"trainer": {"minibatches": 2}}, False),
     ({"algorithm": {"anchor": "ewma", "correction": "tis_token"}, "trainer": {"epochs": 1}}, False),
     ({"algorithm": {"correction": "tis_token"}}, False),  # the weights pi_old / mu come before the update
-    ({"algorithm": {"advantage": "gae"}, "critic": {"warmup_steps": 2}}, False),  # steps without a policy update
+    # steps without a policy update
+    ({"algorithm": {"advantage": "gae"}, "critic": {"warmup_steps": 2}}, False),
     ({"algorithm": {"advantage": "gae"}}, True),
 ])
 def test_pi_old_from_the_update_only_for_a_single_update_from_the_policy_as_it_is(changes, fused):

@@ -30,7 +30,8 @@ SWITCH_CASES = {
     "algorithm.overlong_buffer > 0": (["algorithm.overlong_buffer=8"], [[]]),
     "algorithm.kl_reward_coef > 0": (["algorithm.kl_reward_coef=0.1"], [[]]),
     "algorithm.kl_loss_coef > 0": (["algorithm.kl_loss_coef=0.1"], [[]]),
-    "a critic (algorithm.advantage=gae)": ([], [["algorithm.advantage=grpo", "rollout.samples_per_prompt=2"]]),
+    "a critic (algorithm.advantage=gae)": ([],
+                                           [["algorithm.advantage=grpo", "rollout.samples_per_prompt=2"]]),
     "the tiny model (model.path empty)": ([], [["model.path=/checkpoints/base"]]),
     "rollout.async_mode=true": (["rollout.async_mode=true"], [[]]),
     "environment.dynamic_sampling=true": (["environment.dynamic_sampling=true"], [[]]),
@@ -43,8 +44,8 @@ SWITCH_CASES = {
 }
 
 # a valid value other than the default, where the type alone does not give one
-OTHER = {"algorithm.dual_clip": 3.0, "model.tiny.num_attention_heads": 4, "model.tiny.num_key_value_heads": 1, "model.tiny.top_k": 1,
-         "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64}
+OTHER = {"algorithm.dual_clip": 3.0, "model.tiny.num_attention_heads": 4, "model.tiny.num_key_value_heads": 1,
+         "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64}
 
 
 def field_type(path: str):
@@ -150,7 +151,8 @@ def test_every_setting_has_a_reader():
 @pytest.mark.parametrize("overrides, path", [
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "algorithm.lam=0.9"], "algorithm.lam"),
     (["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "algorithm.gamma=0.99"], "algorithm.gamma"),
-    (["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
+    (["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean", "algorithm.dual_clip=3"],
+     "algorithm.dual_clip"),
     (["algorithm.correction=tis_seq", "algorithm.is_cap=3"], "algorithm.is_cap"),
     (["algorithm.correction=tis_token", "algorithm.seq_is_cap=3"], "algorithm.seq_is_cap"),
     (["algorithm.correction=tis_token", "algorithm.icepop_min=0.4"], "algorithm.icepop_min"),
@@ -160,12 +162,14 @@ def test_every_setting_has_a_reader():
     (["algorithm.overlong_buffer=0", "algorithm.overlong_penalty=0.5"], "algorithm.overlong_penalty"),
     (["environment.max_resample_rounds=2"], "environment.max_resample_rounds"),
     (["rollout.async_mode=false", "rollout.max_staleness=2"], "rollout.max_staleness"),
-    (["algorithm.advantage=rloo", "rollout.samples_per_prompt=2", "critic.value_clip=0.5"], "critic.value_clip"),
+    (["algorithm.advantage=rloo", "rollout.samples_per_prompt=2", "critic.value_clip=0.5"],
+     "critic.value_clip"),
     (["model.path=/checkpoints/base", "model.tiny.hidden_size=128"], "model.tiny.hidden_size"),
     (["trainer.warm_start_steps=0", "trainer.warm_start_lr=0.01"], "trainer.warm_start_lr"),
     (["trainer.warm_start_steps=0", "trainer.warm_start_batch=8"], "trainer.warm_start_batch"),
     (["parallel.cp=2", "parallel.world_size=2", "trainer.pack_sequences=false"], "trainer.pack_sequences"),
-    (["model.moe_dispatcher=allgather", "parallel.ep=2", "parallel.world_size=2", "trainer.pack_sequences=false"],
+    (["model.moe_dispatcher=allgather", "parallel.ep=2", "parallel.world_size=2",
+      "trainer.pack_sequences=false"],
      "trainer.pack_sequences"),
 ])
 def test_the_settings_without_effect_are_refused(overrides, path):
@@ -173,15 +177,18 @@ def test_the_settings_without_effect_are_refused(overrides, path):
 
 
 def test_a_token_budget_below_a_turn_is_refused():
-    msg = str(pytest.raises(ConfigError, load, ["environment.token_budget=8", "rollout.max_new_tokens=16"]).value)
+    msg = str(pytest.raises(ConfigError, load,
+                            ["environment.token_budget=8", "rollout.max_new_tokens=16"]).value)
     assert msg.startswith("environment.token_budget: 8 is below rollout.max_new_tokens=16")
     load(["environment.token_budget=16", "rollout.max_new_tokens=16"])
 
 
 def test_check_config_refuses_one_in_one_line():
-    out = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "algorithm.policy_loss=gspo",
-                          "algorithm.aggregation=seq_mean", "algorithm.dual_clip=3"],
+    out = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml",
+                          "algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean",
+                          "algorithm.dual_clip=3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == ["moe-rl: error: algorithm.dual_clip: 3.0 has no effect in this run: only "
-                                               "algorithm.policy_loss=ppo reads it (leave it at its default, None)"]
+    assert out.stderr.strip().splitlines() == ["moe-rl: error: algorithm.dual_clip: 3.0 has no effect in "
+                                               "this run: only algorithm.policy_loss=ppo reads it (leave it "
+                                               "at its default, None)"]

@@ -19,9 +19,9 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-MINIMAL = ["run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.eval_prompts=0",
-           "logging.progress_bar=false", "cluster.num_cpus=2", "rollout.prompts_per_step=4",
-           "rollout.samples_per_prompt=1"]
+MINIMAL = ["run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
+           "trainer.eval_prompts=0", "logging.progress_bar=false", "cluster.num_cpus=2",
+           "rollout.prompts_per_step=4", "rollout.samples_per_prompt=1"]
 
 
 class Run:
@@ -53,7 +53,8 @@ class Run:
             try:
                 for p in root.children(recursive=True):
                     try:
-                        # the latest name: a Ray worker takes its actor's name (ray::RolloutActor) after it starts
+                        # the latest name: a Ray worker takes its actor's name (ray::RolloutActor) after it
+                        # starts
                         self.seen[(p.pid, p.create_time())] = " ".join(p.cmdline())[:120] or p.name()
                     except psutil.Error:
                         pass

@@ -18,26 +18,29 @@ pytestmark = pytest.mark.slow
 
 
 def test_dry_run_checks_what_travels_and_says_what_it_would_run():
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
-    assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out and "tools/gpu_check.py" in out
+    assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out \
+        and "tools/gpu_check.py" in out
     assert "mbridge-0.15.1-py3-none-any.whl" in out and "megatron_core-0.16.1-cp312" in out
-    assert "collects: 10 gpu tests" in out and re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB", out)
+    assert "collects: 10 gpu tests" in out \
+        and re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB", out)
     assert "FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree" in out
     budget = re.search(r"time budget: .* at most (\d+) s of (\d+) s", out)
     assert budget and int(budget[1]) <= int(budget[2]) == 360  # one run in 6 minutes: a second try fits 15
     figures = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert figures["dry_run"] and figures["device"] == "cpu" and "partial" not in figures
     assert figures["offload_bitwise"] and figures["dynamo_graphs"] == 0 and figures["train_tokens_per_s"] > 0
-    assert {"torch", "megatron_core", "mbridge", "transformers", "python", "mfu", "logp_max_abs_diff_fp32"} <= set(figures)
+    assert {"torch", "megatron_core", "mbridge", "transformers", "python", "mfu",
+            "logp_max_abs_diff_fp32"} <= set(figures)
     assert "problem" not in out and out.rstrip().splitlines()[-1].startswith("gpu_check: dry run OK in")
 
 
 def test_prepare_builds_the_wheel_cache_and_says_its_size():
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--prepare"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", "--prepare"], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB; carry \.whl", proc.stdout)
     assert proc.stdout.rstrip().endswith("gpu_check: prepared")
@@ -50,7 +53,8 @@ def test_wheel_checks_name_each_problem(tmp_path, monkeypatch):
     good = tmp_path / "fake-1.0-py3-none-any.whl"
     with zipfile.ZipFile(good, "w") as z:
         z.writestr("fake-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fake\nVersion: 1.0\n"
-                   "Requires-Dist: not-on-the-machine\nRequires-Dist: torch>=99\nRequires-Dist: pytest; extra == 'test'\n")
+                   "Requires-Dist: not-on-the-machine\nRequires-Dist: torch>=99\nRequires-Dist: pytest; "
+                   "extra == 'test'\n")
     windows = tmp_path / "fake-1.0-cp311-cp311-win_amd64.whl"
     windows.write_bytes(good.read_bytes())
     wheels, problems = gpu_carry.wheel_problems(tmp_path, ["fake==1.0", "mbridge==0.15.1"])
@@ -81,4 +85,5 @@ def test_the_gpu_tests_checks_run_on_cpu(tiny_qwen):
     assert out["offload"]["moved"] > 0 and out["offload"]["same"] and out["offload"]["where"] == ["cpu"]
     assert out["step_after_onload"]["update_ok"] == 1.0
     assert out["cp_gather"] == {"device": "cpu", "forward": True, "backward": True}
-    assert out["compiled"].get("stats", {}).get("unique_graphs", 0) == 0 and not out["compiled"].get("inductor")
+    assert out["compiled"].get("stats", {}).get("unique_graphs", 0) == 0 \
+        and not out["compiled"].get("inductor")

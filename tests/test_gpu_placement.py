@@ -16,7 +16,8 @@ from moe_rl.driver import session
 from moe_rl.driver.placement import Placement, PlacementError, engines_first, gpu_layout
 
 TRAINERS = ("policy", "critic", "reference", "reward_model")
-NO_CRITIC = ("algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2")
+NO_CRITIC = ("algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5",
+             "critic.value_clip=0.2")
 REFERENCE = ("algorithm.kl_loss_coef=0.01",)
 SEPARATE = ("cluster.colocate=false",)
 
@@ -63,7 +64,8 @@ def four_gpus():
 
     class Report:  # defined here: Ray ships it by value (the workers cannot import the tests)
         def gpus(self) -> dict:
-            return {"ray": [str(i) for i in ray.get_gpu_ids()], "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            return {"ray": [str(i) for i in ray.get_gpu_ids()],
+                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                     "job_env": os.environ.get("MOE_RL_JOB_ENV")}
 
     yield ray.remote(Report)
@@ -77,7 +79,8 @@ def placed(report, cfg) -> tuple[Placement, dict[str, list[list[str]]]]:
     try:
         actors = {role: [report.options(**place.options(role, i)).remote() for i in range(n)]
                   for role, n in cfg.actors.items()}
-        seen = {role: ray.get([a.gpus.remote() for a in group], timeout=120) for role, group in actors.items()}
+        seen = {role: ray.get([a.gpus.remote() for a in group], timeout=120)
+                for role, group in actors.items()}
     finally:
         for group in locals().get("actors", {}).values():
             for a in group:
@@ -94,7 +97,8 @@ def placed(report, cfg) -> tuple[Placement, dict[str, list[list[str]]]]:
     return place, {role: [r["visible"].split(",") for r in reports] for role, reports in seen.items()}
 
 
-LAYOUTS = [  # (overrides, GPUs): 1, 2 and 4 GPUs, with and without a critic and a reference, engine_tp 1 and 2
+# (overrides, GPUs): 1, 2 and 4 GPUs, with and without a critic and a reference, engine_tp 1 and 2
+LAYOUTS = [
     ((), 1),
     ((*NO_CRITIC,), 1),
     ((*REFERENCE,), 1),
@@ -126,9 +130,11 @@ def test_each_actor_gets_the_gpus_its_config_gives_it(four_gpus):
         ranks = {role: [a[0] for a in seen[role]] for role in TRAINERS if seen[role]}
         workers = [g for a in seen["engine"] for g in a]
         if cfg.cluster.colocate:
-            assert len(set(map(tuple, ranks.values()))) == 1, (overrides, ranks)  # rank i of every model: one GPU
+            # rank i of every model: one GPU
+            assert len(set(map(tuple, ranks.values()))) == 1, (overrides, ranks)
             shared = min(len(workers), len(ranks["policy"]))
-            assert workers[:shared] == ranks["policy"][:shared], (overrides, seen)  # engine worker i beside rank i
+            # engine worker i beside rank i
+            assert workers[:shared] == ranks["policy"][:shared], (overrides, seen)
         used = {g for actors in seen.values() for a in actors for g in a}
         if not cfg.cluster.colocate:
             assert sum(len(a) for actors in seen.values() for a in actors) == len(used), (overrides, seen)
@@ -137,7 +143,8 @@ def test_each_actor_gets_the_gpus_its_config_gives_it(four_gpus):
 
 @pytest.mark.slow
 def test_a_run_that_needs_more_gpus_than_the_cluster_is_refused(four_gpus):
-    cfg = config(*SEPARATE, "parallel.world_size=4")  # 4 policy + 4 critic ranks + an engine, each its own GPU
+    # 4 policy + 4 critic ranks + an engine, each its own GPU
+    cfg = config(*SEPARATE, "parallel.world_size=4")
     with pytest.raises(PlacementError, match="the run needs 9 GPU"):
         Placement(cfg, cfg.actors)
 
@@ -175,7 +182,8 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
                 events.append("connect")
 
         monkeypatch.setattr(session, "start_ray", lambda cfg: None)
-        monkeypatch.setattr(placement, "Placement", lambda cfg, counts: types.SimpleNamespace(engines_first=first))
+        monkeypatch.setattr(placement, "Placement",
+                            lambda cfg, counts: types.SimpleNamespace(engines_first=first))
         monkeypatch.setattr(trainer_groups, "Models", Models)
         monkeypatch.setattr(rollout_manager, "Rollouts", Rollouts)
         monkeypatch.setattr(gae, "prepare_kernel", lambda: False)

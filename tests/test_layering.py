@@ -12,8 +12,8 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "moe_rl"
-STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "hashlib", "logging", "pathlib", "typing", "collections",
-             "contextlib", "os", "sys"}  # os, sys: the GAE kernel's build environment
+STDLIB_OK = {"__future__", "dataclasses", "math", "functools", "hashlib", "logging", "pathlib", "typing",
+             "collections", "contextlib", "os", "sys"}  # os, sys: the GAE kernel's build environment
 
 
 def module_name(path: Path) -> str:
@@ -90,7 +90,8 @@ def test_weights_is_names_buckets_and_files():
     assert files("weights")
     for f in files("weights"):
         for mod in sorted(imports(f)):
-            assert not (mod in banned or mod.startswith(tuple(b + "." for b in banned))), f"{f.relative_to(PKG)} imports {mod}"
+            assert not (mod in banned or mod.startswith(tuple(b + "." for b in banned))), \
+                f"{f.relative_to(PKG)} imports {mod}"
 
 
 def driver_file(f: Path) -> bool:

@@ -43,20 +43,23 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     curve = out / "learning_curve.png"
     assert f"learning curve: {curve}" in proc.stdout and curve.stat().st_size > 10_000
     # where the start-up's time went, phase by phase (the ranks and engines side by side)
-    assert re.search(r"start-up: [\d.]+ s \(model [\d.]+ s, GAE kernel [\d.]+ s, Ray [\d.]+ s, trainer ranks [\d.]+ s, "
-                     r"engines \(beyond the ranks\) [\d.]+ s, weight-sync connect [\d.]+ s\)", proc.stdout), proc.stdout
+    assert re.search(r"start-up: [\d.]+ s \(model [\d.]+ s, GAE kernel [\d.]+ s, Ray [\d.]+ s, trainer ranks "
+                     r"[\d.]+ s, engines \(beyond the ranks\) [\d.]+ s, weight-sync connect [\d.]+ s\)",
+                     proc.stdout), proc.stdout
     assert "warm start:   0%" in proc.stderr and "0/2" in proc.stderr  # progress bars: the warm start's,
     assert "RL steps:  33%" in proc.stderr and "3/3" in proc.stderr  # then the RL steps' from step 1 on
-    for noise in ("Token authentication is enabled", "not installed. Falling back", "full scope is deprecated"):
+    for noise in ("Token authentication is enabled", "not installed. Falling back",
+                  "full scope is deprecated"):
         assert noise not in proc.stderr, noise  # a local run does not repeat Ray's and megatron's notices
     acc = EventAccumulator(str(out / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for tag in ("reward/mean", "policy/loss", "policy/clipfrac_high", "policy/approx_kl_k3", "policy/entropy",
-                "critic/loss", "critic/explained_variance", "routing/agreement", "correction/logp_mismatch_mean",
-                "correction/logp_mismatch_no_replay", "rollout/length_mean", "rollout/outcome_truncated_turns",
-                "timing/score_s", "timing/sync_s", "perf/generate_tokens_per_s", "perf/train_tokens_per_s",
-                "memory/rss_gib", "warm_start/nll_last", "policy/lr", "critic/lr", "correction/staleness_max",
+                "critic/loss", "critic/explained_variance", "routing/agreement",
+                "correction/logp_mismatch_mean", "correction/logp_mismatch_no_replay", "rollout/length_mean",
+                "rollout/outcome_truncated_turns", "timing/score_s", "timing/sync_s",
+                "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "memory/rss_gib",
+                "warm_start/nll_last", "policy/lr", "critic/lr", "correction/staleness_max",
                 "rollout/outcome_env_error", "policy/skipped_nonfinite", "critic/skipped_nonfinite"):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
@@ -81,11 +84,13 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     # MoE expert load of the rollout's routes every step (2 layers), of the trainer's free routing on
     # diagnostic steps; the heatmaps every heatmap_every (3) steps; histograms; the resolved config
     assert [e.step for e in acc.Scalars("moe/rollout_load_imbalance_max")] == [1, 2, 3]
+    # the values, counted by hand: the asynchronous run's test
     assert {"moe/rollout_layer01_load_imbalance", "moe/rollout_layer01_usage_entropy",
-            "moe/rollout_usage_entropy_min"} <= tags  # the values, counted by hand: the asynchronous run's test
+            "moe/rollout_usage_entropy_min"} <= tags
     assert [e.step for e in acc.Scalars("moe/trainer_free_load_imbalance_max")] == [3]
     assert "moe/expert_load" in acc.Tags()["images"]  # rollout and trainer side by side (tests/test_plots.py)
-    assert {"reward/score", "policy/advantage", "rollout/model_tokens", "rollout/length"} <= set(acc.Tags()["histograms"])
+    assert {"reward/score", "policy/advantage", "rollout/model_tokens",
+            "rollout/length"} <= set(acc.Tags()["histograms"])
     for role in ("policy", "critic", "engine"):  # each role's largest process, not only the driver's
         assert 0.1 < acc.Scalars(f"memory/{role}_rss_gib_max")[-1].value < 20, role
     assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
@@ -104,8 +109,10 @@ def test_run_summary_reports_the_runs_figures(reference):
     hist = torch.load(out / "history.pt", weights_only=False)
     r = [h["reward/mean"] for h in hist]
     assert s["steps"] == 3 and s["train_reward_windows"] == pytest.approx([(r[0] + r[1]) / 2, r[2]], abs=1e-4)
-    assert s["logp_mismatch_max"] == pytest.approx(max(h["correction/logp_mismatch_max"] for h in hist), rel=1e-2)
-    assert s["explained_variance_mean"] == pytest.approx(sum(h["critic/explained_variance"] for h in hist) / 3, abs=1e-4)
+    assert s["logp_mismatch_max"] == pytest.approx(max(h["correction/logp_mismatch_max"] for h in hist),
+                                                   rel=1e-2)
+    assert s["explained_variance_mean"] == pytest.approx(
+        sum(h["critic/explained_variance"] for h in hist) / 3, abs=1e-4)
 
 
 def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
@@ -124,8 +131,10 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf", str(step / role),
                                str(tmp_path / role)], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        total = re.search(r"Megatron -> HF \(rank 0\):\s+0%\|\s*\| 0/(\d+)", proc.stderr)  # the bar's total is
-        assert total and f"from the {total.group(1)} Megatron parameters of rank 0" in proc.stdout, proc.stderr  # the count
+        # the bar's total is the count
+        total = re.search(r"Megatron -> HF \(rank 0\):\s+0%\|\s*\| 0/(\d+)", proc.stderr)
+        assert total and (f"from the {total.group(1)} Megatron parameters of rank 0"
+                          in proc.stdout), proc.stderr
     base, policy = HFReader(out / "base_model"), HFReader(tmp_path / "policy")
     assert policy.names() == base.names()
     moved = [n for n in base.names() if not torch.equal(base.get(n), policy.get(n))]
@@ -148,7 +157,8 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     assert float((hf_token_logprobs(out / "base_model", ids_BS) - exported_logp)[:, 1:].abs().max()) > 1e-3
 
 
-def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_each_time(reference, tmp_path):
+def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_each_time(
+        reference, tmp_path):
     """launch/local.sh with MOE_RL_RETRIES=2, two faults in one run:
 
     1. the policy's rank kills itself (SIGKILL, session.failpoint) between two weight buckets of step
@@ -164,8 +174,8 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
     token.touch()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": "2", "MOE_RL_VENV": sys.prefix,
            "MOE_RL_LOG": str(tmp_path / "launch.log"), "MOE_RL_FAILPOINT": f"trainer_export:3:{token}"}
-    proc = subprocess.Popen(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}", *SMALL,
-                             "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "launch/local.sh", "configs/quickstart.yaml", f"run.output_dir={out}",
+                             *SMALL, "rollout.weight_sync_bucket_mb=0.5"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
     def why() -> str:  # the launcher's output, once it has ended
@@ -177,8 +187,10 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
 
     try:
         saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 900, None
-        while not (out / "checkpoints" / "step_000002").exists():  # the first try dies in step 2; the retry saves it
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint" + why()
+        # the first try dies in step 2; the retry saves it
+        while not (out / "checkpoints" / "step_000002").exists():
+            assert proc.poll() is None \
+                and time.time() < deadline, "the run ended before its step-2 checkpoint" + why()
             time.sleep(0.05)
         while driver is None:  # the retry's driver, found before the kill must happen
             driver = next(iter(drivers()), None)
@@ -195,7 +207,8 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
     assert proc.returncode == 0, log[-5000:]
     assert not token.exists()  # exports 1 (warm start) and 2 (step 1) passed; the third killed the rank
     assert re.search(r"moe-rl: error: policy rank 0 \(export_weights\): the actor died", log), log[-5000:]
-    assert "the run stopped with exit code 3; retry 1 of 2" in log and "the run stopped with exit code 137; retry 2 of 2" in log
+    assert "the run stopped with exit code 3; retry 1 of 2" in log \
+        and "the run stopped with exit code 137; retry 2 of 2" in log
     assert log.index(f"resuming from {out / 'checkpoints' / 'step_000001'}") < log.index(
         f"resuming from {out / 'checkpoints' / 'step_000002'}")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
@@ -228,7 +241,8 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
     assert all(h["correction/stale_dropped"] == 0 for h in hist)
     step2, step3 = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000003"
-    assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()  # last: none
+    # last: none
+    assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()
     # step 3 trained on the kept rollout: its expert-load figures are the routes' counted by hand
     hand_counted_expert_load(hist[2], step2, num_experts=4)
     resumed_out = tmp_path / "resumed"
@@ -236,8 +250,8 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     run_train(resumed_out, *async_run)
     resumed = torch.load(resumed_out / "history.pt", weights_only=False)
     assert len(resumed) == 1
-    for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean", "policy/loss",
-                "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
+    for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",
+                "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
         assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-5), key
 
 
@@ -254,9 +268,10 @@ def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tm
     ref_out, _ = reference
     out, token = tmp_path / "two_engines", tmp_path / "token"
     token.touch()
-    proc = subprocess.Popen(train_cmd(out, "rollout.num_engines=2", "rollout.weight_sync_bucket_mb=0.5"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
+    proc = subprocess.Popen(train_cmd(out, "rollout.num_engines=2", "rollout.weight_sync_bucket_mb=0.5"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
     try:
         deadline = time.time() + 600
         while not (out / "checkpoints" / "step_000001").exists():
@@ -271,14 +286,17 @@ def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tm
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert not token.exists()  # the failpoint fired (update 1: after the warm start; update 2: step 1's)
-    assert re.search(r"engine [01] failed \(engine [01] \(weight update\): the actor died", stdout), stdout[-3000:]
+    assert re.search(r"engine [01] failed \(engine [01] \(weight update\): the actor died",
+                     stdout), stdout[-3000:]
     assert stdout.count("starting a replacement on its resources (1 of 3 in a row)") == 2
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
     assert [h["rollout/engine_restarts"] for h in hist] == [0, 2, 2]  # in step 1's sync, in step 2's rollout
     for h, r in zip(hist, ref, strict=True):
-        assert h["rollout/samples"] == r["rollout/samples"] == 8  # 4 prompts x 2 samples, split over 2 engines
-        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss", "correction/logp_mismatch_mean"):
+        # 4 prompts x 2 samples, split over 2 engines
+        assert h["rollout/samples"] == r["rollout/samples"] == 8
+        for key in ("reward/mean", "rollout/length_mean", "policy/loss", "critic/loss",
+                    "correction/logp_mismatch_mean"):
             assert h[key] == pytest.approx(r[key], rel=1e-4, abs=1e-5), key
 
 
@@ -322,8 +340,8 @@ def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
               *(["rollout.engine_tp=2"] if tp == 2 else []))
     hist = torch.load(out / "history.pt", weights_only=False)
     ref = torch.load(ref_out / "history.pt", weights_only=False)
-    keys = ["reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm",
-            "correction/logp_mismatch_mean"]
+    keys = ["reward/mean", "rollout/length_mean", "policy/loss", "policy/grad_norm", "critic/loss",
+            "critic/grad_norm", "correction/logp_mismatch_mean"]
     if tp == 2:  # means over microbatches (ratio, entropy) match where the ranks hold the same rows
         keys += ["policy/ratio_mean", "policy/entropy"]
     for key in keys:
@@ -335,18 +353,21 @@ def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):
     update's own forward (trainer.proximal_pass=auto) trains exactly like scoring it first (separate),
     step for step, with the replayed log-probs' figures the same; only the scoring pass's route bytes
     are gone."""
-    one = ["trainer.epochs=1", "trainer.minibatches=1", "parallel.world_size=2", "run.steps=2", "checkpoint.every=0",
-           "checkpoint.at_end=false", "logging.routing_diagnostics_every=2", *NO_CRITIC]  # the policy's pi_old
+    # the policy's pi_old
+    one = ["trainer.epochs=1", "trainer.minibatches=1", "parallel.world_size=2", "run.steps=2",
+           "checkpoint.every=0", "checkpoint.at_end=false", "logging.routing_diagnostics_every=2", *NO_CRITIC]
     run_train(tmp_path / "auto", *one)
     run_train(tmp_path / "separate", *one, "trainer.proximal_pass=separate")
     hist, ref = (torch.load(tmp_path / m / "history.pt", weights_only=False) for m in ("auto", "separate"))
-    assert len(hist) == len(ref) == 2 and not (tmp_path / "auto" / "checkpoints").exists()  # at_end=false: none
+    # at_end=false: none
+    assert len(hist) == len(ref) == 2 and not (tmp_path / "auto" / "checkpoints").exists()
     for h, r in zip(hist, ref, strict=True):
-        for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean", "policy/clipfrac_high",
-                    "correction/logp_mismatch_mean", "correction/logp_mismatch_max"):
+        for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/ratio_mean",
+                    "policy/clipfrac_high", "correction/logp_mismatch_mean", "correction/logp_mismatch_max"):
             assert h[key] == r[key], key
         assert h["routing/score_route_bytes_per_rank"] < r["routing/score_route_bytes_per_rank"]
-        assert h["correction/logp_mismatch_max"] < 1e-4  # R3: the update's forward replays the rollout's routes
+        # R3: the update's forward replays the rollout's routes
+        assert h["correction/logp_mismatch_max"] < 1e-4
     assert hist[1]["routing/agreement"] == ref[1]["routing/agreement"]  # the free-routing diagnostic, step 2
 
 
@@ -357,8 +378,8 @@ def test_critic_learns_a_value_written_in_the_prompt(tmp_path):
     automatic count (OMP_NUM_THREADS=1 bounds it), as each process reports."""
     out = tmp_path / "stated"
     proc = run_train(out, "environment.name=stated_reward", "environment.options={}", *NO_WARM_START,
-                     "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10", "critic.warmup_steps=10",
-                     "checkpoint.every=0", "cluster.trainer_threads=2")
+                     "rollout.prompts_per_step=16", "rollout.samples_per_prompt=1", "run.steps=10",
+                     "critic.warmup_steps=10", "checkpoint.every=0", "cluster.trainer_threads=2")
     ev = [h["critic/explained_variance"] for h in torch.load(out / "history.pt", weights_only=False)]
     assert ev[-1] > 0.8 and max(ev[-3:]) > 0.9, ev
     assert re.search(r"placement: policy ranks on \S+ \(2 threads\); critic ranks on \S+ \(2 threads\); "
@@ -380,8 +401,8 @@ def test_critic_starts_from_another_checkpoint(tmp_path):
     from moe_rl.tiny import build_tiny_checkpoint
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
-    rm = build_tiny_checkpoint(tmp_path / "reward_model", dataclasses.replace(cfg.model.tiny, num_layers=1, num_experts=8),
-                               seed=7)
+    rm = build_tiny_checkpoint(tmp_path / "reward_model",
+                               dataclasses.replace(cfg.model.tiny, num_layers=1, num_experts=8), seed=7)
     weights = load_file(rm / "model.safetensors")
     hidden = weights["model.embed_tokens.weight"].shape[1]
     weights["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
@@ -392,7 +413,8 @@ def test_critic_starts_from_another_checkpoint(tmp_path):
     figures = torch.load(out / "history.pt", weights_only=False)[0]
     assert abs(figures["critic/value_mean"]) > 1e-3, figures["critic/value_mean"]
     assert 0.1 < figures["memory/reference_rss_gib_max"] < 20
-    saved = json.loads((out / "checkpoints" / "step_000001" / "critic" / "hf_config" / "config.json").read_text())
+    saved = json.loads((out / "checkpoints" / "step_000001" / "critic" / "hf_config"
+                        / "config.json").read_text())
     assert (saved["num_hidden_layers"], saved["num_local_experts"]) == (1, 8)
 
 
@@ -431,18 +453,19 @@ def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
 
 @pytest.mark.parametrize("victim", ["trainer rank", "engine", "stopped engine"])
 def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
-    """kill -9 of a trainer rank (policy or critic, of two), or of an engine with rollout.max_engine_restarts=0:
-    the driver stops within a bounded time (no hang on a collective or a Ray wait), exit code 3 (a
-    launcher may retry), one line naming the process and what it was doing. An engine that hangs
-    (SIGSTOP) is named once cluster.call_timeout_s has passed."""
+    """kill -9 of a trainer rank (policy or critic, of two), or of an engine with
+    rollout.max_engine_restarts=0: the driver stops within a bounded time (no hang on a collective or a
+    Ray wait), exit code 3 (a launcher may retry), one line naming the process and what it was doing. An
+    engine that hangs (SIGSTOP) is named once cluster.call_timeout_s has passed."""
     import psutil
 
     out = tmp_path / "dies"
     timeout = 60 if victim == "stopped engine" else 120
     # two ranks per trainer group: a killed rank's peer may be blocked in a collective with it, or fail in it
-    extra = ["parallel.tp=2", "parallel.world_size=2"] if victim == "trainer rank" else ["rollout.max_engine_restarts=0"]
-    proc = subprocess.Popen(train_cmd(out, "run.steps=6", f"cluster.call_timeout_s={timeout}", *extra), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    extra = ["parallel.tp=2", "parallel.world_size=2"] if victim == "trainer rank" \
+        else ["rollout.max_engine_restarts=0"]
+    proc = subprocess.Popen(train_cmd(out, "run.steps=6", f"cluster.call_timeout_s={timeout}", *extra),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
         deadline = time.time() + 600
@@ -450,12 +473,14 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
             assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
             time.sleep(0.2)
         if victim == "trainer rank":
-            victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RankActor" in " ".join(p.cmdline())]
+            victims = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "RankActor" in " ".join(p.cmdline())]
         else:
             victims = engine_processes(proc.pid)
         assert victims, f"no {victim} process found"
         killed_at = time.time()
-        if victim == "stopped engine":  # let it go on well after the timeout (a stopped process would outlive Ray)
+        # let it go on well after the timeout (a stopped process would outlive Ray)
+        if victim == "stopped engine":
             victims[0].suspend()
             wake = threading.Timer(timeout + 20, lambda: victims[0].is_running() and victims[0].resume())
             wake.daemon = True
@@ -472,11 +497,12 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
     assert last.startswith("moe-rl: error: "), err[-3000:]
     if victim == "stopped engine":  # silent past the timeout: named with the call it was answering
         assert timeout - 5 < took, took
-        assert re.search(rf"no answer within cluster.call_timeout_s={timeout} s from engine 0 \((rollout of step \d+|"
-                         r"weight update)\)", last), err[-3000:]
+        assert re.search(rf"no answer within cluster.call_timeout_s={timeout} s from engine 0 \((rollout of "
+                         r"step \d+|weight update)\)", last), err[-3000:]
         return
     assert took < timeout, err[-3000:]  # noticed at once, not by the timeout
     if victim == "engine":
-        assert "engine 0 failed 1 time(s) in a row (rollout.max_engine_restarts=0" in last and "last error: " in last
+        assert "engine 0 failed 1 time(s) in a row (rollout.max_engine_restarts=0" in last \
+            and "last error: " in last
     else:  # the dead rank is named, also where a peer's call failed first because of it
         assert re.search(r"(policy|critic) rank [01] \(\w+\): the actor died", last), err[-3000:]

@@ -29,7 +29,8 @@ def test_expert_load_imbalance_and_entropy_by_hand():
     routes, valid = hand_routes()
     load = stats.expert_load(routes, valid, num_experts=4)
     assert torch.equal(load, torch.tensor([[0.5, 0.5, 0, 0], [0, 0, 0.6, 0.4]], dtype=torch.float64))
-    assert torch.allclose(stats.load_imbalance(load), torch.tensor([2.0, 2.4], dtype=torch.float64))  # max / (1/4)
+    # max / (1/4)
+    assert torch.allclose(stats.load_imbalance(load), torch.tensor([2.0, 2.4], dtype=torch.float64))
     h1 = -(0.6 * math.log(0.6) + 0.4 * math.log(0.4)) / math.log(4)
     assert torch.allclose(stats.usage_entropy(load), torch.tensor([0.5, h1], dtype=torch.float64))
     even = torch.full((1, 4), 0.25, dtype=torch.float64)
@@ -53,7 +54,8 @@ def test_expert_load_reaches_tensorboard(tmp_path):
     assert [i.step for i in images] == [2]  # heatmap_every=2
     assert images[0].height >= 150 and images[0].width >= 250  # a labelled figure (tests/test_plots.py)
     hist = acc.Histograms("reward/score")
-    assert [h.step for h in hist] == [1, 2] and hist[0].histogram_value.num == 3 and hist[0].histogram_value.sum == 2
+    assert [h.step for h in hist] == [1, 2] and hist[0].histogram_value.num == 3 \
+        and hist[0].histogram_value.sum == 2
 
 
 def test_progress_bar_starts_after_the_first_step_and_ends_with_the_last(tmp_path, capsys):
@@ -94,7 +96,8 @@ def test_step_expert_load_counts_only_positions_the_engine_computed():
         return t
 
     b = build_batch([episode(4, 2), episode(0, 2)], top_k=2)
-    assert b.routed_len_B.tolist() == [3, 3] and b.routes_BSLK[0, 3:, 0].tolist() == [[0, 1]] * 5  # placeholders
+    # placeholders
+    assert b.routed_len_B.tolist() == [3, 3] and b.routes_BSLK[0, 3:, 0].tolist() == [[0, 1]] * 5
     scores = SimpleNamespace(logp_BS=b.logp_mu_BS, free_logp_BS=None, free_routes_BSLK=None)
     tg = SimpleNamespace(adv_BS=torch.zeros(b.input_ids_BS.shape), metrics={}, returns_BS=None)
     out = step_figures(b, scores, tg, num_experts=4)
@@ -114,12 +117,13 @@ def test_evaluation_figures_count_lost_samples_as_failures():
     from moe_rl.trajectory import Outcome, Trajectory
 
     def episode(group, sample, terminal, figures=None):
-        t = Trajectory([1, 2], [False, True], [0.0, -1.0], [(1, 1)], [0.0], terminal, Outcome.COMPLETED, 2, 0, 1,
-                       group_id=group, sample_index=sample)
+        t = Trajectory([1, 2], [False, True], [0.0, -1.0], [(1, 1)], [0.0], terminal, Outcome.COMPLETED, 2, 0,
+                       1, group_id=group, sample_index=sample)
         t.info["figures"] = figures or {}
         return t
 
-    figures = evaluation_figures([episode(0, 0, 0.1, {"success": 0.0}), episode(0, 1, 1.0), episode(1, 0, 1.0)],
+    figures = evaluation_figures([episode(0, 0, 0.1, {"success": 0.0}), episode(0, 1, 1.0),
+                                  episode(1, 0, 1.0)],
                                  prompts=2, samples=2)
     assert figures["eval/success_rate"] == figures["eval/mean@2"] == 0.5
     assert figures["eval/pass@1"] == pytest.approx(0.5) and figures["eval/pass@2"] == pytest.approx(1.0)
@@ -136,7 +140,8 @@ def test_the_closing_lines_name_the_best_step_and_say_when_rl_ended_below_the_st
 
     report(tmp_path, {}, {0: ev(0.3), 5: ev(0.25), 10: ev(0.2)}, [], 10)
     out = capsys.readouterr().out
-    assert "best evaluation: step 5 (held-out reward 0.250, below the 0.300 before RL; checkpoint not kept)" in out
+    assert ("best evaluation: step 5 (held-out reward 0.250, below the 0.300 before RL; checkpoint not "
+            "kept)") in out
     assert "held-out reward: 0.300 -> 0.200   success rate: 0.300 -> 0.200" in out
     report(tmp_path, {}, {0: ev(0.1), 5: ev(0.25)}, [], 5)
     assert "best evaluation: step 5 (held-out reward 0.250; checkpoint not kept)" in capsys.readouterr().out

@@ -15,7 +15,8 @@ def test_synchronous_runs_give_each_phase_the_whole_node():
     # generation, then the critic, then the policy: one process computes at a time
     assert thread_counts(ONE_NODE, {"a": 8}, 1, overlap=False) == [8, 8, 8]
     # two ranks per model compute together; the two engines generate together
-    two = [("policy", "a"), ("policy", "a"), ("critic", "a"), ("critic", "a"), ("engine", "a"), ("engine", "a")]
+    two = [("policy", "a"), ("policy", "a"), ("critic", "a"), ("critic", "a"), ("engine", "a"),
+           ("engine", "a")]
     assert thread_counts(two, {"a": 8}, 1, overlap=False) == [4, 4, 4, 4, 4, 4]
     # an engine of tensor-parallel size 2 is two processes: each of its workers gets half
     assert thread_counts(ONE_NODE, {"a": 8}, 2, overlap=False) == [8, 8, 4]
@@ -55,8 +56,8 @@ def test_a_placement_hands_out_the_counts_of_its_nodes(two_cpus, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads() == [2, 2, 2]  # policy, critic, engine on Ray's 2 CPUs, one at a time
     assert threads("rollout.async_mode=true") == [1, 1, 1]
-    assert threads("parallel.world_size=2", "algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5",
-                   "critic.value_clip=0.2") == [1, 1, 2]
+    assert threads("parallel.world_size=2", "algorithm.advantage=grpo", "rollout.samples_per_prompt=2",
+                   "critic.lr=1e-5", "critic.value_clip=0.2") == [1, 1, 2]
     assert threads("cluster.trainer_threads=3", "cluster.engine_threads=5") == [3, 3, 5]  # as given
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads() == [1, 1, 1]  # the driver's OMP_NUM_THREADS bounds the automatic counts
@@ -76,7 +77,8 @@ def test_the_engines_of_a_node_bind_their_threads_to_cores_of_their_own(two_cpus
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert first_cores() == [0]
     assert first_cores("rollout.num_engines=2") == [0, 1]  # a core each
-    assert first_cores("rollout.num_engines=3", "rollout.engine_tp=2", "cluster.engine_threads=2") == [0, 4, 8]
+    assert first_cores("rollout.num_engines=3", "rollout.engine_tp=2", "cluster.engine_threads=2") \
+        == [0, 4, 8]
 
 
 def test_a_process_never_takes_more_threads_than_cpus_it_may_run_on():

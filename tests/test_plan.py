@@ -14,14 +14,16 @@ from moe_rl.tiny import hf_config as tiny_hf_config
 
 # the published config.json of each model (the fields sizes depend on)
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                 "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                 "intermediate_size": 6144, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                 "tie_word_embeddings": False, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "intermediate_size": 6144, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "tie_word_embeddings": False, "max_position_embeddings": 40960,
+                 "torch_dtype": "bfloat16"}
 MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
-                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-                "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336,
-                "tie_word_embeddings": False, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 14336, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+                "torch_dtype": "bfloat16"}
 
 
 def test_published_models_parameter_counts():
@@ -32,12 +34,14 @@ def test_published_models_parameter_counts():
 
 
 @pytest.mark.parametrize("spec", [TinyModel(), TinyModel(arch="mixtral"), TinyModel(arch="qwen2_moe"),
-                                  TinyModel(num_layers=3, first_dense_layers=1)], ids=["qwen3", "mixtral", "qwen2", "dense"])
+                                  TinyModel(num_layers=3, first_dense_layers=1)],
+                         ids=["qwen3", "mixtral", "qwen2", "dense"])
 def test_counts_equal_transformers_models_exactly(spec):
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = hf_config_of(from_dict({"model": {"tiny": spec.__dict__}}, cuda_available=False), None)  # the tiny model's
+    # the tiny model's
+    hf = hf_config_of(from_dict({"model": {"tiny": spec.__dict__}}, cuda_available=False), None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_hf_config(spec, eos_token_id=383, pad_token_id=382))
     assert ModelShape.from_hf(hf).total == sum(p.numel() for p in model.parameters())
@@ -64,10 +68,11 @@ def test_a_run_that_cannot_fit_is_refused_one_line_per_problem(tmp_path):
     errors = out.stderr.strip().splitlines()
     # --gpu-memory-gb is a GPU's memory as its maker names it (GPU makers' GB are binary), read as GiB
     assert errors == ["moe-rl: error: engine: 89.0 GiB per GPU does not fit a 80 GiB GPU",
-                      "moe-rl: error: engine: 0 KV-cache tokens cannot hold one sequence of max_model_len=8192 "
-                      "(87.0 GiB of weights on each 80 GiB GPU; rollout.engine_tp=1)"]
+                      "moe-rl: error: engine: 0 KV-cache tokens cannot hold one sequence of "
+                      "max_model_len=8192 (87.0 GiB of weights on each 80 GiB GPU; rollout.engine_tp=1)"]
     # with engines of two GPUs each, it fits 80 GiB GPUs
-    tp2 = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80", "rollout.engine_tp=2")
+    tp2 = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80",
+                "rollout.engine_tp=2")
     assert tp2.returncode == 0, tp2.stderr
     assert "engine       4 GPU(s)" in tp2.stdout
 
@@ -111,10 +116,12 @@ def test_check_config_assume_cuda_sizes_the_run():
     ok = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "--assume-cuda"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "# fits 8 x 80 GiB GPUs per node" in ok.stderr
-    small = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml", "cluster.gpu_memory_gb=0.5",
-                            "--assume-cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    small = subprocess.run([*moe_rl_cli(), "check-config", "configs/quickstart.yaml",
+                            "cluster.gpu_memory_gb=0.5", "--assume-cuda"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
     # colocated (the quickstart): GPU i holds policy rank i, critic rank i and an engine worker, all resident
-    assert small.returncode == 2 and re.match(r"moe-rl: error: colocated: policy \d+\.\d \+ critic \d+\.\d \+ engine "
-                                              r"\d+\.\d = \d+\.\d GiB per GPU does not fit \d+\.\d GiB \(90% of 0.5 GiB",
+    assert small.returncode == 2 and re.match(r"moe-rl: error: colocated: policy \d+\.\d \+ critic \d+\.\d "
+                                              r"\+ engine \d+\.\d = \d+\.\d GiB per GPU does not fit \d+\.\d "
+                                              r"GiB \(90% of 0.5 GiB",
                                               small.stderr), small.stderr
     assert len(small.stderr.strip().splitlines()) == 1

@@ -60,10 +60,11 @@ def fine(row, response):
 
 
 @pytest.mark.parametrize("fn, expect", [
-    ("boom", "rewards.py:boom raised ZeroDivisionError: division by zero ({file}:2) scoring the answer '' on the first "
-             "row of {data}, before the run starts; a reward function must score every answer, the empty one too"),
-    ("nan", "rewards.py:nan returned a reward of nan for the answer '' on the first row of {data}, before the run "
-            "starts; rewards must be finite"),
+    ("boom", "rewards.py:boom raised ZeroDivisionError: division by zero ({file}:2) scoring the answer '' on "
+             "the first row of {data}, before the run starts; a reward function must score every answer, the "
+             "empty one too"),
+    ("nan", "rewards.py:nan returned a reward of nan for the answer '' on the first row of {data}, before "
+            "the run starts; rewards must be finite"),
     ("text", "rewards.py:text returned str 'good' for the answer ''"),
     ("nothing", "rewards.py:nothing returned None for the answer ''"),
 ])
@@ -71,7 +72,8 @@ def test_a_reward_function_that_fails_on_the_first_row_is_one_line(tmp_path, fn,
     """Called once, on the first dataset row and an empty answer: its exception (type, message, and the
     line of the user's file that raised it) or its bad result, naming environment.reward_fn."""
     (tmp_path / "rewards.py").write_text(REWARDS)
-    line = refused(ConfigError, CUSTOM, f"run.output_dir={tmp_path / 'run'}", f"environment.dataset={CUSTOM_DATA}",
+    line = refused(ConfigError, CUSTOM, f"run.output_dir={tmp_path / 'run'}",
+                   f"environment.dataset={CUSTOM_DATA}",
                    f"environment.reward_fn={tmp_path / 'rewards.py'}:{fn}")
     assert line.startswith(f"environment.reward_fn: {tmp_path}/")
     assert expect.format(file=tmp_path / "rewards.py", data=CUSTOM_DATA) in line, line
@@ -124,11 +126,12 @@ def env_overrides(tmp_path: Path, name: str) -> list[str]:
 
 def test_an_environment_whose_reset_fails_is_one_line(tmp_path):
     line = refused(ConfigError, CUSTOM, *env_overrides(tmp_path, "KeyMiss"))
-    assert line == (f"environment.name: KeyMiss.reset failed on the first row of {CUSTOM_DATA} before the run starts: "
-                    f"KeyError: 'question' ({tmp_path / 'envs.py'}:9)")
+    assert line == (f"environment.name: KeyMiss.reset failed on the first row of {CUSTOM_DATA} before the "
+                    f"run starts: KeyError: 'question' ({tmp_path / 'envs.py'}:9)")
     line = refused(ConfigError, CUSTOM, *env_overrides(tmp_path, "Text"))
-    assert line.startswith("environment.name: Text.reset returned str 'What is 5+2? Answer with a number.' on the first "
-                           f"row of {CUSTOM_DATA}, before the run starts; reset returns the chat messages")
+    assert line.startswith("environment.name: Text.reset returned str 'What is 5+2? Answer with a number.' "
+                           f"on the first row of {CUSTOM_DATA}, before the run starts; reset returns the "
+                           "chat messages")
 
 
 @pytest.mark.parametrize("name, expect", [
@@ -145,8 +148,8 @@ def test_an_environment_without_reset_or_step_is_refused_at_load(tmp_path, name,
 def test_options_for_an_environment_that_takes_none(tmp_path):
     with pytest.raises(ConfigError) as info:
         config.load_config(CUSTOM, [*env_overrides(tmp_path, "NoOptions"), "environment.options.max_len=3"])
-    assert str(info.value) == ("environment.options.max_len: unknown key; allowed: none (NoOptions takes no options: it "
-                               "declares no Options dataclass); remove environment.options")
+    assert str(info.value) == ("environment.options.max_len: unknown key; allowed: none (NoOptions takes no "
+                               "options: it declares no Options dataclass); remove environment.options")
 
 
 # -- 2. what would fail inside the actors -------------------------------------------------------------
@@ -156,8 +159,9 @@ def test_a_context_longer_than_the_model_has(tmp_path):
     whole start-up, in an actor): the tiny model's, and model.path's (times a RoPE factor)."""
     out = f"run.output_dir={tmp_path / 'run'}"
     assert refused(ConfigError, QUICK, out, "rollout.max_model_len=1024") == (
-        "rollout.max_model_len: 1024 is above the 512 positions the model has (model.tiny.max_position_embeddings); "
-        "vLLM refuses such an engine: lower rollout.max_model_len, or raise model.tiny.max_position_embeddings")
+        "rollout.max_model_len: 1024 is above the 512 positions the model has "
+        "(model.tiny.max_position_embeddings); vLLM refuses such an engine: lower rollout.max_model_len, or "
+        "raise model.tiny.max_position_embeddings")
     preflight(QUICK, out, "rollout.max_model_len=1024", "model.tiny.max_position_embeddings=1024")
     from moe_rl.tiny import VOCAB_SIZE, hf_config
 
@@ -166,8 +170,9 @@ def test_a_context_longer_than_the_model_has(tmp_path):
     hf = hf_config(config.TinyModel(), eos_token_id=VOCAB_SIZE - 1, pad_token_id=VOCAB_SIZE - 2).to_dict()
     (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 128}))
     line = refused(ConfigError, QUICK, out, f"model.path={model}")
-    assert line == (f"rollout.max_model_len: 256 is above the 128 positions the model has (max_position_embeddings in "
-                    f"{model}/config.json); vLLM refuses such an engine: lower rollout.max_model_len")
+    assert line == ("rollout.max_model_len: 256 is above the 128 positions the model has "
+                    f"(max_position_embeddings in {model}/config.json); vLLM refuses such an engine: lower "
+                    "rollout.max_model_len")
     (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 128,
                                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}))
     preflight(QUICK, out, f"model.path={model}")
@@ -180,14 +185,17 @@ def dist_checkpoint(path: Path) -> None:
 
     from moe_rl.train.checkpoint import EXTRA_FILE
 
-    dcp.save({"w": torch.arange(256.0), "b": torch.ones(8)}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    with open(path / ".metadata", "rb") as f:  # torch's own writer records its path object; megatron's does not
+    dcp.save({"w": torch.arange(256.0), "b": torch.ones(8)}, storage_writer=dcp.FileSystemWriter(str(path)),
+             no_dist=True)
+    # torch's own writer records its path object; megatron's does not
+    with open(path / ".metadata", "rb") as f:
         md = pickle.load(f)
     md.storage_meta = None
     with open(path / ".metadata", "wb") as f:
         pickle.dump(md, f)
     torch.save({"extra": {}, "steps": 1, "optimizer": "plain", "role": "policy"}, path / EXTRA_FILE)
-    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
+                                                    "sharded_backend_version": 1}))
 
 
 def checkpoint(out: Path, step: int, roles=("policy", "critic")) -> Path:
@@ -207,17 +215,18 @@ def test_a_truncated_checkpoint_names_the_file_and_the_last_good_one(tmp_path):
     os.truncate(shard, 100)
     line = refused(CheckpointError, QUICK, f"run.output_dir={out}")
     assert line.startswith(f"{shard} is truncated (100 of its ") and line.endswith(
-        f"the checkpoint is damaged; the last good checkpoint is {good}: delete {bad} (checkpoint.resume=auto then takes "
-        f"it), or set checkpoint.resume={good}")
+        f"the checkpoint is damaged; the last good checkpoint is {good}: delete {bad} "
+        f"(checkpoint.resume=auto then takes it), or set checkpoint.resume={good}")
     line = refused(CheckpointError, QUICK, f"run.output_dir={out}", f"checkpoint.resume={bad}")
     assert line.endswith(f"the last good checkpoint is {good}: set checkpoint.resume={good}")
     (bad / "loop_state.pt").write_bytes((bad / "loop_state.pt").read_bytes()[:200])  # the loop state too
     line = refused(CheckpointError, QUICK, f"run.output_dir={out}")
-    assert "loop_state.pt is not a loop state this program wrote" in line and f"last good checkpoint is {good}" in line
+    assert "loop_state.pt is not a loop state this program wrote" in line \
+        and f"last good checkpoint is {good}" in line
     (good / "policy" / "__0_0.distcp").unlink()  # nothing good left: the damage alone
     assert refused(CheckpointError, QUICK, f"run.output_dir={out}", f"checkpoint.resume={good}") == (
-        f"{good / 'policy' / '__0_0.distcp'} is missing (the checkpoint index points into it); the checkpoint is "
-        "incomplete")
+        f"{good / 'policy' / '__0_0.distcp'} is missing (the checkpoint index points into it); the "
+        "checkpoint is incomplete")
     preflight(QUICK, f"run.output_dir={out}", "checkpoint.resume=never")
 
 
@@ -225,8 +234,8 @@ def test_a_run_that_reached_its_steps(tmp_path, monkeypatch):
     out = tmp_path / "run"
     path = checkpoint(out, 3)
     assert refused(ConfigError, QUICK, f"run.output_dir={out}", "run.steps=3") == (
-        f"run.steps: 3: this run already reached it ({path} is step 3); raise run.steps to continue it, or start over in "
-        "a new run.output_dir")
+        f"run.steps: 3: this run already reached it ({path} is step 3); raise run.steps to continue it, or "
+        "start over in a new run.output_dir")
     preflight(QUICK, f"run.output_dir={out}", "run.steps=4")
     # a launcher's retry of a try that saved its last step and died after it finishes that try's work
     monkeypatch.setenv(RESUME_SINCE, str(time.time() - 60))
@@ -238,8 +247,8 @@ def test_actors_that_cannot_fit_the_local_ray_cluster(tmp_path, monkeypatch):
     apart = [f"run.output_dir={tmp_path / 'run'}", "cluster.colocate=false", "trainer.warm_start_steps=0",
              "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
     line = refused(PlacementError, QUICK, *apart, "cluster.num_cpus=2")
-    assert line.startswith("the run needs 3 CPU for 3 actors ({'policy': 1, 'critic': 1, 'engine': 1}), the local Ray "
-                           "cluster would have 2 (cluster.num_cpus=2); use cluster.colocate=true")
+    assert line.startswith("the run needs 3 CPU for 3 actors ({'policy': 1, 'critic': 1, 'engine': 1}), the "
+                           "local Ray cluster would have 2 (cluster.num_cpus=2); use cluster.colocate=true")
     preflight(QUICK, *apart, "cluster.num_cpus=3")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # this process's share of the machine
     assert "would have 2 (the CPUs this process may use)" in refused(PlacementError, QUICK, *apart)
@@ -250,8 +259,8 @@ def test_actors_that_cannot_fit_the_local_ray_cluster(tmp_path, monkeypatch):
 
 def test_the_output_directory_must_be_given_and_writable(tmp_path):
     assert refused(ConfigError, QUICK, "run.output_dir=") == (
-        "run.output_dir: is empty: the run would write into the current directory; give it a directory of its own, "
-        "e.g. run.output_dir=runs/NAME")
+        "run.output_dir: is empty: the run would write into the current directory; give it a directory of "
+        "its own, e.g. run.output_dir=runs/NAME")
     for where in ("/proc/moe_rl_run", "/sys/moe_rl_run", "/proc/self/moe_rl_run"):
         line = refused(ConfigError, QUICK, f"run.output_dir={where}")
         assert line.startswith(f"run.output_dir: cannot write to '{where}' ("), line
@@ -265,17 +274,20 @@ def test_a_run_directory_of_another_config_is_not_resumed_silently(tmp_path, cap
     out = tmp_path / "run"
     checkpoint(out, 2)
     (out / CONFIG_FILE).write_text(config.dump_yaml(config.load_config(QUICK, [f"run.output_dir={out}"])))
-    grpo = ["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5", "critic.value_clip=0.2"]
-    changes = "rollout.samples_per_prompt: 1 -> 2; algorithm.advantage: gae -> grpo; critic.lr: 0.003 -> 1e-05; " \
-        "critic.value_clip: 0.5 -> 0.2"
+    grpo = ["algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5",
+            "critic.value_clip=0.2"]
+    changes = "rollout.samples_per_prompt: 1 -> 2; algorithm.advantage: gae -> grpo; critic.lr: 0.003 -> " \
+        "1e-05; critic.value_clip: 0.5 -> 0.2"
     line = refused(ConfigError, QUICK, f"run.output_dir={out}", *grpo)
-    assert line.startswith(f"run.output_dir: '{out}' holds a run of another config, to be resumed from step_000002: "
-                           f"{changes} (its config.yaml against this one)")
+    assert line.startswith(f"run.output_dir: '{out}' holds a run of another config, to be resumed from "
+                           f"step_000002: {changes} (its config.yaml against this one)")
     assert "moe-rl train --resume-with-changes (run.steps, logging.*" in line
     preflight(QUICK, f"run.output_dir={out}", *grpo, resume_with_changes=True)
-    assert f"resuming from {out / 'checkpoints' / 'step_000002'} with settings changed since config.yaml: {changes}" \
-        in capsys.readouterr().out
-    preflight(QUICK, f"run.output_dir={out}", "run.steps=400", "logging.log_every=5", "cluster.call_timeout_s=60")
+    assert f"resuming from {out / 'checkpoints' / 'step_000002'} with settings changed since config.yaml: " \
+        f"{changes}" in capsys.readouterr().out
+    preflight(QUICK, f"run.output_dir={out}", "run.steps=400", "logging.log_every=5",
+              "cluster.call_timeout_s=60")
     assert "run.steps: 300 -> 400; logging.log_every: 1 -> 5; cluster.call_timeout_s: 3600.0 -> 60.0" \
         in capsys.readouterr().out
-    preflight(QUICK, f"run.output_dir={out}", *grpo, "checkpoint.resume=never")  # nothing resumed: a fresh start
+    # nothing resumed: a fresh start
+    preflight(QUICK, f"run.output_dir={out}", *grpo, "checkpoint.resume=never")

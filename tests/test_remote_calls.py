@@ -35,14 +35,16 @@ def test_a_dead_rank_ends_the_wait_at_once_and_is_named(cluster):
     a, b = Rank.remote(), Rank.remote()
     t0 = time.monotonic()
     with pytest.raises(RemoteCallError, match=r"^policy rank 1 \(train\): the actor died"):
-        gather([("policy rank 0 (train)", a.work.remote(60)), ("policy rank 1 (train)", b.work.remote(0, die=True))], 120)
+        gather([("policy rank 0 (train)", a.work.remote(60)),
+                ("policy rank 1 (train)", b.work.remote(0, die=True))], 120)
     assert time.monotonic() - t0 < 30  # not the 60 s rank 0 stays blocked
 
 
 def test_silence_past_the_timeout_names_who(cluster):
     a, b = Rank.remote(), Rank.remote()
     ray.get([a.work.remote(0), b.work.remote(0)])  # both started (on a busy machine that takes seconds)
-    with pytest.raises(RemoteCallError, match=r"^no answer within cluster.call_timeout_s=1 s from engine 1 \(rollout\)$"):
+    with pytest.raises(RemoteCallError,
+                       match=r"^no answer within cluster.call_timeout_s=1 s from engine 1 \(rollout\)$"):
         gather([("engine 0 (rollout)", a.work.remote(0)), ("engine 1 (rollout)", b.work.remote(30))], 1.0)
     assert gather([("engine 0 (rollout)", a.work.remote(0.1))], 10) == [0.1]
 
@@ -53,15 +55,17 @@ def test_an_error_raised_by_the_call_keeps_its_type(cluster):
 
 
 def test_retry_replaces_a_failed_call_and_keeps_the_order(cluster):
-    """gather's retry hook (driver/rollout_manager.py replaces a failed engine this way): asked about the dead call
-    and the call that raised, with the error each got; the new refs' results land in their places."""
+    """gather's retry hook (driver/rollout_manager.py replaces a failed engine this way): asked about the
+    dead call and the call that raised, with the error each got; the new refs' results land in their
+    places."""
     asked = []
 
     def retry(index, err):
         asked.append((index, type(err).__name__ if isinstance(err, RemoteCallError) else "raised"))
         return Rank.remote().work.remote(index / 10)
 
-    calls = [("engine 0 (rollout)", Rank.remote().work.remote(0)), ("engine 1 (rollout)", Rank.remote().work.remote(0, die=True)),
+    calls = [("engine 0 (rollout)", Rank.remote().work.remote(0)),
+             ("engine 1 (rollout)", Rank.remote().work.remote(0, die=True)),
              ("engine 2 (rollout)", Rank.remote().work.remote(0, fail=True))]
     assert gather(calls, 60, retry) == [0, 0.1, 0.2]
     assert sorted(asked) == [(1, "RemoteCallError"), (2, "raised")]
@@ -82,7 +86,8 @@ def test_fault_line_tells_faults_from_bugs(cluster):
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         ray.get(waits_on.remote([dead]), timeout=60)
     assert fault_line(info.value).startswith("a remote call failed because a process it worked with died")
-    assert fault_line(RemoteCallError("engine 0 (rollout): the actor died (x)")) == "engine 0 (rollout): the actor died (x)"
+    assert fault_line(RemoteCallError("engine 0 (rollout): the actor died (x)")) == ("engine 0 (rollout): "
+                                                                                     "the actor died (x)")
     with pytest.raises(KeyError) as bug:
         gather([("critic rank 0 (load)", Rank.remote().work.remote(0, fail=True))], 30)
     assert fault_line(bug.value) is None and fault_line(ValueError("x")) is None
@@ -93,5 +98,6 @@ def test_a_peer_error_caused_by_a_dead_rank_names_the_dead_rank(cluster):
     is dying: the wait names rank 1's death, the fault, not rank 0's consequence."""
     a, b = Rank.remote(), Rank.remote()
     with pytest.raises(RemoteCallError, match=r"^policy rank 1 \(train\): the actor died"):
-        gather([("policy rank 0 (train)", a.work.remote(0, fail=True)), ("policy rank 1 (train)", b.work.remote(0.5, die=True))],
+        gather([("policy rank 0 (train)", a.work.remote(0, fail=True)),
+                ("policy rank 1 (train)", b.work.remote(0.5, die=True))],
                120)

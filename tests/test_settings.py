@@ -1,6 +1,7 @@
 """moe_rl.settings is the one place config fields become component settings, and the config sections
-(config_run.py, config_rl.py) the one place their defaults live: every field of a settings object that mirrors a config field carries the
-config's value (each set away from its default here), and its dataclass declares no default for it."""
+(config_run.py, config_rl.py) the one place their defaults live: every field of a settings object that
+mirrors a config field carries the config's value (each set away from its default here), and its
+dataclass declares no default for it."""
 
 import dataclasses
 from operator import attrgetter
@@ -35,18 +36,19 @@ CFG = RunConfig(
     model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
                        moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
     parallel=ParallelSection(distributed_optimizer=False),
-    rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9, record_routes=False,
-                           route_source="capture", weight_transfer="nccl", kv_cache_gb=3.5, async_mode=True,
-                           max_num_seqs=33, max_num_batched_tokens=4444, gpu_memory_utilization=0.6,
-                           sleep_engines=True, engine_tp=2, engine_ep=True),
+    rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9,
+                           record_routes=False, route_source="capture", weight_transfer="nccl",
+                           kv_cache_gb=3.5, async_mode=True, max_num_seqs=33, max_num_batched_tokens=4444,
+                           gpu_memory_utilization=0.6, sleep_engines=True, engine_tp=2, engine_ep=True),
     cluster=ClusterSection(colocate=False),
     environment=EnvironmentSection(max_turns=7, token_budget=333, overlong_filter=True),
     algorithm=AlgorithmSection(
-        advantage="grpo", gamma=0.99, lam=0.9, lam_critic=0.8, length_adaptive_alpha=2.0, whiten_advantages=False,
-        policy_loss="gspo", clip_low=0.1, clip_high=0.3, dual_clip=3.0, aggregation="seq_mean", loss_constant=50.0,
-        kl_reward_coef=0.01, kl_reward_estimator="k2", kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001,
-        correction="tis_token", is_cap=3.0, seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, self_normalize=True,
-        anchor="ewma", overlong_buffer=20, overlong_penalty=0.5),
+        advantage="grpo", gamma=0.99, lam=0.9, lam_critic=0.8, length_adaptive_alpha=2.0,
+        whiten_advantages=False, policy_loss="gspo", clip_low=0.1, clip_high=0.3, dual_clip=3.0,
+        aggregation="seq_mean", loss_constant=50.0, kl_reward_coef=0.01, kl_reward_estimator="k2",
+        kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001, correction="tis_token", is_cap=3.0,
+        seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, self_normalize=True, anchor="ewma",
+        overlong_buffer=20, overlong_penalty=0.5),
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False),
     critic=CriticSection(lr=7e-4),
@@ -72,13 +74,15 @@ CASES = {
         "weight_decay": at("trainer.weight_decay"), "adam_beta1": at("trainer.adam_beta1"),
         "adam_beta2": at("trainer.adam_beta2"), "grad_clip": at("trainer.grad_clip"),
         "distributed_optimizer": at("parallel.distributed_optimizer"),
-        "micro_batch_tokens": at("trainer.micro_batch_tokens"), "pack_sequences": at("trainer.pack_sequences"),
+        "micro_batch_tokens": at("trainer.micro_batch_tokens"),
+        "pack_sequences": at("trainer.pack_sequences"),
     }, {"adam_eps"}),
     "engine_settings": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir"), EngineSettings, {
         "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),
         "record_routes": at("rollout.record_routes"), "kv_cache_gb": at("rollout.kv_cache_gb"),
         "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
-        "max_num_seqs": at("rollout.max_num_seqs"), "max_num_batched_tokens": at("rollout.max_num_batched_tokens"),
+        "max_num_seqs": at("rollout.max_num_seqs"),
+        "max_num_batched_tokens": at("rollout.max_num_batched_tokens"),
         "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
         "sleep": at("rollout.sleep_engines"), "tensor_parallel_size": at("rollout.engine_tp"),
         "expert_parallel": at("rollout.engine_ep"),
@@ -90,19 +94,22 @@ CASES = {
         "overlong_filter": at("environment.overlong_filter"),
     }, {"repetition_limit", "env_timeout_s"}),
     "policy_loss": (settings.policy_loss, PolicyLoss, {
-        "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"), "clip_high": at("algorithm.clip_high"),
-        "dual_clip": at("algorithm.dual_clip"), "aggregation": at("algorithm.aggregation"),
-        "kl_coef": at("algorithm.kl_loss_coef"), "kl_estimator": at("algorithm.kl_loss_estimator"),
-        "entropy_coef": at("algorithm.entropy_coef"), "old_from_forward": at("proximal_from_update"),
+        "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"),
+        "clip_high": at("algorithm.clip_high"), "dual_clip": at("algorithm.dual_clip"),
+        "aggregation": at("algorithm.aggregation"), "kl_coef": at("algorithm.kl_loss_coef"),
+        "kl_estimator": at("algorithm.kl_loss_estimator"), "entropy_coef": at("algorithm.entropy_coef"),
+        "old_from_forward": at("proximal_from_update"),
         "check_sync": lambda cfg: cfg.proximal_from_update and not cfg.rollout.async_mode,
     }, set()),
     "target_params": (settings.target_params, TargetParams, {
         "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),
-        "lam_critic": at("algorithm.lam_critic"), "length_adaptive_alpha": at("algorithm.length_adaptive_alpha"),
+        "lam_critic": at("algorithm.lam_critic"),
+        "length_adaptive_alpha": at("algorithm.length_adaptive_alpha"),
         "whiten": at("algorithm.whiten_advantages"), "kl_reward_coef": at("algorithm.kl_reward_coef"),
         "kl_reward_estimator": at("algorithm.kl_reward_estimator"), "needs_reference": at("uses_reference"),
-        "overlong_buffer": at("algorithm.overlong_buffer"), "overlong_penalty": at("algorithm.overlong_penalty"),
-        "token_budget": at("environment.token_budget"), "correction": at("algorithm.correction"),
+        "overlong_buffer": at("algorithm.overlong_buffer"),
+        "overlong_penalty": at("algorithm.overlong_penalty"), "token_budget": at("environment.token_budget"),
+        "correction": at("algorithm.correction"),
         "correction_params": lambda cfg: CorrectionParams(cfg.algorithm.is_cap, cfg.algorithm.seq_is_cap,
                                                           cfg.algorithm.icepop_min, cfg.algorithm.icepop_max),
         "ewma_anchor": lambda cfg: cfg.algorithm.anchor == "ewma", "aggregation": at("algorithm.aggregation"),
@@ -121,8 +128,10 @@ def test_every_mirrored_field_carries_the_configs_value(name):
     got, default = build(CFG), RunConfig()
     assert type(got) is cls
     for field, source in mirrors.items():
-        assert source(CFG) != source(default), f"{name}: the test config leaves the source of {field} at its default"
-        assert getattr(got, field) == source(CFG), f"{name}.{field}: {getattr(got, field)!r} != {source(CFG)!r}"
+        assert source(CFG) != source(default), (f"{name}: the test config leaves the source of {field} at "
+                                                "its default")
+        assert getattr(got,
+                       field) == source(CFG), f"{name}.{field}: {getattr(got, field)!r} != {source(CFG)!r}"
     # and from the default config, the config's defaults (whatever the dataclass would have said)
     got = build(default)
     for field, source in mirrors.items():
@@ -133,8 +142,10 @@ def test_every_mirrored_field_carries_the_configs_value(name):
 def test_settings_dataclasses_declare_no_default_for_config_fields(name):
     _, cls, mirrors, own = CASES[name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert set(fields) == set(mirrors) | own, f"{cls.__name__}: a field is neither mirrored from the config nor listed as its own"
+    assert set(fields) == set(mirrors) | own, (f"{cls.__name__}: a field is neither mirrored from the config "
+                                               "nor listed as its own")
     for field in mirrors:
         f = fields[field]
         assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
-            f"{cls.__name__}.{field} declares a default; it comes from the config (defaults live in the config sections, config_run.py and config_rl.py)")
+            f"{cls.__name__}.{field} declares a default; it comes from the config (defaults live in the "
+            "config sections, config_run.py and config_rl.py)")

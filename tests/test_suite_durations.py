@@ -32,9 +32,10 @@ def test_a_report_gives_each_files_seconds_and_the_two_workers_finish(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == (
         "1.1 worker-minutes in 4 files; two workers handed the longest first would finish at 0.5 and 0.6 min")
-    missing = subprocess.run([sys.executable, "tools/suite_durations.py", str(tmp_path / "none.xml")], cwd=ROOT,
-                             capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.strip() == f"suite_durations: {tmp_path}/none.xml is not a file"
+    missing = subprocess.run([sys.executable, "tools/suite_durations.py", str(tmp_path / "none.xml")],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 \
+        and missing.stderr.strip() == f"suite_durations: {tmp_path}/none.xml is not a file"
 
 
 def test_the_collected_files_come_longest_first(request):
@@ -42,4 +43,5 @@ def test_the_collected_files_come_longest_first(request):
     files = list(dict.fromkeys(item.path for item in request.session.items))
     seconds = [conftest.file_seconds(f) for f in files]
     assert len(files) > 1 and seconds == sorted(seconds, reverse=True)
-    assert set(conftest.DURATIONS) <= {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
+    assert set(conftest.DURATIONS) <= {p.relative_to(ROOT).as_posix()
+                                       for p in (ROOT / "tests").rglob("test_*.py")}

@@ -12,7 +12,8 @@ def test_tokenizer_round_trips_and_has_chat_template(tiny_qwen):
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
     text = "Guess a number 1-9. Lower! ünïcode ok"
     assert tok.decode(tok(text)["input_ids"]) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ids = tok(chat)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and max(ids) < VOCAB_SIZE

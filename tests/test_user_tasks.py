@@ -22,8 +22,8 @@ QUICK = ["logging.progress_bar=false", "cluster.num_cpus=2"]
 
 def train(config: Path, out: Path, *overrides: str, cwd: Path = ROOT, timeout: int = 900):
     """`moe-rl train` as a user runs it, from `cwd`: a process of its own, with its own local Ray."""
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", str(config), f"run.output_dir={out}", *QUICK,
-                           *overrides], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "train", str(config), f"run.output_dir={out}",
+                           *QUICK, *overrides], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     return proc
 
@@ -55,8 +55,8 @@ def test_a_reward_function_of_ones_own_scores_every_episode(tmp_path):
         sys.path.pop(0)
     here = ROOT / "examples" / "custom_reward"
     rm = tmp_path / "reward_model"  # and a learned reward beside the rule: a tiny reward model, weighted 0.5
-    made = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model"], capture_output=True,
-                          text=True, timeout=300)
+    made = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model"],
+                          capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     out = tmp_path / "run"
     proc = train(here / "config.yaml", out, "environment.reward_fn=rewards:exact_number",
@@ -66,7 +66,8 @@ def test_a_reward_function_of_ones_own_scores_every_episode(tmp_path):
     hist = torch.load(out / "history.pt", weights_only=False)
     assert len(hist) == 2 and all(0.0 <= h["env/has_number"] <= 1.0 for h in hist)
     for h in hist:  # R = R_rule + 0.5 R_model per episode: the means combine the same way
-        assert h["reward/combined_mean"] == pytest.approx(h["reward/mean"] + 0.5 * h["reward/model_mean"], abs=1e-5)
+        assert h["reward/combined_mean"] == pytest.approx(h["reward/mean"] + 0.5 * h["reward/model_mean"],
+                                                          abs=1e-5)
         assert h["reward/model_std"] > 0 and 0.1 < h["memory/reward_model_rss_gib_max"] < 20
     rows = {r["prompt"]: r for r in map(json.loads, (here / "prompts.jsonl").read_text().splitlines())}
     tok = AutoTokenizer.from_pretrained(out / "base_model")
@@ -75,7 +76,8 @@ def test_a_reward_function_of_ones_own_scores_every_episode(tmp_path):
     for t in trajs:
         prompt = tok.decode(t.token_ids[:t.prompt_len])
         row = next(r for p, r in rows.items() if p in prompt)
-        answer = tok.decode([i for i, m in zip(t.token_ids, t.response_mask, strict=True) if m], skip_special_tokens=True)
+        answer = tok.decode([i for i, m in zip(t.token_ids, t.response_mask, strict=True) if m],
+                            skip_special_tokens=True)
         assert t.terminal_reward == exact_number(row, answer)["reward"], (answer, row)
 
 
@@ -87,9 +89,10 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    proc = train_here(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
-                      "trainer.eval_prompts=4", "trainer.eval_every=1", "trainer.eval_samples=2", "rollout.async_mode=true",
-                      "checkpoint.every=1", "rollout.prompts_per_step=4")
+    proc = train_here(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2",
+                      "trainer.warm_start_steps=4", "trainer.eval_prompts=4", "trainer.eval_every=1",
+                      "trainer.eval_samples=2", "rollout.async_mode=true", "checkpoint.every=1",
+                      "rollout.prompts_per_step=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary["evaluations"]) == ["0", "1", "2"]
@@ -97,7 +100,8 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
         assert figures["eval/samples"] == 8 and figures["eval/prompts"] == 4
         assert 0 <= figures["eval/pass@1"] <= figures["eval/pass@2"] <= 1
         assert figures["eval/pass@1"] == pytest.approx(figures["eval/mean@2"])  # pass@1 is the mean success
-    assert summary["best_eval_step"] in (1, 2) and f"best evaluation: step {summary['best_eval_step']}" in proc.stdout
+    assert summary["best_eval_step"] in (1, 2) \
+        and f"best evaluation: step {summary['best_eval_step']}" in proc.stdout
     # the environment's reference policy (its scripted expert: look up, then answer), same held-out prompts
     assert summary["baselines"]["scripted expert"]["eval/success_rate"] == 1.0
     assert summary["baselines"]["scripted expert"]["eval/prompts"] == 4
@@ -109,7 +113,8 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     trajs = kept_rollout(out, 1)
     for t in trajs:
         for (_, end), (start, _) in zip(t.spans, t.spans[1:], strict=False):
-            assert start > end + 1 and not any(t.response_mask[end + 1:start])  # the tool's result between: mask 0
+            # the tool's result between: mask 0
+            assert start > end + 1 and not any(t.response_mask[end + 1:start])
     assert any(len(t.spans) > 1 for t in trajs), "no episode called the tool after the warm start"
 
 
@@ -117,12 +122,15 @@ def test_math_word_problems_config_trains_and_evaluates(tmp_path):
     """configs/math_word_problems.yaml, shortened: the math environment on the JSONL word problems,
     GRPO, evaluation on the held-out file with 4 samples per problem (pass@1, 2, 4); no checkpoint at all."""
     out = tmp_path / "run"
-    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2", "trainer.warm_start_steps=4",
-                      "trainer.eval_prompts=4", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.at_end=false")
+    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", out, "run.steps=2",
+                      "trainer.warm_start_steps=4", "trainer.eval_prompts=4", "trainer.eval_every=0",
+                      "checkpoint.every=0", "checkpoint.at_end=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())  # at_end=false: none
+    # at_end=false: none
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     summary = json.loads((out / "summary.json").read_text())
-    assert {"eval/pass@1_after", "eval/pass@2_after", "eval/pass@4_after", "eval/mean@4_after"} <= set(summary)
+    assert {"eval/pass@1_after", "eval/pass@2_after", "eval/pass@4_after",
+            "eval/mean@4_after"} <= set(summary)
     assert summary["eval/samples_before"] == 16
     hist = torch.load(out / "history.pt", weights_only=False)
     assert all({"env/correct", "env/boxed", "env/verify_timeout"} <= set(h) for h in hist)
@@ -132,12 +140,14 @@ def test_math_word_problems_config_trains_and_evaluates(tmp_path):
 def test_a_dataset_mistake_is_one_line_before_anything_starts(tmp_path):
     """A row without the field the environment reads: file, line and field, exit 2, nothing started."""
     data = tmp_path / "rows.jsonl"
-    data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + json.dumps({"question": "3+3?"}) + "\n")
-    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", tmp_path / "run", f"environment.dataset={data}")
+    data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + json.dumps({"question": "3+3?"})
+                    + "\n")
+    proc = train_here(ROOT / "configs" / "math_word_problems.yaml", tmp_path / "run",
+                      f"environment.dataset={data}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"moe-rl: error: {data}:2: missing field(s) prompt, answer (the environment reads prompt, answer; the row has "
-        "question)")
+        f"moe-rl: error: {data}:2: missing field(s) prompt, answer (the environment reads prompt, answer; "
+        "the row has question)")
     assert "starting Ray" not in proc.stdout
 
 
@@ -151,6 +161,6 @@ def test_a_reward_function_that_fails_mid_run_is_named_in_the_stop_line(tmp_path
                       f"environment.reward_fn={tmp_path / 'picky.py'}:score", "trainer.eval_prompts=0")
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("moe-rl: error: no valid trajectories this step (rejected: {'env_error': 16}); the first "
-                           "environment error: step: KeyError: 'no such field: total' ("), line
+    assert line.startswith("moe-rl: error: no valid trajectories this step (rejected: {'env_error': 16}); "
+                           "the first environment error: step: KeyError: 'no such field: total' ("), line
     assert line.endswith("picky.py:4); check the environment"), line

@@ -68,8 +68,8 @@ def compare(hist_a: list[dict], hist_b: list[dict], exclude: tuple[str, ...], rt
         if first is not None:
             differ[key] = {"first_step": first, "max_abs_diff": largest}
     compared = len(keys_a & keys_b)
-    return {"steps": steps, "compared": compared, "equal_every_step": compared - len(differ), "differ": differ,
-            "only_a": sorted(keys_a - keys_b), "only_b": sorted(keys_b - keys_a)}
+    return {"steps": steps, "compared": compared, "equal_every_step": compared - len(differ),
+            "differ": differ, "only_a": sorted(keys_a - keys_b), "only_b": sorted(keys_b - keys_a)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_runs: {err}", file=sys.stderr)
         return 2
     if len(hist_a) != len(hist_b) and not args.common_steps:
-        print(f"compare_runs: the runs have {len(hist_a)} and {len(hist_b)} steps (--common-steps compares the first "
-              f"{min(len(hist_a), len(hist_b))})", file=sys.stderr)
+        print(f"compare_runs: the runs have {len(hist_a)} and {len(hist_b)} steps (--common-steps compares "
+              f"the first {min(len(hist_a), len(hist_b))})", file=sys.stderr)
         return 2
     res = compare(hist_a, hist_b, tuple(args.exclude), args.rtol)
     for key, d in res["differ"].items():
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         for key in res[side]:
             print(f"only in run {side[-1].upper()}: {key}")
     equal = "exactly" if args.rtol == 0 else f"within rtol {args.rtol:g}"
-    print(f"{res['equal_every_step']} of {res['compared']} figures (excluding {', '.join(args.exclude) or 'none'}) "
-          f"equal {equal} at every one of the {res['steps']} steps; {len(res['differ'])} differ")
+    print(f"{res['equal_every_step']} of {res['compared']} figures (excluding "
+          f"{', '.join(args.exclude) or 'none'}) equal {equal} at every one of the {res['steps']} steps; "
+          f"{len(res['differ'])} differ")
     print(json.dumps({"compare_runs": [str(args.run_a), str(args.run_b)], "steps": res["steps"],
                       "excluded_prefixes": list(args.exclude), "rtol": args.rtol, "compared": res["compared"],
                       "equal_every_step": res["equal_every_step"], "differ": sorted(res["differ"]),

@@ -34,17 +34,18 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT_BYTES = 64 * 2**20
 # where the requirement markers are evaluated: the GPU machine's python3
-MACHINE = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "os_name": "posix",
-           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-           "platform_python_implementation": "CPython", "extra": ""}
+MACHINE = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "os_name": "posix", "platform_system": "Linux", "platform_machine": "x86_64",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 # the GPU check's entry points and what TrainWorker imports as it builds, loads and trains a model
 CHECK_IMPORTS = (
     "moe_rl.train.worker", "moe_rl.train.launch_local", "moe_rl.train.parallel", "moe_rl.train.objectives",
     "moe_rl.train.model", "moe_rl.train.hf_io", "moe_rl.train.attention", "moe_rl.train.local_norm",
     "moe_rl.train.hf_parity", "moe_rl.algos.targets", "moe_rl.settings", "moe_rl.tiny",
     "mbridge", "megatron.core.parallel_state", "megatron.core.distributed", "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel", "megatron.core.tensor_parallel", "megatron.core.transformer.moe.router_replay",
-    "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel", "megatron.core.tensor_parallel",
+    "megatron.core.transformer.moe.router_replay", "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
 )
 TEST_NEEDS = ("pytest", "pytest-timeout")
 
@@ -73,7 +74,8 @@ def wheel_problems(folder: Path, pins: list[str]) -> tuple[dict[str, Path], list
         if name in wheels:
             problems.append(f"two wheels of {name} in {folder}: {wheels[name].name}, {path.name}; keep one")
         wheels[name] = path
-        if not any(t.interpreter in ("py3", "cp312") and (t.platform == "any" or t.platform.endswith("x86_64"))
+        if not any(t.interpreter in ("py3", "cp312")
+                   and (t.platform == "any" or t.platform.endswith("x86_64"))
                    for t in tags):
             problems.append(f"{path.name} is not built for CPython 3.12 on x86-64 Linux")
     for pin in map(Requirement, pins):
@@ -84,17 +86,22 @@ def wheel_problems(folder: Path, pins: list[str]) -> tuple[dict[str, Path], list
 
 
 def travel_size_problems(folder: Path) -> list[str]:
-    if subprocess.run(["git", "check-ignore", "-q", f"{folder}/x.whl"], cwd=ROOT, capture_output=True).returncode != 0:
-        return [f"{folder}/ is not git-ignored: the wheels would be committed (add /{folder.name}/ to .gitignore)"]
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
+    if subprocess.run(["git", "check-ignore", "-q", f"{folder}/x.whl"], cwd=ROOT,
+                      capture_output=True).returncode != 0:
+        return [f"{folder}/ is not git-ignored: the wheels would be committed (add /{folder.name}/ to "
+                ".gitignore)"]
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True)
     if listed.returncode != 0:
         return ["not a git checkout: the size of what travels is unknown"]
-    tree = sum((ROOT / f).lstat().st_size for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file())
+    tree = sum((ROOT / f).lstat().st_size for f in listed.stdout.decode().split("\0") if f
+               and (ROOT / f).is_file())
     wheels = sum(p.stat().st_size for p in folder.glob("*.whl"))
     total = tree + wheels
     print(f"travels: working tree {tree / 2**20:.1f} MiB + wheels {wheels / 2**20:.1f} MiB = "
           f"{total / 2**20:.1f} MiB of {LIMIT_BYTES / 2**20:.0f} MiB")
-    return [] if total <= LIMIT_BYTES else [f"{total / 2**20:.1f} MiB would travel, over the {LIMIT_BYTES / 2**20:.0f} MiB limit"]
+    return [] if total <= LIMIT_BYTES \
+        else [f"{total / 2**20:.1f} MiB would travel, over the {LIMIT_BYTES / 2**20:.0f} MiB limit"]
 
 
 def installed(name: str) -> str | None:
@@ -109,12 +116,14 @@ def requirement_problems(wheels: dict[str, Path]) -> list[str]:
     if installed("moe-rl") is None:
         return ["moe_rl is not installed in this Python (make setup): its requirements are unknown"]
     machine, problems = machine_packages(), []
-    needs = [("moe_rl", Requirement(r)) for r in requires("moe-rl")] + [("the tests", Requirement(r)) for r in TEST_NEEDS]
+    needs = [("moe_rl", Requirement(r)) for r in requires("moe-rl")] \
+        + [("the tests", Requirement(r)) for r in TEST_NEEDS]
     for name, path in wheels.items():
         needs += [(name, Requirement(r)) for r in wheel_metadata(path).get_all("Requires-Dist") or []]
     # Ray is the driver's (the check starts none); extras and other platforms do not apply
     applying = [(owner, req) for owner, req in needs
-                if canonicalize_name(req.name) != "ray" and (req.marker is None or req.marker.evaluate(MACHINE))]
+                if canonicalize_name(req.name) != "ray"
+                and (req.marker is None or req.marker.evaluate(MACHINE))]
     for owner, req in applying:
         name = canonicalize_name(req.name)
         if name in wheels:
@@ -126,8 +135,8 @@ def requirement_problems(wheels: dict[str, Path]) -> list[str]:
             continue
         if have is not None and req.specifier and have not in req.specifier:
             problems.append(f"{owner} needs {req}: {where} is {have}")
-    print(f"requirements: the {len(applying)} of the wheels, moe_rl and the tests that apply there (extras left out), "
-          f"against the wheels and the machine's {len(machine)} packages")
+    print(f"requirements: the {len(applying)} of the wheels, moe_rl and the tests that apply there (extras "
+          f"left out), against the wheels and the machine's {len(machine)} packages")
     return problems
 
 
@@ -141,7 +150,8 @@ def import_problems(wheels: dict[str, Path]) -> list[str]:
         if installed(name) != carried:
             problems.append(f"{name} {installed(name)} is installed here but {carried} travels: "
                             "the import check needs the carried version (make setup)")
-    with warnings.catch_warnings():  # megatron-core warns that apex and Transformer Engine are absent: we know
+    # megatron-core warns that apex and Transformer Engine are absent: we know
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for module in CHECK_IMPORTS:
             try:
@@ -157,7 +167,8 @@ def import_problems(wheels: dict[str, Path]) -> list[str]:
 def main() -> int:
     folder, pins = Path(sys.argv[1]), sys.argv[2:]
     wheels, problems = wheel_problems(folder, pins)
-    print("wheels: " + (", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in wheels.values()) or "none"))
+    print("wheels: "
+          + (", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in wheels.values()) or "none"))
     problems += travel_size_problems(folder)
     problems += requirement_problems(wheels)
     problems += import_problems(wheels)

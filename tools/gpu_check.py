@@ -58,8 +58,9 @@ from moe_rl.config import TinyModel
 from moe_rl.tiny import VOCAB_SIZE
 
 PEAK_BF16_FLOPS = 989e12  # H200 (as H100 SXM): dense bf16 tensor-core peak of NVIDIA's datasheet
-MEASURED = TinyModel(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                     num_experts=64, top_k=8, moe_intermediate_size=384, max_position_embeddings=4096)
+MEASURED = TinyModel(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                     head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=384,
+                     max_position_embeddings=4096)
 PARITY = TinyModel()  # conftest's tiny_qwen
 PARITY_SHAPE = (4, 64)  # rows x tokens scored for the parity figures
 
@@ -118,7 +119,8 @@ def arithmetic_problems(spec: TinyModel) -> list[str]:
         problems.append(f"active_params of the hand-worked case is {active_params(hand, vocab=10)}, not 312")
     # 6 * 312 * 100 tokens = 187200 FLOP in 1 us = 1.872e11 FLOP/s, / 989e12
     if abs(mfu(312, 100, 1e-6) / (1.872e11 / 989e12) - 1) > 1e-12:
-        problems.append(f"mfu of the hand-worked case is {mfu(312, 100, 1e-6):.6g}, not {1.872e11 / 989e12:.6g}")
+        problems.append(f"mfu of the hand-worked case is {mfu(312, 100, 1e-6):.6g}, not "
+                        f"{1.872e11 / 989e12:.6g}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(spec, 0, 0))
     named = dict(model.named_parameters())
@@ -128,7 +130,8 @@ def arithmetic_problems(spec: TinyModel) -> list[str]:
     unchosen = experts - experts * spec.top_k // spec.num_experts
     counted = sum(p.numel() for p in named.values()) - lookup_and_norms - unchosen
     if counted != active_params(spec):
-        problems.append(f"the model's own parameters give {counted} active, active_params {active_params(spec)}")
+        problems.append(f"the model's own parameters give {counted} active, active_params "
+                        f"{active_params(spec)}")
     return problems
 
 
@@ -204,7 +207,8 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     values = Batch(ids, lengths, mask_BS=mask, returns_BS=torch.randn(plan.rows, plan.seq, generator=g),
                    values_old_BS=torch.zeros(plan.rows, plan.seq))
     value_loss, denominator = settings.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
-    t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps, plan.warmup)
+    t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps,
+                           plan.warmup)
     return {"policy_step_s": t_policy, "policy_first_step_s": first[0], "critic_step_s": t_critic,
             "peak_memory_gib": peak, **trip,
             "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)),
@@ -236,17 +240,19 @@ def describe(spec: TinyModel, plan: Plan) -> str:
     active = active_params(spec)
     flops = train_flops(active, plan.tokens)
     return "\n".join([
-        f"model: random Qwen3-MoE, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_experts} experts "
-        f"top-{spec.top_k} of width {spec.moe_intermediate_size}, {spec.num_attention_heads} heads "
-        f"({spec.num_key_value_heads} kv) of {spec.head_dim}: {active / 1e6:.1f}M active parameters per token",
+        f"model: random Qwen3-MoE, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_experts} "
+        f"experts top-{spec.top_k} of width {spec.moe_intermediate_size}, {spec.num_attention_heads} heads "
+        f"({spec.num_key_value_heads} kv) of {spec.head_dim}: {active / 1e6:.1f}M active parameters per "
+        "token",
         f"bf16, one rank on cuda:0: {plan.rows} rows x {plan.seq} tokens a step, packed into microbatches of "
         f"<= {plan.micro_batch_tokens} tokens",
-        f"timed after {plan.warmup} warm-up calls each: {plan.pairs} free/replay scoring pairs, {plan.steps} policy "
-        f"steps (PPO, routes replayed), {plan.steps} critic steps",
+        f"timed after {plan.warmup} warm-up calls each: {plan.pairs} free/replay scoring pairs, {plan.steps} "
+        f"policy steps (PPO, routes replayed), {plan.steps} critic steps",
         f"MFU = 6 x {active / 1e6:.1f}M x {plan.tokens} tokens = {flops / 1e12:.2f} TFLOP per policy step "
-        f"/ step time / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (10% MFU: {flops / (0.1 * PEAK_BF16_FLOPS):.3f} s a step)",
-        f"parity: tiny Qwen3-MoE (hidden {PARITY.hidden_size}, {PARITY.num_experts} experts) vs transformers on the GPU, "
-        f"fp32 and bf16, {PARITY_SHAPE[0]} x {PARITY_SHAPE[1]} tokens",
+        f"/ step time / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (10% MFU: {flops / (0.1 * PEAK_BF16_FLOPS):.3f} "
+        "s a step)",
+        f"parity: tiny Qwen3-MoE (hidden {PARITY.hidden_size}, {PARITY.num_experts} experts) vs transformers "
+        f"on the GPU, fp32 and bf16, {PARITY_SHAPE[0]} x {PARITY_SHAPE[1]} tokens",
     ])
 
 
@@ -286,10 +292,11 @@ def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = No
 
     start = time.perf_counter()
     active = active_params(spec)
-    out = {"check": "gpu_local_spec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none", **versions(),
-           "model": dataclasses.asdict(spec) | {"active_params": active}, "plan": dataclasses.asdict(plan),
-           "dtype": "bfloat16", **tests_outcomes(tests_xml)}
+    out = {"check": "gpu_local_spec",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none",
+           **versions(), "model": dataclasses.asdict(spec) | {"active_params": active},
+           "plan": dataclasses.asdict(plan), "dtype": "bfloat16", **tests_outcomes(tests_xml)}
     with tempfile.TemporaryDirectory(prefix="moe_rl_gpu_check_") as tmp:
         print("building the checkpoints", file=sys.stderr)
         measured = build_tiny_checkpoint(Path(tmp) / "measured", spec, seed=0)
@@ -305,15 +312,18 @@ def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = No
         ids = torch.randint(0, VOCAB_SIZE, PARITY_SHAPE, generator=torch.Generator().manual_seed(1))
         megatron = run_ranks(parity_job, 1, (str(small), ids))[0]
         exact_fp32_matmuls()
-        out["logp_max_abs_diff_fp32"] = largest_gap(megatron["float32"], hf_token_logprobs(small, ids, device, torch.float32))
-        out["logp_max_abs_diff_bf16"] = largest_gap(megatron["bfloat16"], hf_token_logprobs(small, ids, device, torch.bfloat16))
+        out["logp_max_abs_diff_fp32"] = largest_gap(megatron["float32"],
+                                                    hf_token_logprobs(small, ids, device, torch.float32))
+        out["logp_max_abs_diff_bf16"] = largest_gap(megatron["bfloat16"],
+                                                    hf_token_logprobs(small, ids, device, torch.bfloat16))
     return out | {"wall_s": time.perf_counter() - start}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU: print the plan, check the FLOP/MFU arithmetic, run the measurement small on the CPU")
+                    help="no GPU: print the plan, check the FLOP/MFU arithmetic, run the measurement small "
+                         "on the CPU")
     ap.add_argument("--tests-xml", help="pytest's --junitxml report of the gpu tests, counted in the JSON")
     ap.add_argument("--layers", type=int, default=MEASURED.num_layers)
     ap.add_argument("--rows", type=int, default=Plan.rows)
@@ -332,7 +342,8 @@ def main() -> int:
         if problems:
             return 1
         print("FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree")
-        print(f"the same measurement on the CPU: {PARITY.num_layers}-layer tiny model, {DRY_PLAN.rows} x {DRY_PLAN.seq} "
+        print(f"the same measurement on the CPU: {PARITY.num_layers}-layer tiny model, {DRY_PLAN.rows} x "
+              f"{DRY_PLAN.seq} "
               "tokens (figures meaningless; every step of the GPU run)")
         print(json.dumps(measure(PARITY, DRY_PLAN, "cpu", args.tests_xml) | {"dry_run": True}))
         return 0

@@ -26,7 +26,8 @@ def summarize(run_dir: Path, window: int, figures: list[str] = ()) -> dict:
     import torch
 
     hist = torch.load(run_dir / "history.pt", weights_only=False)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() \
+        else {}
     out = {"run": str(run_dir), "steps": len(hist)}
     out |= {k: round(v, 4) for k, v in summary.items()
             if k.startswith("eval/") and k.endswith(("_before", "_after")) and isinstance(v, (int, float))}
@@ -39,7 +40,8 @@ def summarize(run_dir: Path, window: int, figures: list[str] = ()) -> dict:
     out |= {f"{name}_windows": windows(name) for name in figures}
     mism = [h for h in hist if "correction/logp_mismatch_mean" in h]
     if mism:
-        out["logp_mismatch_mean"] = float(f"{statistics.fmean(h['correction/logp_mismatch_mean'] for h in mism):.3g}")
+        out["logp_mismatch_mean"] = float(
+            f"{statistics.fmean(h['correction/logp_mismatch_mean'] for h in mism):.3g}")
         out["logp_mismatch_max"] = float(f"{max(h['correction/logp_mismatch_max'] for h in mism):.3g}")
     ev = [h["critic/explained_variance"] for h in hist if "critic/explained_variance" in h]
     if ev:
@@ -52,22 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="a run's output directory (run.output_dir)")
     p.add_argument("--window", type=int, default=50, help="steps per training-reward window (default 50)")
-    p.add_argument("--figure", action="append", default=[], help="another logged figure to average per window "
-                   "(e.g. env/boxed); repeatable")
+    p.add_argument("--figure", action="append", default=[], help="another logged figure to average per "
+                   "window (e.g. env/boxed); repeatable")
     args = p.parse_args(argv)
     if not (args.run_dir / "history.pt").is_file():
-        print(f"run_summary: {args.run_dir} has no history.pt (a finished run's output directory?)", file=sys.stderr)
+        print(f"run_summary: {args.run_dir} has no history.pt (a finished run's output directory?)",
+              file=sys.stderr)
         return 2
     s = summarize(args.run_dir, args.window, args.figure)
     for when in ("before", "after"):
-        held = {k[len("eval/"):-len(when) - 1]: v for k, v in s.items() if k.startswith("eval/") and k.endswith(when)}
+        held = {k[len("eval/"):-len(when) - 1]: v for k, v in s.items() if k.startswith("eval/")
+                and k.endswith(when)}
         if held:
             print(f"held-out {when}: " + ", ".join(f"{k} {v}" for k, v in held.items()))
     print(f"training reward, {args.window}-step windows: {', '.join(map(str, s['train_reward_windows']))}")
     for name in args.figure:
         print(f"{name}, {args.window}-step windows: {', '.join(map(str, s[f'{name}_windows']))}")
     if "logp_mismatch_mean" in s:
-        print(f"R3 log-prob mismatch (trainer vs engine): mean {s['logp_mismatch_mean']}, max {s['logp_mismatch_max']}")
+        print(f"R3 log-prob mismatch (trainer vs engine): mean {s['logp_mismatch_mean']}, max "
+              f"{s['logp_mismatch_max']}")
     if "explained_variance_mean" in s:
         print(f"critic explained variance, mean over steps: {s['explained_variance_mean']}")
     print(f"{s['steps']} steps, {s['steps_time_s']} s of step time")

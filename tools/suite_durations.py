@@ -51,9 +51,11 @@ def finish_times(seconds: list[float], workers: int = 2) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("junit", type=Path, help="a pytest --junitxml report")
-    parser.add_argument("--write", action="store_true", help=f"store the seconds in {DURATIONS.relative_to(ROOT)}")
+    parser.add_argument("--write", action="store_true",
+                        help=f"store the seconds in {DURATIONS.relative_to(ROOT)}")
     args = parser.parse_args()
     if not args.junit.is_file():
         print(f"suite_durations: {args.junit} is not a file", file=sys.stderr)
@@ -62,8 +64,8 @@ def main() -> int:
     for path, s in seconds.items():
         print(f"{s:8.1f} s  {path}")
     ends = finish_times(list(seconds.values()))
-    print(f"{sum(seconds.values()) / 60:.1f} worker-minutes in {len(seconds)} files; two workers handed the longest "
-          f"first would finish at {ends[0] / 60:.1f} and {ends[1] / 60:.1f} min")
+    print(f"{sum(seconds.values()) / 60:.1f} worker-minutes in {len(seconds)} files; two workers handed the "
+          f"longest first would finish at {ends[0] / 60:.1f} and {ends[1] / 60:.1f} min")
     if args.write:
         DURATIONS.write_text(json.dumps(seconds, indent=1) + "\n")
         print(f"wrote {DURATIONS.relative_to(ROOT)}")

@@ -41,15 +41,19 @@ class Lookup(Environment):
         answer = re.search(r"<answer>\s*(\d+)\s*</answer>", action_text)
         if answer:
             right = int(answer.group(1)) == self.codes()[self.word]
-            return StepResult(None, done=True, final_reward=float(right), info={"lookups": self.calls, "success": float(right)})
+            return StepResult(None, done=True, final_reward=float(right),
+                              info={"lookups": self.calls, "success": float(right)})
         call = re.search(r"<lookup>\s*(\w+)\s*</lookup>", action_text)
         self.calls += 1
         if self.calls > self.options.max_lookups:
-            return StepResult(None, done=True, final_reward=0.0, tool_error=True, info={"lookups": self.calls})
+            return StepResult(None, done=True, final_reward=0.0, tool_error=True,
+                              info={"lookups": self.calls})
         penalty = -0.05 if self.calls > 1 else 0.0
         if not call or call.group(1) not in self.codes():
-            return StepResult("<value>unknown</value>", reward=penalty, tool_error=True, info={"lookups": self.calls})
-        return StepResult(f"<value>{self.codes()[call.group(1)]}</value>", reward=penalty, info={"lookups": self.calls})
+            return StepResult("<value>unknown</value>", reward=penalty, tool_error=True,
+                              info={"lookups": self.calls})
+        return StepResult(f"<value>{self.codes()[call.group(1)]}</value>", reward=penalty,
+                          info={"lookups": self.calls})
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:

@@ -126,7 +126,8 @@ def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return drgrpo_advantage(inp, hp)
 
 
-def whiten(adv_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+def whiten(adv_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8,
+           shift_mean: bool = True) -> torch.Tensor:
     """Whitening over all valid tokens of the batch (guide 000 section 3.4), [B, T] -> [B, T]:
 
         N = sum m,  mu = sum m A / N,  var = sum m (A - mu)^2 / N,  A~ = (A - mu) / sqrt(var + eps)

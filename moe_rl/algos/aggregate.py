@@ -30,7 +30,8 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"aggregation mode must be one of {MODES}, not {mode!r}")
 
 
-def loss_numerator(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, weight_BT: torch.Tensor | None = None) -> torch.Tensor:
+def loss_numerator(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
+                   weight_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Local numerator (0-dim, differentiable) for this piece of the batch: sum_{i,t} m w l, or
     sum_i (1/J_i) sum_t m w l for seq_mean. loss_BT, mask_BT, weight_BT: [B, T]; w is detached.
 
@@ -71,5 +72,6 @@ def loss_denominator(
     if mode == "seq_mean":
         return n_seq
     if constant is None or constant <= 0:
-        raise ValueError("seq_sum_const aggregation needs a positive constant C (e.g. the maximum response length)")
+        raise ValueError("seq_sum_const aggregation needs a positive constant C (e.g. the maximum response "
+                         "length)")
     return n_seq * constant

@@ -41,9 +41,9 @@ def check_sync_roles(logp_behaviour_BT: torch.Tensor, logp_old_BT: torch.Tensor,
     gap = torch.where(mask_BT.bool(), (logp_behaviour_BT - logp_old_BT).abs(), 0.0).amax(1)
     s = _first(gap > tolerance)
     if s is not None:
-        raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a synchronous step "
-                              "(an objective without off-policy correction assumes they are equal; "
-                              "use a correction such as tis_token, or replay the rollout's routes)")
+        raise BatchCheckError("sync_roles", s, f"mu and pi_old differ by {float(gap[s]):.3g} in a "
+                              "synchronous step (an objective without off-policy correction assumes they are "
+                              "equal; use a correction such as tis_token, or replay the rollout's routes)")
 
 
 def check_batch(
@@ -76,7 +76,8 @@ def check_batch(
     att = attention_mask_BT.bool()
     s = _first((m & ~att).any(1))
     if s is not None:
-        raise BatchCheckError("action_mask", s, "response mask is 1 at a position the attention mask excludes")
+        raise BatchCheckError("action_mask", s,
+                              "response mask is 1 at a position the attention mask excludes")
     bad_r = ~torch.isfinite(rewards_BT)
     s = _first(bad_r.any(1))
     if s is not None:
@@ -85,15 +86,17 @@ def check_batch(
     s = _first(((rewards_BT != 0) & ~m).any(1))
     if s is not None:
         t = int(((rewards_BT[s] != 0) & ~m[s]).nonzero()[0])
-        raise BatchCheckError("reward_placement", s, f"non-zero reward at position {t}, which is not a model token")
+        raise BatchCheckError("reward_placement", s,
+                              f"non-zero reward at position {t}, which is not a model token")
     if needs_boundary:
         if terminated_B is None or boundary_value_B is None:
-            raise BatchCheckError("boundary", None, "value bootstrapping needs terminated and boundary_value for every sample")
+            raise BatchCheckError("boundary", None,
+                                  "value bootstrapping needs terminated and boundary_value for every sample")
         s = _first(~terminated_B.bool() & ~torch.isfinite(boundary_value_B))
         if s is not None:
             raise BatchCheckError("boundary", s, "truncated sample without a finite boundary value")
-    roles = {"behaviour (mu)": (logp_behaviour_BT, needs_behaviour), "reference": (logp_ref_BT, needs_reference),
-             "proximal (pi_old)": (logp_old_BT, False)}
+    roles = {"behaviour (mu)": (logp_behaviour_BT, needs_behaviour),
+             "reference": (logp_ref_BT, needs_reference), "proximal (pi_old)": (logp_old_BT, False)}
     for name, (logp, needed) in roles.items():
         if logp is None:
             if needed:
@@ -102,7 +105,8 @@ def check_batch(
         bad = m & (~torch.isfinite(logp) | (logp > 1e-4))
         s = _first(bad.any(1))
         if s is not None:
-            raise BatchCheckError("policy_roles", s, f"{name} log-prob is not a finite value <= 0 on a model token")
+            raise BatchCheckError("policy_roles", s,
+                                  f"{name} log-prob is not a finite value <= 0 on a model token")
     if synchronous and logp_behaviour_BT is not None and logp_old_BT is not None:
         check_sync_roles(logp_behaviour_BT, logp_old_BT, m, sync_tolerance)
     empty = ~m.any(1)

@@ -80,8 +80,10 @@ def _log_ratio(logp_old_BT, logp_mu_BT, mask_BT):
     return old - mu
 
 
-def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tensor, log: bool = False) -> None:
-    """ESS and ESS_frac of `weights` (of log-weights when `log`) as metrics ess_<prefix>, ess_frac_<prefix>."""
+def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tensor,
+            log: bool = False) -> None:
+    """ESS and ESS_frac of `weights` (of log-weights when `log`) as metrics ess_<prefix>,
+    ess_frac_<prefix>."""
     value, frac = ess_from_log_weights(weights, valid) if log else ess(weights, valid)
     metrics[f"ess_{prefix}"] = value
     metrics[f"ess_frac_{prefix}"] = frac
@@ -145,14 +147,16 @@ def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction
     return Correction(keep.to(ratio.dtype), keep, metrics)
 
 
-def staleness(gen_version_B: torch.Tensor, train_version: int, max_staleness: int | None) -> tuple[torch.Tensor, dict]:
+def staleness(gen_version_B: torch.Tensor, train_version: int,
+              max_staleness: int | None) -> tuple[torch.Tensor, dict]:
     """nu_train - nu_gen per sample; keep_B marks samples within `max_staleness` (all when None).
 
     Raises ValueError if a sample claims a version newer than the trainer's (versions are monotonic).
     """
     lag = train_version - gen_version_B.long()
     if bool((lag < 0).any()):
-        raise ValueError(f"sample {int((lag < 0).nonzero()[0])} was generated with weight version newer than the trainer's {train_version}")
+        raise ValueError(f"sample {int((lag < 0).nonzero()[0])} was generated with weight version newer than "
+                         f"the trainer's {train_version}")
     keep = lag <= max_staleness if max_staleness is not None else torch.ones_like(lag, dtype=torch.bool)
     metrics = {
         "staleness_mean": lag.double().mean() if lag.numel() else torch.zeros((), dtype=torch.float64),

@@ -66,8 +66,8 @@ def masked_gae(
 
     Rewards and values at mask-0 positions are never read: whatever they hold (NaN, inf), the result is
     the one with zeros there. The bootstrap V(s_boundary) is read only for truncated samples, and only
-    through their last model token. Computed in float64 when values_BT is float64, else in float32 (bf16/fp16 inputs are
-    upcast; the result is float32).
+    through their last model token. Computed in float64 when values_BT is float64, else in float32
+    (bf16/fp16 inputs are upcast; the result is float32).
     """
     B, T = values_BT.shape
     dtype = torch.float64 if values_BT.dtype == torch.float64 else torch.float32
@@ -146,7 +146,8 @@ def _build_kernel():
 
     src = Path(__file__).with_name("gae_kernel.cpp")
     with kernel_build_env():
-        return load(name=kernel_name(src), sources=[str(src)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=kernel_name(src), sources=[str(src)], extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def prepare_kernel() -> bool:

@@ -194,7 +194,8 @@ def clipped_value_loss(
     return torch.where(m, loss, 0.0), {"value_clipfrac": frac}
 
 
-def sampled_kl_loss(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor, estimator: str) -> torch.Tensor:
+def sampled_kl_loss(logp_BT: torch.Tensor, logp_ref_BT: torch.Tensor, mask_BT: torch.Tensor,
+                    estimator: str) -> torch.Tensor:
     """Actor-side KL(pi_theta || pi_ref) from the sampled tokens, [B, T] (estimator "k1", "k2" or "k3",
     see rewards.py); 0 on mask-0 positions. Computed in float32 (float64 stays float64).
 

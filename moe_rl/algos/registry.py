@@ -4,7 +4,8 @@
     def grpo_advantage(...): ...
 
     get("advantage", "grpo")   # -> the function
-    meta("advantage", "grpo")  # -> AdvantageMeta(needs_critic=False, min_group_size=2, params=frozenset({'eps'}))
+    meta("advantage", "grpo")  # -> AdvantageMeta(needs_critic=False, min_group_size=2,
+                               #                  params=frozenset({'eps'}))
 
 Configs select methods by these names; `names(kind)` lists what a config may choose and `meta` what a
 choice implies (for config checks and the driver), so no caller compares method names. Every kind's
@@ -48,7 +49,8 @@ class CorrectionMeta:
 
 @dataclass(frozen=True)
 class PolicyLossMeta:
-    sequence_level: bool = False  # defined per sequence (one ratio or objective per sample): seq_mean aggregation
+    # defined per sequence (one ratio or objective per sample): seq_mean aggregation
+    sequence_level: bool = False
     params: frozenset[str] = frozenset()  # the PolicyLossParams fields it reads
 
 

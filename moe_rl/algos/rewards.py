@@ -74,7 +74,8 @@ def kl_shaped_rewards(
     return rewards_BT - beta * k, k
 
 
-def overlong_penalty(length_B: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+def overlong_penalty(length_B: torch.Tensor, max_length: int, buffer: int,
+                     penalty: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment, added to the sequence score:
 
         R_len(L) = 0                                  if L <= L_max - L_buf
@@ -85,5 +86,6 @@ def overlong_penalty(length_B: torch.Tensor, max_length: int, buffer: int, penal
     L = length_B.to(torch.float32)
     start = max_length - buffer
     ramp = (start - L) / max(buffer, 1)
-    out = torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_length, ramp, -torch.ones_like(L)))
+    out = torch.where(L <= start, torch.zeros_like(L),
+                      torch.where(L <= max_length, ramp, -torch.ones_like(L)))
     return penalty * out

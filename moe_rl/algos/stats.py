@@ -7,7 +7,8 @@ import math
 import torch
 
 
-def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor,
+                       mask_BT: torch.Tensor) -> torch.Tensor:
     """1 - Var[G - V] / Var[G] over valid tokens (1: perfect critic, <= 0: no better than a constant;
     0 when Var[G] = 0). values_BT, returns_BT, mask_BT: [B, T]. Returns a 0-dim float64 tensor."""
     mb = mask_BT.bool()
@@ -44,7 +45,8 @@ def load_imbalance(load_LE: torch.Tensor) -> torch.Tensor:
 
 
 def usage_entropy(load_LE: torch.Tensor) -> torch.Tensor:
-    """The entropy of expert usage per layer over its maximum, log E (1: even; 0: one expert). [L, E] -> [L]."""
+    """The entropy of expert usage per layer over its maximum, log E (1: even; 0: one expert).
+    [L, E] -> [L]."""
     p = load_LE.clamp(min=0)
     return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1) / math.log(max(2, load_LE.shape[-1]))
 

@@ -45,7 +45,8 @@ class TargetParams:
     loss_constant: float  # seq_sum_const's denominator
     self_normalize: bool
     synchronous: bool  # rollouts come from the weights being trained (mu = pi_old can be verified)
-    reward_model_weight: float  # R = rule_weight * R_env + reward_model_weight * R_model (with a reward model)
+    # R = rule_weight * R_env + reward_model_weight * R_model (with a reward model)
+    reward_model_weight: float
     rule_weight: float
 
 
@@ -72,7 +73,8 @@ class Targets:
     adv_BS: torch.Tensor  # float32, 0 off model tokens
     returns_BS: torch.Tensor | None  # critic targets (None without a critic)
     values_old_BS: torch.Tensor | None  # frozen pre-update V(s_t)
-    logp_old_BS: torch.Tensor | None  # pi_old; None under PPO-EWMA (scored per minibatch) or from the update's forward
+    # pi_old; None under PPO-EWMA (scored per minibatch) or from the update's forward
+    logp_old_BS: torch.Tensor | None
     logp_policy_BS: torch.Tensor | None  # the policy before this step's updates (routes replayed), as Scores
     logp_ref_BS: torch.Tensor | None
     is_weight_BS: torch.Tensor | None  # the correction's weight (None under PPO-EWMA: per minibatch)
@@ -107,12 +109,13 @@ def policy_denominators(pg_mask_BS: torch.Tensor, loss_mask_BS: torch.Tensor, we
     """Global denominators of a minibatch's policy loss: the weighted policy-gradient term over the
     tokens the correction keeps (self-normalised: the kept weights' sum) and the unweighted
     KL / entropy regulariser over every loss token (see train.objectives.PolicyLoss)."""
-    return {"policy": aggregate.loss_denominator(pg_mask_BS, p.aggregation, p.loss_constant, weight_BS.float(),
-                                                 p.self_normalize),
+    return {"policy": aggregate.loss_denominator(pg_mask_BS, p.aggregation, p.loss_constant,
+                                                 weight_BS.float(), p.self_normalize),
             "regularizer": aggregate.loss_denominator(loss_mask_BS, p.aggregation, p.loss_constant)}
 
 
-def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams, reward_model_B: torch.Tensor | None = None):
+def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams,
+                   reward_model_B: torch.Tensor | None = None):
     """Per-token rewards u_t and the episode score R(tau) after shaping, plus reward metrics.
 
     With a reward model, u_t = w_rule u_t^env + w_model R_model [t = last model token]. The KL penalty
@@ -126,10 +129,11 @@ def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams, rew
     if reward_model_B is not None:
         model = R.place_terminal_reward(reward_model_B.to(rewards.dtype), batch.mask_BS)
         rewards = p.rule_weight * rewards + p.reward_model_weight * model
-        m["reward/model_mean"], m["reward/model_std"] = reward_model_B.mean(), reward_model_B.std(correction=0)
+        m["reward/model_mean"], m["reward/model_std"] = (reward_model_B.mean(),
+                                                         reward_model_B.std(correction=0))
     if p.kl_reward_coef:
-        rewards, k = R.kl_shaped_rewards(rewards, batch.logp_mu_BS, logp_ref_BS, batch.mask_BS, p.kl_reward_coef,
-                                         p.kl_reward_estimator)
+        rewards, k = R.kl_shaped_rewards(rewards, batch.logp_mu_BS, logp_ref_BS, batch.mask_BS,
+                                         p.kl_reward_coef, p.kl_reward_estimator)
         m["reward/kl_penalty_mean"] = (k * batch.mask_BS).sum() / batch.mask_BS.sum().clamp(min=1)
     if p.overlong_buffer:
         penalty = R.overlong_penalty(batch.lengths_B - batch.prompt_len_B, p.token_budget, p.overlong_buffer,
@@ -157,19 +161,21 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     reads_mu = p.ewma_anchor or method.reads_behaviour
     S = batch.input_ids_BS.shape[1]
     checks.check_batch(batch.mask_BS, torch.arange(S).expand_as(batch.mask_BS) < batch.lengths_B.unsqueeze(1),
-                       batch.rewards_BS, batch.terminated_B, boundary, batch.logp_mu_BS, logp_old, scores.logp_ref_BS,
-                       needs_behaviour=reads_mu, needs_reference=p.needs_reference, needs_boundary=values is not None,
+                       batch.rewards_BS, batch.terminated_B, boundary, batch.logp_mu_BS, logp_old,
+                       scores.logp_ref_BS, needs_behaviour=reads_mu, needs_reference=p.needs_reference,
+                       needs_boundary=values is not None,
                        # synchronous PPO without a correction assumes mu = pi_old: verify it
                        synchronous=p.synchronous and not reads_mu)
     rewards, score, metrics = shaped_rewards(batch, scores.logp_ref_BS, p, scores.reward_model_B)
     inp = AdvantageInputs(rewards_BT=rewards, mask_BT=batch.mask_BS, score_B=score, group_B=batch.group_B,
                           values_BT=values, terminated_B=batch.terminated_B, boundary_value_B=boundary)
-    hp = AdvantageParams(gamma=p.gamma, lam=p.lam, lam_critic=p.lam_critic, length_adaptive_alpha=p.length_adaptive_alpha)
+    hp = AdvantageParams(gamma=p.gamma, lam=p.lam, lam_critic=p.lam_critic,
+                         length_adaptive_alpha=p.length_adaptive_alpha)
     adv, returns = registry.get("advantage", p.advantage)(inp, hp)
     if p.whiten:
         adv = whiten(adv, batch.mask_BS)
     if corr is not None:
         metrics.update({f"correction/{k}": v for k, v in corr.metrics.items()})
-    return Targets(adv.float(), None if returns is None else returns.float(), values, logp_old, scores.logp_BS,
-                   scores.logp_ref_BS, None if corr is None else corr.weight_BT,
+    return Targets(adv.float(), None if returns is None else returns.float(), values, logp_old,
+                   scores.logp_BS, scores.logp_ref_BS, None if corr is None else corr.weight_BT,
                    None if corr is None else batch.loss_mask_BS & corr.keep_BT, metrics)

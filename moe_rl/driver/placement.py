@@ -39,8 +39,8 @@ def _free_address() -> tuple[str, int]:
 _node_address = ray.remote(num_cpus=0)(_free_address)
 
 
-def thread_counts(bundles: list[tuple[str, str]], node_cpus: dict[str, float], engine_workers: int, overlap: bool,
-                  cap: int | None = None) -> list[int]:
+def thread_counts(bundles: list[tuple[str, str]], node_cpus: dict[str, float], engine_workers: int,
+                  overlap: bool, cap: int | None = None) -> list[int]:
     """CPU threads for the process(es) of each bundle [(role, node)]: the node's CPUs divided among the
     processes computing at the same time there, at least 1, at most `cap`.
 
@@ -148,14 +148,16 @@ class Placement:
         from ray.util.placement_group import placement_group, placement_group_table
 
         self.roles = [role for role, n in counts.items() for _ in range(n)]  # the actors, in order
-        self.index = {role: [a for a, r in enumerate(self.roles) if r == role] for role in counts}  # role -> actors
+        # role -> actors
+        self.index = {role: [a for a, r in enumerate(self.roles) if r == role] for role in counts}
         self.gpus = ray.cluster_resources().get("GPU", 0.0)  # the Ray cluster's GPUs
         self.engines_first = engines_first(cfg.cluster.colocate, self.gpus)
         cpus = 0 if cfg.cluster.colocate else 1
         self.resources = [{"num_cpus": cpus} for _ in self.roles]  # per actor (GPUs: `_pin_to_gpus`)
         if self.gpus:
             self.layout = gpu_layout(counts, cfg.rollout.engine_tp, cfg.cluster.colocate)
-            n_gpus = 1 + max((g for gpus in self.layout.values() for actor in gpus for g in actor), default=-1)
+            n_gpus = 1 + max((g for gpus in self.layout.values() for actor in gpus for g in actor),
+                             default=-1)
             bundles = [{"GPU": 1, "CPU": max(cpus, 0.01)}] * n_gpus
         else:  # a bundle may not be empty: colocated actors reserve a hundredth of a CPU
             bundles = [{"CPU": max(cpus, 0.01)}] * len(self.roles)
@@ -164,18 +166,20 @@ class Placement:
         for kind in ("GPU", "CPU"):  # the scarcer first
             need = sum(b.get(kind, 0) for b in bundles)
             if need > have.get(kind, 0) + 1e-9:
-                raise PlacementError(f"the run needs {need:g} {kind} for {len(self.roles)} actors ({counts}), the Ray "
-                                     f"cluster has {have.get(kind, 0):g}; use cluster.colocate=true or a larger cluster")
+                raise PlacementError(f"the run needs {need:g} {kind} for {len(self.roles)} actors "
+                                     f"({counts}), the Ray cluster has {have.get(kind, 0):g}; use "
+                                     "cluster.colocate=true or a larger cluster")
         self.call_timeout_s = cfg.cluster.call_timeout_s
         self.engine_workers = cfg.rollout.engine_tp  # processes per engine
         self.pg = placement_group(bundles, strategy=cfg.cluster.placement.upper())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             ray.util.remove_placement_group(self.pg)
-            raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) within {timeout_s:.0f} s; "
-                                 f"cluster resources: {ray.cluster_resources()}")
+            raise PlacementError(f"Ray could not place {len(bundles)} bundles ({cfg.cluster.placement}) "
+                                 f"within {timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}")
         self.node_of = placement_group_table(self.pg)["bundles_to_node_id"]  # bundle index -> Ray node id
-        self.devices: list[list[str]] = [[] for _ in self.roles]  # per actor: its GPU ids (CUDA_VISIBLE_DEVICES)
+        # per actor: its GPU ids (CUDA_VISIBLE_DEVICES)
+        self.devices: list[list[str]] = [[] for _ in self.roles]
         if self.gpus:
             self._pin_to_gpus(len(bundles))
         self.threads = self._threads(cfg)
@@ -186,13 +190,16 @@ class Placement:
         tensor-parallel ranks, an engine's workers) share a node."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ids = gather([(f"GPU bundle {b} (its GPU id)", _bundle_gpu.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        ids = gather([(f"GPU bundle {b} (its GPU id)",
+                       _bundle_gpu.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=b)).remote()) for b in range(n_gpus)], self.call_timeout_s)
         node_rank = {}
         for b in range(n_gpus):
             node_rank.setdefault(self.node_of[b], len(node_rank))
-        order = sorted(range(n_gpus), key=lambda b: (node_rank[self.node_of[b]], _gpu_order(ids[b])))  # GPU -> bundle
-        gpus_of = [gpus for role in self.index for gpus in self.layout[role]]  # per actor, in the order of self.roles
+        # GPU -> bundle
+        order = sorted(range(n_gpus), key=lambda b: (node_rank[self.node_of[b]], _gpu_order(ids[b])))
+        # per actor, in the order of self.roles
+        gpus_of = [gpus for role in self.index for gpus in self.layout[role]]
         sharers = Counter(gpus[0] for gpus in gpus_of)
         for a, gpus in enumerate(gpus_of):
             self.bundle_of[a] = order[gpus[0]]
@@ -202,9 +209,10 @@ class Placement:
             if len(gpus) > 1:
                 nodes = {self.node_of[order[g]] for g in gpus}
                 if len(nodes) > 1:
-                    raise PlacementError(f"{self.roles[a]} {self.index[self.roles[a]].index(a)}: its {len(gpus)} GPUs "
-                                         f"(rollout.engine_tp) fell on {len(nodes)} nodes; an engine's workers share "
-                                         "one node: use nodes whose GPU count engine_tp divides, or placement=pack")
+                    raise PlacementError(f"{self.roles[a]} {self.index[self.roles[a]].index(a)}: its "
+                                         f"{len(gpus)} GPUs (rollout.engine_tp) fell on {len(nodes)} nodes; "
+                                         "an engine's workers share one node: use nodes whose GPU count "
+                                         "engine_tp divides, or placement=pack")
                 self.resources[a]["runtime_env"] = {"env_vars": {
                     NOSET_CUDA_VISIBLE_DEVICES: "1", "CUDA_VISIBLE_DEVICES": ",".join(self.devices[a])}}
 
@@ -216,10 +224,11 @@ class Placement:
         """Each actor's CPU threads: cluster.trainer_threads / engine_threads, or `thread_counts` over
         the nodes Ray placed the actors on."""
         cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["Alive"]}
-        auto = thread_counts([(role, self._node(a)) for a, role in enumerate(self.roles)], cpus, cfg.rollout.engine_tp,
-                             cfg.rollout.async_mode, thread_cap())
+        auto = thread_counts([(role, self._node(a)) for a, role in enumerate(self.roles)], cpus,
+                             cfg.rollout.engine_tp, cfg.rollout.async_mode, thread_cap())
         given = {"engine": cfg.cluster.engine_threads}
-        return [given.get(role, cfg.cluster.trainer_threads) or n for role, n in zip(self.roles, auto, strict=True)]
+        return [given.get(role, cfg.cluster.trainer_threads) or n
+                for role, n in zip(self.roles, auto, strict=True)]
 
     def threads_of(self, role: str, i: int) -> int:
         """CPU threads of the role's i-th actor (an engine: of each of its workers)."""

@@ -24,8 +24,8 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     from moe_rl.weights.hf import CheckpointError, check_model_dir, check_reward_model_dir
 
     if not cfg.run.output_dir.strip():
-        raise ConfigError("run.output_dir", "is empty: the run would write into the current directory; give it a "
-                          "directory of its own, e.g. run.output_dir=runs/NAME")
+        raise ConfigError("run.output_dir", "is empty: the run would write into the current directory; give "
+                          "it a directory of its own, e.g. run.output_dir=runs/NAME")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"run.output_dir: '{out}' is a file, not a directory")
     hf = check_model_dir(cfg.model.path) if cfg.model.path else None
@@ -72,18 +72,22 @@ def check_resume_point(cfg: RunConfig, out: Path, resume_with_changes: bool) -> 
     changes = config_changes(stored, yaml.safe_load(dump_yaml(cfg))) if isinstance(stored, dict) else []
     refused = [c for c in changes if not resumable_change(c[0])]
     if refused and not resume_with_changes:
-        raise ConfigError("run.output_dir", f"'{out}' holds a run of another config, to be resumed from {resume.name}: "
-                          f"{show_changes(refused)} (its {CONFIG_FILE} against this one). Start a new run in another "
-                          "run.output_dir, put these settings back, or resume with them changed: moe-rl train "
-                          "--resume-with-changes (run.steps, logging.*, checkpoint.every/keep/at_end/resume and "
-                          "cluster addresses, threads and timeouts may change without it)")
+        raise ConfigError("run.output_dir", f"'{out}' holds a run of another config, to be resumed from "
+                          f"{resume.name}: {show_changes(refused)} (its {CONFIG_FILE} against this one). "
+                          "Start a new run in another run.output_dir, put these settings back, or resume "
+                          "with them changed: moe-rl train --resume-with-changes (run.steps, logging.*, "
+                          "checkpoint.every/keep/at_end/resume and cluster addresses, threads and timeouts "
+                          "may change without it)")
     roles = ["policy", "critic"] if cfg.critic_enabled else ["policy"]
-    st = check_resume(resume, roles, auto=cfg.checkpoint.resume == "auto" and resume.parent == out / "checkpoints")
+    st = check_resume(resume, roles,
+                      auto=cfg.checkpoint.resume == "auto" and resume.parent == out / "checkpoints")
     if st["step"] >= cfg.run.steps and not written_by_this_try(resume):
-        raise ConfigError("run.steps", f"{cfg.run.steps}: this run already reached it ({resume} is step {st['step']}); "
+        raise ConfigError("run.steps", f"{cfg.run.steps}: this run already reached it ({resume} is step "
+                                       f"{st['step']}); "
                           "raise run.steps to continue it, or start over in a new run.output_dir")
     if changes:
-        say(f"resuming from {resume} with settings changed since {CONFIG_FILE}: {show_changes(changes, len(changes))}")
+        say(f"resuming from {resume} with settings changed since {CONFIG_FILE}: "
+            f"{show_changes(changes, len(changes))}")
 
 
 def check_context_length(cfg: RunConfig, hf: dict | None) -> None:
@@ -98,16 +102,18 @@ def check_context_length(cfg: RunConfig, hf: dict | None) -> None:
         limit, source, fix = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings", \
             ", or raise model.tiny.max_position_embeddings"
     else:
-        limit, source, fix = hf.get("max_position_embeddings"), f"max_position_embeddings in {cfg.model.path}/config.json", ""
+        limit, source, fix = hf.get("max_position_embeddings"), ("max_position_embeddings in "
+                                                                 f"{cfg.model.path}/config.json"), ""
         if not isinstance(limit, int) or isinstance(limit, bool):
             return  # vLLM reads other keys then
         rope = hf.get("rope_scaling") or hf.get("rope_parameters")
         factor = rope.get("factor") if isinstance(rope, dict) else None
-        if isinstance(factor, (int, float)) and factor > 1:  # an upper bound: vLLM scales by it for most RoPE types
+        # an upper bound: vLLM scales by it for most RoPE types
+        if isinstance(factor, (int, float)) and factor > 1:
             limit, source = int(limit * factor), f"{source}, times its RoPE factor {factor:g}"
     if want > limit:
-        raise ConfigError("rollout.max_model_len", f"{want} is above the {limit} positions the model has ({source}); "
-                          f"vLLM refuses such an engine: lower rollout.max_model_len{fix}")
+        raise ConfigError("rollout.max_model_len", f"{want} is above the {limit} positions the model has "
+                          f"({source}); vLLM refuses such an engine: lower rollout.max_model_len{fix}")
 
 
 def check_fits_locally(cfg: RunConfig) -> None:
@@ -128,11 +134,12 @@ def check_fits_locally(cfg: RunConfig) -> None:
     have = {"GPU": gpus, "CPU": cfg.cluster.num_cpus or len(os.sched_getaffinity(0))}
     for kind in ("GPU", "CPU"):
         if need.get(kind, 0) > have[kind] + 1e-9:
-            given = f"cluster.num_cpus={cfg.cluster.num_cpus}" if kind == "CPU" and cfg.cluster.num_cpus else \
+            given = f"cluster.num_cpus={cfg.cluster.num_cpus}" if kind == "CPU" and cfg.cluster.num_cpus \
+                else \
                 "the CPUs this process may use" if kind == "CPU" else "the GPUs this machine shows"
-            raise PlacementError(f"the run needs {need[kind]:g} {kind} for {actors} actors ({counts}), the local Ray "
-                                 f"cluster would have {have[kind]:g} ({given}); use cluster.colocate=true, fewer ranks "
-                                 "or engines, or a larger cluster")
+            raise PlacementError(f"the run needs {need[kind]:g} {kind} for {actors} actors ({counts}), the "
+                                 f"local Ray cluster would have {have[kind]:g} ({given}); use "
+                                 "cluster.colocate=true, fewer ranks or engines, or a larger cluster")
 
 
 def check_writable(out: Path) -> None:
@@ -143,5 +150,5 @@ def check_writable(out: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ConfigError("run.output_dir", f"cannot write to '{out}' ({err.strerror or err}); give a directory "
-                          "this user can create and write") from None
+        raise ConfigError("run.output_dir", f"cannot write to '{out}' ({err.strerror or err}); give a "
+                          "directory this user can create and write") from None

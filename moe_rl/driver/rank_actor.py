@@ -19,13 +19,15 @@ class RankActor:
     forward and update) plus the EWMA anchor, weight export and checkpoint I/O of that rank."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
-                 threads: int, load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+                 threads: int, load_weights: bool = True, value_head_from: str | None = None,
+                 trains: bool = True):
         from moe_rl.train import parallel
 
         # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
         device = parallel.local_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids())
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank if device is None else device),
-                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank if device is None else device), MASTER_ADDR=addr,
+                          MASTER_PORT=str(port))
         use_threads(threads)
         from moe_rl.train.worker import TrainWorker
 
@@ -53,8 +55,10 @@ class RankActor:
         from moe_rl.train.objectives import PolicyLoss
 
         update = self.worker.train_step(batch, loss, denominator, keep_logp)
-        if self.anchor is not None and isinstance(loss, PolicyLoss) and not update.figures["skipped_nonfinite"]:
-            self.anchor.update(self.worker.local_params())  # after the step: theta_n never anchors its own loss
+        if self.anchor is not None and isinstance(loss, PolicyLoss) \
+                and not update.figures["skipped_nonfinite"]:
+            # after the step: theta_n never anchors its own loss
+            self.anchor.update(self.worker.local_params())
         update.figures |= process_memory()
         return update
 
@@ -93,7 +97,8 @@ class RankActor:
             named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
             refs = []
             for i, b in enumerate(buckets(named, bucket_mb)):
-                refs.append(ray.put(as_buffers(b)))  # copied into the store here: the weights may change after
+                # copied into the store here: the weights may change after
+                refs.append(ray.put(as_buffers(b)))
                 if i == 0:
                     failpoint("trainer_export")  # once per export, after its first bucket
             return refs
@@ -101,14 +106,16 @@ class RankActor:
             if offloaded:
                 self.offload()
 
-    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int], bucket_mb: float) -> None:
+    def start_transfer(self, backend: str, engines: list, world_size: int, offsets: list[int],
+                       bucket_mb: float) -> None:
         """Join vLLM's weight transfer (rank 0 sends; every rank takes part in the export; ipc stages
         bucket_mb at a time)."""
         from moe_rl.rollout.transfer import ExportSource, GatheredExport, start_transfer
         from moe_rl.train.hf_io import export_hf_weights
 
         w = self.worker
-        source = GatheredExport(lambda: export_hf_weights(w.bridge, w.module, owned_only=True)) if backend == "nccl" \
+        source = GatheredExport(lambda: export_hf_weights(w.bridge, w.module, owned_only=True)) \
+            if backend == "nccl" \
             else ExportSource(lambda: export_hf_weights(w.bridge, w.module))
         addr, port = _free_address() if self.rank == 0 else ("", 0)
         client = EngineSyncClient(engines, offsets) if self.rank == 0 else None
@@ -125,7 +132,8 @@ class RankActor:
     def save(self, path: str, extra: dict) -> None:
         from moe_rl.train import checkpoint
 
-        checkpoint.save(self.worker, path, dict(extra, anchor_ranks=self.world if self.anchor is not None else 0))
+        checkpoint.save(self.worker, path,
+                        dict(extra, anchor_ranks=self.world if self.anchor is not None else 0))
         if self.anchor is not None:  # this rank's shards of the EWMA anchor (each rank holds other tensors)
             torch.save(self.anchor.state_dict(), self._anchor_file(path))
 
@@ -136,7 +144,7 @@ class RankActor:
         if self.anchor is not None and extra.get("anchor_ranks"):
             if extra["anchor_ranks"] != self.world:
                 raise checkpoint.CheckpointError(
-                    f"{path}: its EWMA anchor was saved by {extra['anchor_ranks']} trainer ranks, this run has "
-                    f"{self.world}; resume it with the layout it was saved with")
+                    f"{path}: its EWMA anchor was saved by {extra['anchor_ranks']} trainer ranks, this run "
+                    f"has {self.world}; resume it with the layout it was saved with")
             self.anchor.load_state_dict(torch.load(self._anchor_file(path), weights_only=True))
         return extra

@@ -61,7 +61,8 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
         try:
             results[i] = ray.get(done[0])
             continue
-        except ray.exceptions.RayTaskError as err:  # the call itself raised (also when something it waited on died)
+        # the call itself raised (also when something it waited on died)
+        except ray.exceptions.RayTaskError as err:
             if retry is None or (again := retry(i, err)) is None:
                 dead = _dead_peer(pending, labels)
                 if dead is not None:  # e.g. a rank's collective broke because its peer died: name the peer

@@ -27,7 +27,8 @@ def write_summary(out: Path, summary: dict, evals: dict[int, dict]) -> dict:
         out_summary |= {f"{k}_before": v for k, v in evals[first].items()} if first == 0 else {}
         out_summary |= {f"{k}_after": v for k, v in evals[last].items()}
         out_summary["evaluations"] = {str(k): v for k, v in sorted(evals.items())}
-        scored = [k for k in evals if k > 0 and evals[k]["eval/reward_mean"] == evals[k]["eval/reward_mean"]]  # not NaN
+        # not NaN
+        scored = [k for k in evals if k > 0 and evals[k]["eval/reward_mean"] == evals[k]["eval/reward_mean"]]
         if scored:
             out_summary["best_eval_step"] = max(scored, key=lambda k: evals[k]["eval/reward_mean"])
     (out / SUMMARY_FILE).write_text(json.dumps(out_summary, indent=1))
@@ -57,13 +58,15 @@ def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict]
     if "best_eval_step" in summary:
         best = summary["best_eval_step"]
         ckpt = out / "checkpoints" / f"step_{best:06d}"
-        reward, before = evals[best]["eval/reward_mean"], evals.get(0, {}).get("eval/reward_mean", float("-inf"))
+        reward, before = (evals[best]["eval/reward_mean"],
+                          evals.get(0, {}).get("eval/reward_mean", float("-inf")))
         lines.append(f"best evaluation: step {best} (held-out reward {reward:.3f}"
                      + (f", below the {before:.3f} before RL" if before > reward else "")
                      + f"; checkpoint {ckpt if ckpt.is_dir() else 'not kept'})")
     if "eval/reward_mean_before" in summary and "eval/reward_mean_after" in summary:
-        lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> {summary['eval/reward_mean_after']:.3f}"
-                     f"   success rate: {summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")
+        lines.append(f"held-out reward: {summary['eval/reward_mean_before']:.3f} -> "
+                     f"{summary['eval/reward_mean_after']:.3f}   success rate: "
+                     f"{summary['eval/success_rate_before']:.3f} -> {summary['eval/success_rate_after']:.3f}")
     if baselines:
         lines.append("baselines on the same held-out prompts, success rate: " + ", ".join(
             f"{name} {figures['eval/success_rate']:.3f}" for name, figures in baselines.items()))

@@ -23,7 +23,8 @@ class EngineSyncClient:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         ray.get([e.transfer.remote("init_weight_transfer_engine",
-                                   {**init_info, "rank_offset": off} if "rank_offset" in init_info else init_info)
+                                   {**init_info, "rank_offset": off} if "rank_offset" in init_info
+                                   else init_info)
                  for e, off in zip(self.engines, self.offsets, strict=True)])
 
     def start_weight_update(self) -> None:
@@ -57,7 +58,8 @@ class RolloutActor:
     """A vLLM engine and the agent loop, as an asyncio actor: rollouts run as coroutines, and a weight
     update arriving meanwhile runs between engine steps (in-flight conversations pause, then resume
     with the new weights; each trajectory keeps the version it started with). An engine whose settings
-    vLLM refuses stays alive to say so: `info` raises EngineStartError (a dead actor would read as a fault)."""
+    vLLM refuses stays alive to say so: `info` raises EngineStartError (a dead actor would read as a
+    fault)."""
 
     def __init__(self, settings, agent_settings, env, threads: int, first_core: int = 0):
         use_threads(threads)  # before vLLM starts: its CPU worker refuses later changes
@@ -130,13 +132,14 @@ class RolloutActor:
         self.engine.wake(part)
 
     def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
-        """A step of vLLM's weight transfer (under NCCL, update_weights blocks while the trainer broadcasts)."""
+        """A step of vLLM's weight transfer (under NCCL, update_weights blocks while the trainer
+        broadcasts)."""
         self.engine.transfer(call, payload, version)
 
     def info(self) -> dict:
         if self.refused:
             raise EngineStartError(f"vLLM refused the engine's settings: {self.refused}")
-        return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts, "moe_layers": self.engine.num_moe_layers,
-                "version": self.engine.version,
+        return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts,
+                "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
                 "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),
                 "workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size}

@@ -59,9 +59,9 @@ class Collected:
         """In plain types and tensors: an asynchronous run's checkpoint keeps the rollout in flight."""
         return {"wait_s": self.wait_s, "results": [
             ([trajectory_state(t) for t in trajs],
-             {"outcomes": dict(st.outcomes), "rejected": dict(st.rejected), "dropped_groups": st.dropped_groups,
-              "overlong_filtered": st.overlong_filtered, "tool_errors": st.tool_errors, "memory": dict(st.memory),
-              "first_error": st.first_error})
+             {"outcomes": dict(st.outcomes), "rejected": dict(st.rejected),
+              "dropped_groups": st.dropped_groups, "overlong_filtered": st.overlong_filtered,
+              "tool_errors": st.tool_errors, "memory": dict(st.memory), "first_error": st.first_error})
             for trajs, st in self.results]}
 
     @classmethod
@@ -71,7 +71,8 @@ class Collected:
         from moe_rl.rollout.agent import RolloutStats
 
         return cls([([trajectory_from_state(t) for t in trajs],
-                     RolloutStats(**{**st, "outcomes": Counter(st["outcomes"]), "rejected": Counter(st["rejected"])}))
+                     RolloutStats(**{**st, "outcomes": Counter(st["outcomes"]),
+                                     "rejected": Counter(st["rejected"])}))
                     for trajs, st in state["results"]], state["wait_s"])
 
 
@@ -86,7 +87,8 @@ def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
         spanning += len(set(mine)) > 1
         ages += [current - v for v in mine]
     return {"rollout/spanning_versions_frac": spanning / max(1, len(trajectories)),
-            "rollout/token_age_mean": sum(ages) / max(1, len(ages)), "rollout/token_age_max": max(ages, default=0),
+            "rollout/token_age_mean": sum(ages) / max(1, len(ages)),
+            "rollout/token_age_max": max(ages, default=0),
             "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
 
 
@@ -123,7 +125,8 @@ def evaluation_prompts(cfg: RunConfig) -> list[dict]:
 
         rows = dataset_rows(cfg, tr.eval_dataset)
         if len(rows) < tr.eval_prompts:
-            raise DatasetError(f"trainer.eval_prompts={tr.eval_prompts}, but {tr.eval_dataset} has {len(rows)} rows")
+            raise DatasetError(f"trainer.eval_prompts={tr.eval_prompts}, but {tr.eval_dataset} has "
+                               f"{len(rows)} rows")
         return rows[:tr.eval_prompts]
     return generated_prompts(cfg, tr.eval_prompts, cfg.run.seed + 424242)
 
@@ -142,9 +145,10 @@ def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[s
     rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
     ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
     return {"eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "eval/success_rate": float(success.double().mean()), f"eval/mean@{samples}": float(success.double().mean()),
-            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks},
-            "eval/samples": len(trajectories), "eval/prompts": prompts, "eval/rejected": prompts * samples - len(trajectories)}
+            "eval/success_rate": float(success.double().mean()),
+            f"eval/mean@{samples}": float(success.double().mean()),
+            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}, "eval/samples": len(trajectories),
+            "eval/prompts": prompts, "eval/rejected": prompts * samples - len(trajectories)}
 
 
 @dataclass
@@ -158,7 +162,8 @@ class InFlight:
     done: Collected | None = None
 
     def __repr__(self) -> str:
-        return f"InFlight(step={self.step}, {'finished' if self.done is not None else f'{len(self.calls)} calls'})"
+        return (f"InFlight(step={self.step}, "
+                f"{'finished' if self.done is not None else f'{len(self.calls)} calls'})")
 
 
 class Rollouts:
@@ -180,22 +185,25 @@ class Rollouts:
     def started(self) -> None:
         """Wait until every engine has started (vLLM loaded its model)."""
         infos = self._gather("start", self._infos)
-        self.top_k, self.num_experts, self.nodes = infos[0]["top_k"], infos[0]["num_experts"], [i["node"] for i in infos]
+        self.top_k, self.num_experts, self.nodes = (infos[0]["top_k"], infos[0]["num_experts"],
+                                                    [i["node"] for i in infos])
         self.workers, self.threads = [i["workers"] for i in infos], [i["threads"] for i in infos]
 
     def _start_engine(self, i: int):
         cfg = self.cfg
         return RolloutActor.options(**self.place.options("engine", i)).remote(
-            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env, self.place.threads_of("engine", i),
-            self.place.first_core(i))
+            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env,
+            self.place.threads_of("engine", i), self.place.first_core(i))
 
     def connect(self, policy) -> None:
         """Open vLLM's weight transfer from the policy's rank 0 (weight_transfer nccl | ipc)."""
         if self.transfer != "store":
-            policy.start_transfer(self.transfer, self.engines, self.workers, self.cfg.rollout.weight_sync_bucket_mb)
+            policy.start_transfer(self.transfer, self.engines, self.workers,
+                                  self.cfg.rollout.weight_sync_bucket_mb)
 
     def _gather(self, what: str, refs: list) -> list:
-        return gather([(f"engine {i} ({what})", ref) for i, ref in enumerate(refs)], self.cfg.cluster.call_timeout_s)
+        return gather([(f"engine {i} ({what})", ref) for i, ref in enumerate(refs)],
+                      self.cfg.cluster.call_timeout_s)
 
     # -- engine calls, and engines replaced when they fail -------------------------------------------
 
@@ -219,7 +227,8 @@ class Rollouts:
                 return ray.put(0)
             return self._submit(call).ref
 
-        out = gather([(f"engine {c.engine} ({c.what})", c.ref) for c in calls], self.cfg.cluster.call_timeout_s, retry)
+        out = gather([(f"engine {c.engine} ({c.what})", c.ref) for c in calls],
+                     self.cfg.cluster.call_timeout_s, retry)
         if settle:
             for c in calls:
                 self.failures[c.engine] = 0
@@ -231,8 +240,9 @@ class Rollouts:
         limit, why = self.cfg.rollout.engine_restarts, last_line(err)
         self.failures[i] += 1
         if self.failures[i] > limit:
-            raise EngineFailure(f"engine {i} failed {self.failures[i]} time(s) in a row (rollout.max_engine_restarts={limit}"
-                                f", weight_transfer={self.transfer}); last error: {why}")
+            raise EngineFailure(f"engine {i} failed {self.failures[i]} time(s) in a row "
+                                f"(rollout.max_engine_restarts={limit}, weight_transfer={self.transfer}); "
+                                f"last error: {why}")
         print(f"[moe-rl] engine {i} failed ({why}); starting a replacement on its resources "
               f"({self.failures[i]} of {limit} in a row)", flush=True)
         ray.kill(self.engines[i])  # a live engine whose update failed; a dead one: no-op
@@ -257,7 +267,8 @@ class Rollouts:
         bounds = [n * i // k for i in range(k + 1)]
         seed = sample_seed(cfg.run.seed, "step", step)
         return InFlight(step, [self._submit(Call(i, "collect", (prompts[bounds[i]:bounds[i + 1]],
-                                                               cfg.rollout.samples_per_prompt, seed, rounds, bounds[i]),
+                                                               cfg.rollout.samples_per_prompt, seed, rounds,
+                                                               bounds[i]),
                                                  f"rollout of step {step + 1}"))
                                for i in range(k) if bounds[i + 1] > bounds[i]])
 
@@ -290,21 +301,24 @@ class Rollouts:
         wait_s = done.wait_s
         if not trajs:
             first = f"; the first environment error: {st.first_error}" if st.first_error else ""
-            raise RolloutError(f"no valid trajectories this step (rejected: {dict(st.rejected) or 'none'}){first}; "
+            raise RolloutError("no valid trajectories this step (rejected: "
+                               f"{dict(st.rejected) or 'none'}){first}; "
                                "check the environment")
         if not self.cfg.rollout.async_mode and any(t.weight_version != self.version for t in trajs):
             raise RuntimeError(f"a synchronous rollout generated with weight versions "
-                               f"{sorted({t.weight_version for t in trajs})}; every engine should hold version "
-                               f"{self.version}: an engine missed a weight sync")
+                               f"{sorted({t.weight_version for t in trajs})}; every engine should hold "
+                               f"version {self.version}: an engine missed a weight sync")
         batch = build_batch(trajs, self.top_k if self.cfg.rollout.record_routes else None)
         keep, stale = correction.staleness(batch.version_B, self.version,
-                                           self.cfg.rollout.max_staleness if self.cfg.rollout.async_mode else None)
+                                           self.cfg.rollout.max_staleness if self.cfg.rollout.async_mode
+                                           else None)
         if not bool(keep.all()):
             batch = batch.rows(keep.nonzero().squeeze(1))
         dp = self.cfg.parallel.dp
         if batch.size < dp:
-            raise RolloutError(f"{batch.size} trajectories left this step ({int(stale['stale_dropped'])} too stale), "
-                               f"fewer than the {dp} data-parallel replicas; raise rollout.prompts_per_step")
+            raise RolloutError(f"{batch.size} trajectories left this step ({int(stale['stale_dropped'])} too "
+                               f"stale), fewer than the {dp} data-parallel replicas; raise "
+                               "rollout.prompts_per_step")
         total = max(1, sum(st.outcomes.values()))
         for t in trajs:  # what the environment reported of each episode, as means over the step's (env/KEY)
             for k, v in t.info.get("figures", {}).items():
@@ -356,7 +370,8 @@ class Rollouts:
         t0 = time.perf_counter()
         exported = policy.export_weights(self.cfg.rollout.weight_sync_bucket_mb)
         t1 = time.perf_counter()
-        self._run([self._submit(Call(i, "update_weights", (exported, self.version), "weight update")) for i in engines],
+        self._run([self._submit(Call(i, "update_weights", (exported, self.version), "weight update"))
+                   for i in engines],
                   settle)
         return {"timing/sync_export_s": t1 - t0, "timing/sync_load_s": time.perf_counter() - t1}
 
@@ -365,8 +380,10 @@ class Rollouts:
     def evaluate(self) -> dict[str, float]:
         """The held-out prompts, trainer.eval_samples samples each (seeded apart from training), on
         engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
-        n, seed = self.cfg.trainer.eval_samples, sample_seed(self.cfg.run.seed, "eval")  # the same at every evaluation
-        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0), "evaluation"))])[0]
+        # the same at every evaluation
+        n, seed = self.cfg.trainer.eval_samples, sample_seed(self.cfg.run.seed, "eval")
+        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0),
+                                                "evaluation"))])[0]
         return evaluation_figures(trajs, len(self.eval_prompts), n)
 
     def baselines(self) -> dict[str, dict[str, float]]:
@@ -412,5 +429,6 @@ class Rollouts:
         else:
             rng = random.Random(cfg.run.seed + 31337)
             prompts = [self.prompts[rng.randrange(len(self.prompts))] for _ in range(steps * rows)]
-        return [build_batch([t for g in asyncio.run(agent.run_groups(prompts[i * rows:(i + 1) * rows], 1)) for t in g], None)
+        return [build_batch([t for g in asyncio.run(agent.run_groups(prompts[i * rows:(i + 1) * rows], 1))
+                             for t in g], None)
                 for i in range(steps)]

@@ -45,7 +45,8 @@ class Checkpoints:
 
     def _groups(self) -> dict:
         """The trainer groups a checkpoint holds, by directory name."""
-        return {"policy": self.models.policy, **({"critic": self.models.critic} if self.models.critic else {})}
+        return {"policy": self.models.policy,
+                **({"critic": self.models.critic} if self.models.critic else {})}
 
     def due(self, step: int) -> bool:
         every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
@@ -79,7 +80,8 @@ class Checkpoints:
         if path is None:
             return None
         print(f"[moe-rl] resuming from {path}", flush=True)
-        st = check_resumable(path, list(self._groups()))  # first: a bad file fails before the weights are loaded
+        # first: a bad file fails before the weights are loaded
+        st = check_resumable(path, list(self._groups()))
         self.in_flight = read_in_flight(path)
         self.models.policy.init_anchor()  # its state comes back with the checkpoint
         for role, group in self._groups().items():
@@ -99,7 +101,8 @@ def read_in_flight(path: Path) -> Collected | None:
     try:
         return Collected.from_state(torch.load(path / IN_FLIGHT, weights_only=True))
     except Exception as err:
-        raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused ({last_line(err)})") from None
+        raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused "
+                              f"({last_line(err)})") from None
 
 
 def resume_dir(cfg: RunConfig, root: Path) -> Path | None:
@@ -130,8 +133,8 @@ def check_resumable(path: Path, roles: list[str]) -> dict:
     st = read_loop_state(path / LOOP_STATE)
     missing = [role for role in roles if not (path / role).is_dir()]
     if missing:
-        raise CheckpointError(f"{path} has no {' or '.join(missing)} checkpoint; it was saved by a run without "
-                              f"{' or '.join(missing)}, or is incomplete")
+        raise CheckpointError(f"{path} has no {' or '.join(missing)} checkpoint; it was saved by a run "
+                              f"without {' or '.join(missing)}, or is incomplete")
     for role in roles:
         check_files(path / role)
     return st
@@ -152,14 +155,16 @@ def check_resume(path: Path, roles: list[str], auto: bool) -> dict:
             except CheckpointError:
                 continue
             how = f"delete {path} (checkpoint.resume=auto then takes it), or set" if auto else "set"
-            raise CheckpointError(f"{err}; the last good checkpoint is {other}: {how} checkpoint.resume={other}") from None
+            raise CheckpointError(f"{err}; the last good checkpoint is {other}: {how} "
+                                  f"checkpoint.resume={other}") from None
         raise
 
 
 def written_by_this_try(path: Path) -> bool:
     """Whether a launcher's retry is resuming a checkpoint its own earlier tries wrote (RESUME_SINCE)."""
     since = os.environ.get(RESUME_SINCE)
-    return bool(since) and (path / LOOP_STATE).is_file() and (path / LOOP_STATE).stat().st_mtime >= float(since)
+    return bool(since) and (path / LOOP_STATE).is_file() \
+        and (path / LOOP_STATE).stat().st_mtime >= float(since)
 
 
 # What a resumed run may change without `moe-rl train --resume-with-changes`: how long it runs (run.steps
@@ -167,8 +172,8 @@ def written_by_this_try(path: Path) -> bool:
 # makes it another run than the one its checkpoints hold. Entries ending in "." are sections.
 RESUMABLE_CHANGES = ("run.steps", "run.output_dir", "logging.", "checkpoint.every", "checkpoint.keep",
                      "checkpoint.at_end", "checkpoint.resume", "cluster.address", "cluster.node_ip",
-                     "cluster.call_timeout_s", "cluster.num_cpus", "cluster.trainer_threads", "cluster.engine_threads",
-                     "cluster.gpus_per_node", "cluster.gpu_memory_gb")
+                     "cluster.call_timeout_s", "cluster.num_cpus", "cluster.trainer_threads",
+                     "cluster.engine_threads", "cluster.gpus_per_node", "cluster.gpu_memory_gb")
 
 
 def resumable_change(key: str) -> bool:
@@ -216,9 +221,10 @@ def read_loop_state(path: Path) -> dict:
         st = torch.load(path, weights_only=True)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... by cause
         first = last_line(err)
-        raise CheckpointError(f"{path} is not a loop state this program wrote, or would run code when loaded; "
-                              f"refused ({first})") from None
-    missing = {"step", "version", "data_pos", "torch_rng", "py_rng", "np_rng"} - set(st if isinstance(st, dict) else ())
+        raise CheckpointError(f"{path} is not a loop state this program wrote, or would run code when "
+                              f"loaded; refused ({first})") from None
+    missing = {"step", "version", "data_pos", "torch_rng", "py_rng",
+               "np_rng"} - set(st if isinstance(st, dict) else ())
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(sorted(missing))}: not a complete loop state")
     try:  # the RNG states tried on throwaway generators: a bad one fails here, not after the weights load

@@ -163,7 +163,8 @@ def start_ray(cfg: RunConfig) -> None:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
         _RAY_OF_RUN.append("connected")
         ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False, _node_ip_address=node_ip)
-    else:  # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
+    # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
+    else:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             lambda record: not record.getMessage().startswith("Token authentication is enabled"))
         # the CPUs this process may use (a SLURM step's or a container's share), not the machine's

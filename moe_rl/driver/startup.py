@@ -50,7 +50,8 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     session.check_interrupted()
     place = placement.Placement(cfg, cfg.actors)
     session.RUN_PARTS.append(place)  # its placement group is removed on every exit path (session.shutdown)
-    if place.engines_first:  # colocated on GPUs: each engine profiles its GPUs' memory alone (placement.engines_first)
+    # colocated on GPUs: each engine profiles its GPUs' memory alone (placement.engines_first)
+    if place.engines_first:
         rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
         session.RUN_PARTS.append(rollouts)  # stopped on every exit path (session.shutdown)
         rollouts.started()
@@ -66,13 +67,16 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         phase("trainer ranks")
         rollouts.started()
         phase("engines (beyond the ranks)")
-    say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})" for k, g in models.groups().items()]
-                                  + [f"engines on {', '.join(rollouts.nodes)} ({threads(rollouts.threads)})"]))
+    say("placement: " + "; ".join([f"{k} ranks on {', '.join(g.nodes)} ({threads(g.threads)})"
+                                   for k, g in models.groups().items()]
+                                  + [f"engines on {', '.join(rollouts.nodes)} "
+                                     f"({threads(rollouts.threads)})"]))
     session.check_interrupted()
     rollouts.connect(models.policy)
     phase("weight-sync connect")
     say(f"weight sync: {cfg.rollout.weight_transfer}")
-    say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()) + ")")
+    say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
+        + ")")
     return models, rollouts
 
 
@@ -101,9 +105,12 @@ def check_same_tokens(policy_path: str, reward_model_path: str) -> None:
     from moe_rl.weights.hf import CheckpointError
 
     try:
-        same = AutoTokenizer.from_pretrained(reward_model_path).get_vocab() == AutoTokenizer.from_pretrained(policy_path).get_vocab()
-    except (OSError, ValueError):  # no tokenizer beside the reward model: its embedding table must fit at least
-        same = AutoConfig.from_pretrained(reward_model_path).vocab_size == AutoConfig.from_pretrained(policy_path).vocab_size
+        same = (AutoTokenizer.from_pretrained(reward_model_path).get_vocab()
+                == AutoTokenizer.from_pretrained(policy_path).get_vocab())
+    # no tokenizer beside the reward model: its embedding table must fit at least
+    except (OSError, ValueError):
+        same = (AutoConfig.from_pretrained(reward_model_path).vocab_size
+                == AutoConfig.from_pretrained(policy_path).vocab_size)
     if not same:
-        raise CheckpointError(f"reward_model.path: '{reward_model_path}' has another tokenizer than the policy's "
-                              f"({policy_path}); it would score token ids it does not know")
+        raise CheckpointError(f"reward_model.path: '{reward_model_path}' has another tokenizer than the "
+                              f"policy's ({policy_path}); it would score token ids it does not know")

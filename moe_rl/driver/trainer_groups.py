@@ -60,13 +60,15 @@ class TrainerGroup:
         """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks."""
         return [ref for refs in self.call("export_weights", bucket_mb) for ref in refs]
 
-    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int], bucket_mb: float) -> None:
+    def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int],
+                       bucket_mb: float) -> None:
         """Open vLLM's weight transfer (nccl | ipc) between this group's rank 0 and every engine worker
         (bucket_mb: rollout.weight_sync_bucket_mb)."""
         from moe_rl.rollout.transfer import engine_rank_offsets
 
         world = 1 + sum(workers_per_engine)
-        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine), bucket_mb)
+        self.call("start_transfer", backend, engines, world, engine_rank_offsets(workers_per_engine),
+                  bucket_mb)
 
     def send_weights(self, version: int) -> None:
         """One sync round: rank 0 sends while the others take part in the export."""
@@ -99,12 +101,15 @@ class TrainerGroup:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
             # computed, not measured: the int64 bytes the old path would have sent for the same routes
-            count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel() for s in shards)
+            count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel()
+                                               for s in shards)
         return shards
 
     def score(self, batch, **kw) -> ScoreResult:
-        """Forward passes, each data-parallel replica on its rows; results for the whole batch, [B, S, ...]."""
-        outs = self._gather("score", [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
+        """Forward passes, each data-parallel replica on its rows; results for the whole batch,
+        [B, S, ...]."""
+        outs = self._gather("score",
+                            [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
                                                                              strict=True)])
         return self._whole(batch, outs)
 
@@ -128,9 +133,12 @@ class TrainerGroup:
         shards = self._send(batch.only(loss.fields), "train")
         outs = self._gather("train", [a.train.remote(s, loss, denominator, keep_logp)
                                       for a, s in zip(self.actors, shards, strict=True)])
-        logp = self._whole(batch, [ScoreResult(logp_BS=o.logp_BS) for o in outs]).logp_BS if keep_logp else None
-        losses = [o.figures["loss"] for o in outs if "loss" in o.figures]  # last-stage ranks: tp*cp per replica
-        merged = reduce_updates([o.figures for o in outs])  # over the shards: means, maxima of *max, minima of *min
+        logp = self._whole(batch, [ScoreResult(logp_BS=o.logp_BS) for o in outs]).logp_BS if keep_logp \
+            else None
+        # last-stage ranks: tp*cp per replica
+        losses = [o.figures["loss"] for o in outs if "loss" in o.figures]
+        # over the shards: means, maxima of *max, minima of *min
+        merged = reduce_updates([o.figures for o in outs])
         if losses:
             merged["loss"] = sum(losses) / self.tp_cp  # each replica's share of the global loss, summed
         return UpdateResult(merged, logp)
@@ -139,7 +147,8 @@ class TrainerGroup:
         return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
 
     def _gather(self, method: str, refs: list) -> list:
-        return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)], self.timeout_s)
+        return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)],
+                      self.timeout_s)
 
 
 
@@ -190,7 +199,8 @@ class PolicyGroup(TrainerGroup):
                 kept = updates[-1].logp_BS if trained else self.score(mb.model_inputs()).logp_BS
                 logp[rows, :kept.shape[1]] = kept
         out = role_figures("policy", [u.figures for u in updates])
-        out["policy/skipped_nonfinite"] = sum(u.figures["skipped_nonfinite"] for u in updates)  # a count, not a mean
+        # a count, not a mean
+        out["policy/skipped_nonfinite"] = sum(u.figures["skipped_nonfinite"] for u in updates)
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
         out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
         if gap is not None:
@@ -204,7 +214,8 @@ class PolicyGroup(TrainerGroup):
 
         self.call("set_lr", lr)
         updates = [self.train(b, SftLoss(), b.mask_BS.sum().double())
-                   for b in tqdm(batches, desc="warm start", unit="step", disable=not self.cfg.logging.progress_bar, leave=False)]
+                   for b in tqdm(batches, desc="warm start", unit="step",
+                                 disable=not self.cfg.logging.progress_bar, leave=False)]
         self.call("set_lr", self.cfg.trainer.lr)
         nll = [u.figures.get("nll", float("nan")) for u in updates]
         return {"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll),
@@ -223,8 +234,8 @@ class CriticGroup(TrainerGroup):
         # would force another model's (possibly differently shaped) routers onto the policy's choices.
         source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
         spec = dataclasses.replace(spec, hf_path=source or spec.hf_path, routing_replay=False)
-        super().__init__(cfg, place, "critic", spec, "critic", settings.optim_settings(cfg, cfg.critic.lr), seed,
-                         value_head_from=source)
+        super().__init__(cfg, place, "critic", spec, "critic", settings.optim_settings(cfg, cfg.critic.lr),
+                         seed, value_head_from=source)
         self.cfg, self.path, self.loss = cfg, spec.hf_path, settings.value_loss(cfg)
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
@@ -238,7 +249,8 @@ class CriticGroup(TrainerGroup):
             if float(denominator) > 0:
                 updates.append(self.train(mb, self.loss, denominator))
         return role_figures("critic", [u.figures for u in updates]) | {
-            "critic/skipped_nonfinite": sum(u.figures["skipped_nonfinite"] for u in updates),  # a count, not a mean
+            # a count, not a mean
+            "critic/skipped_nonfinite": sum(u.figures["skipped_nonfinite"] for u in updates),
             "timing/critic_train_s": time.perf_counter() - t0}
 
 
@@ -250,12 +262,15 @@ class Models:
         self.cfg = cfg
         self.policy = PolicyGroup(cfg, place, "policy", spec, cfg.run.seed)
         self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
-        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference else None
+        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference \
+            else None
         self.reward_model = None
-        if cfg.reward_model.path:  # scores only: like a critic (value head from its score.weight), routing freely
+        # scores only: like a critic (value head from its score.weight), routing freely
+        if cfg.reward_model.path:
             rm = cfg.reward_model.path
             self.reward_model = TrainerGroup(cfg, place, "reward_model", dataclasses.replace(
-                settings.model_spec(cfg, rm), routing_replay=False), "critic", settings.optim_settings(cfg, cfg.critic.lr),
+                settings.model_spec(cfg, rm), routing_replay=False), "critic",
+                                             settings.optim_settings(cfg, cfg.critic.lr),
                 cfg.run.seed + 3, value_head_from=rm, trains=False)
 
     def started(self) -> None:
@@ -274,7 +289,8 @@ class Models:
         rollout's routes replayed, the critic and the reward model routing freely (the reward model's
         value at each episode's last position is its score). With `diagnostics` (and routes to replay)
         the policy also routes freely once, to measure what replay removes."""
-        scores = Scores(None if self.cfg.proximal_from_update else self.policy.score(batch.model_inputs()).logp_BS)
+        scores = Scores(None if self.cfg.proximal_from_update
+                        else self.policy.score(batch.model_inputs()).logp_BS)
         if diagnostics and batch.routes_BSLK is not None:
             free = self.policy.score(batch.model_inputs(routes=False), record_routes=True)
             scores.free_logp_BS, scores.free_routes_BSLK = free.logp_BS, free.routes_BSLK
@@ -284,7 +300,8 @@ class Models:
             scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False)).critic_out_BS
         if self.reward_model:  # each episode at its last token
             values = self.reward_model.score(batch.model_inputs(routes=False)).critic_out_BS
-            scores.reward_model_B = boundary_values(values, batch.lengths_B)  # the output at position length - 1
+            # the output at position length - 1
+            scores.reward_model_B = boundary_values(values, batch.lengths_B)
         return scores
 
     def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -328,7 +345,8 @@ class Models:
         for kind, prefix in (("score", "routing/score_"), (None, "routing/")):
             sent = sum(v["sent"] for k, v in g.route_bytes.items() if kind in (None, k))
             old = sum(v["int64_computed"] for k, v in g.route_bytes.items() if kind in (None, k))
-            out |= {f"{prefix}route_bytes_per_rank": sent / g.world, f"{prefix}route_bytes_per_rank_int64_computed": old / g.world}
+            out |= {f"{prefix}route_bytes_per_rank": sent / g.world,
+                    f"{prefix}route_bytes_per_rank_int64_computed": old / g.world}
         for group in self.groups().values():
             group.route_bytes = group.new_route_counters()
         return out

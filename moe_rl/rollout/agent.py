@@ -1,6 +1,7 @@
 """The agent loop: multi-turn episodes against an environment, token-in / token-out.
 
-    agent = Agent(engine, tokenizer, EnvSpec("guess_number", {"low": 1, "high": 9}), settings.agent_settings(cfg))
+    agent = Agent(engine, tokenizer, EnvSpec("guess_number", {"low": 1, "high": 9}),
+                  settings.agent_settings(cfg))
     trajectories = await agent.run_groups(prompts, samples_per_prompt=4)
 
 One episode: the chat template is applied once to the environment's opening messages; each model turn
@@ -33,12 +34,14 @@ log = logging.getLogger(__name__)
 
 def end_of_turn_id(tokenizer) -> int:
     """The token that ends a model turn: ChatML's <|im_end|> where the vocabulary has it, else EOS."""
-    return tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token_id
+    return tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() \
+        else tokenizer.eos_token_id
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    """Built from the config by moe_rl.settings.agent_settings (defaults live in the config sections, config_run.py and config_rl.py)."""
+    """Built from the config by moe_rl.settings.agent_settings (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
 
     max_turns: int  # environment.max_turns
     token_budget: int  # environment.token_budget: model + observation tokens after the prompt; no turn
@@ -59,8 +62,10 @@ class RolloutStats:
     dropped_groups: int = 0  # DAPO dynamic sampling: groups whose rewards were all equal
     overlong_filtered: int = 0
     tool_errors: int = 0
-    memory: dict = field(default_factory=dict)  # the engine process's (metrics.process_memory), after the rollout
-    # the first environment failure (an env_error episode) of these episodes: "reset|step: Type: message (file:line)"
+    # the engine process's (metrics.process_memory), after the rollout
+    memory: dict = field(default_factory=dict)
+    # the first environment failure (an env_error episode) of these episodes: "reset|step: Type: message
+    # (file:line)"
     first_error: str = ""
 
 
@@ -71,7 +76,8 @@ class Agent:
         env.env_cls.check_context(env.context)  # e.g. the reward function imports here too: fails at start
         self.eos = end_of_turn_id(tokenizer)
         self.stats = RolloutStats()
-        self._observation_text(env.env_cls.role_for_observations, "")  # a template that cannot render turns fails here
+        # a template that cannot render turns fails here
+        self._observation_text(env.env_cls.role_for_observations, "")
 
     # -- tokenisation of non-model content ------------------------------------------------------
 
@@ -89,8 +95,9 @@ class Agent:
         after = self.tok.apply_chat_template(probe + [{"role": role, "content": text}], tokenize=False,
                                              add_generation_prompt=True)
         if after.count("\x00a") != 1 or after.count("\x00u") != 1:
-            raise ValueError(f"the tokenizer's chat template does not render a '{role}' message after an assistant "
-                             "turn (a stand-in conversation came out wrong); observations cannot be appended")
+            raise ValueError(f"the tokenizer's chat template does not render a '{role}' message after an "
+                             "assistant turn (a stand-in conversation came out wrong); observations cannot "
+                             "be appended")
         return after[after.index("\x00a") + 2:]
 
     def _observation_ids(self, role: str, text: str, closed: bool) -> list[int]:
@@ -104,7 +111,8 @@ class Agent:
 
     # -- one episode ----------------------------------------------------------------------------
 
-    async def run_episode(self, prompt: dict, group_id: int = 0, sample_index: int = 0, seed: int | None = None) -> Trajectory:
+    async def run_episode(self, prompt: dict, group_id: int = 0, sample_index: int = 0,
+                          seed: int | None = None) -> Trajectory:
         s = self.s
         env = self.env.make(self.env_options)
         try:
@@ -138,7 +146,8 @@ class Agent:
             version = res.weight_version if version is None else version
             routes = res.routes if routes is None or res.routes is None else routes.extended(res.routes)
             start = len(ids)
-            versions.extend([res.weight_version] * (start - len(versions)))  # the prompt / observation it computed
+            # the prompt / observation it computed
+            versions.extend([res.weight_version] * (start - len(versions)))
             versions.extend(res.token_versions())
             ids.extend(res.token_ids)
             mask.extend([True] * len(res.token_ids))
@@ -161,9 +170,12 @@ class Agent:
             turn_rewards.append(float(step.reward))
             tool_errors += int(step.tool_error)
             if step.info:  # the episode's figures: what its last step reported (done, or before a truncation)
-                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}  # bools: 0/1
-            too_many = step.tool_error and env.max_tool_errors is not None and tool_errors >= env.max_tool_errors
-            if step.done or too_many:  # too many failed tool calls: the framework ends it, for every environment
+                # bools: 0/1
+                figures = {k: float(v) for k, v in step.info.items() if isinstance(v, (int, float))}
+            too_many = step.tool_error and env.max_tool_errors is not None \
+                and tool_errors >= env.max_tool_errors
+            # too many failed tool calls: the framework ends it, for every environment
+            if step.done or too_many:
                 terminal = float(step.final_reward or 0.0)
                 outcome = Outcome.TOOL_ERROR if step.tool_error else Outcome.COMPLETED
                 break
@@ -184,22 +196,25 @@ class Agent:
         self.stats.tool_errors += tool_errors
         if version is None:
             version = getattr(self.engine, "version", 0)
-        versions.extend([versions[-1] if versions else version] * (len(ids) - len(versions)))  # a last observation
+        # a last observation
+        versions.extend([versions[-1] if versions else version] * (len(ids) - len(versions)))
         return Trajectory(
             token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
             terminal_reward=terminal, outcome=outcome, boundary_len=len(ids),
-            weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id, sample_index=sample_index,
+            weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id,
+            sample_index=sample_index,
             info={"tool_errors": tool_errors, "turns": len(spans), "figures": figures}, versions=versions)
 
     def _env_error(self, reason: str) -> None:
-        """An episode the environment failed (env_error): logged, each one; the first kept for the stop line."""
+        """An episode the environment failed (env_error): logged, each one; the first kept for the stop
+        line."""
         log.warning("environment failed (env_error): %s", reason)
         self.stats.first_error = self.stats.first_error or reason
 
     def _failed(self, prompt, group_id, sample_index, reason) -> Trajectory:
         self._env_error(reason)
-        return Trajectory([0], [False], [0.0], [], [], 0.0, Outcome.ENV_ERROR, 1, 0, 1, None, group_id, sample_index,
-                          {"error": reason})
+        return Trajectory([0], [False], [0.0], [], [], 0.0, Outcome.ENV_ERROR, 1, 0, 1, None, group_id,
+                          sample_index, {"error": reason})
 
     # -- many episodes ----------------------------------------------------------------------------
 
@@ -215,7 +230,8 @@ class Agent:
             if problems:
                 for p in problems:
                     self.stats.rejected[p.split(":")[0]] += 1
-                log.warning("rejected trajectory (group %d sample %d): %s", t.group_id, t.sample_index, "; ".join(problems))
+                log.warning("rejected trajectory (group %d sample %d): %s", t.group_id, t.sample_index,
+                            "; ".join(problems))
                 continue
             kept.append(t)
         return kept
@@ -224,7 +240,8 @@ class Agent:
                          first_group_id: int = 0) -> list[list[Trajectory]]:
         """n samples per prompt, all conversations in flight together. Returns validated groups."""
         tasks = [self.run_episode(p, first_group_id + g, k,
-                                  None if seed is None else sample_seed(seed, "sample", first_group_id + g, k))
+                                  None if seed is None
+                                  else sample_seed(seed, "sample", first_group_id + g, k))
                  for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
         done = await asyncio.gather(*tasks)
         kept = self.accept(list(done))
@@ -235,8 +252,9 @@ class Agent:
             groups.setdefault(t.group_id, []).append(t)
         return [groups[g] for g in sorted(groups)]
 
-    async def dynamic_sampling(self, next_prompts, groups_wanted: int, samples_per_prompt: int, max_rounds: int,
-                               seed: int | None = None, first_group_id: int = 0) -> list[list[Trajectory]]:
+    async def dynamic_sampling(self, next_prompts, groups_wanted: int, samples_per_prompt: int,
+                               max_rounds: int, seed: int | None = None,
+                               first_group_id: int = 0) -> list[list[Trajectory]]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and keep
         sampling fresh prompts, at most max_rounds rounds. `next_prompts(k)` returns k new prompts."""
         kept: list[list[Trajectory]] = []
@@ -247,7 +265,8 @@ class Agent:
                 break
             prompts = next_prompts(need)
             for group in await self.run_groups(prompts, samples_per_prompt,
-                                               None if seed is None else sample_seed(seed, "round", round_), gid):
+                                               None if seed is None else sample_seed(seed, "round", round_),
+                                               gid):
                 rewards = {round(t.total_reward, 9) for t in group}
                 if len(group) > 1 and len(rewards) == 1:
                     self.stats.dropped_groups += 1

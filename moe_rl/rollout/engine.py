@@ -43,7 +43,8 @@ from moe_rl.weights.sync import write_bucket
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections, config_run.py and config_rl.py)."""
+    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
 
     model_path: str
     dtype: str  # model.dtype
@@ -52,7 +53,8 @@ class EngineSettings:
     record_routes: bool  # rollout.*
     kv_cache_gb: float | None  # rollout.*; None: see engine_kwargs
     route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
-    weight_transfer: str  # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    weight_transfer: str
     max_num_seqs: int  # rollout.*
     max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
     gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
@@ -81,8 +83,8 @@ def resolve_route_source(source: str, cuda_available: bool) -> str:
         raise ValueError("route_source 'capture' hooks vLLM's CPU model runner, which GPU builds do not use "
                          "(Model Runner V2); use 'vllm' or 'auto' with CUDA")
     if source == "vllm" and not cuda_available:
-        raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and CUDA; "
-                         "use 'capture' or 'auto' on CPU")
+        raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
+                         "CUDA; use 'capture' or 'auto' on CPU")
     return source
 
 
@@ -109,11 +111,13 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
     if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free
-        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization if settings.gpu_memory_utilization is not None
+        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization
+                                            if settings.gpu_memory_utilization is not None
                                             else GPU_MEMORY_UTILIZATION[settings.colocated])
     budget = settings.max_num_batched_tokens
     if budget is None:
-        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda else settings.max_model_len * settings.max_num_seqs
+        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda \
+            else settings.max_model_len * settings.max_num_seqs
     kwargs["max_num_batched_tokens"] = budget
     if route_source == "vllm":
         kwargs["enable_return_routed_experts"] = True
@@ -205,7 +209,8 @@ class RolloutEngine:
         self.num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
         self.top_k = hf.num_experts_per_tok
         cuda = torch.cuda.is_available()
-        self.route_source = resolve_route_source(settings.route_source, cuda) if settings.record_routes else None
+        self.route_source = resolve_route_source(settings.route_source, cuda) if settings.record_routes \
+            else None
         if settings.weight_transfer != "store" and not cuda:
             raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'store' on CPU")
         if settings.sleep and not cuda:
@@ -216,14 +221,18 @@ class RolloutEngine:
         self.engine = self.llm.llm_engine
         self.version = 0
         self.half_updated = False  # a weight update started and has not finished
-        self.discarded = False  # a level-2 sleep discarded the weights, and no sync has replaced them all since
-        self.checkpoint_names = frozenset(HFReader(settings.model_path).names())  # the tensors the model loaded
+        # a level-2 sleep discarded the weights, and no sync has replaced them all since
+        self.discarded = False
+        # the tensors the model loaded
+        self.checkpoint_names = frozenset(HFReader(settings.model_path).names())
         self.last_sync: frozenset[str] | None = None  # the tensors the last completed weight sync delivered
         self._syncing: set[str] = set()  # ... those of the weight transfer under way
         self.num_moe_layers = 0
-        self.route_calls = 0  # calls to the workers for captured routes (one per engine step that finished requests)
+        # calls to the workers for captured routes (one per engine step that finished requests)
+        self.route_calls = 0
         if self.route_source == "capture":
-            self.num_moe_layers = self.llm.collective_rpc(engine_rpc.install_capture, args=(self.num_experts,))[0]
+            self.num_moe_layers = self.llm.collective_rpc(engine_rpc.install_capture,
+                                                          args=(self.num_experts,))[0]
         elif self.route_source == "vllm":
             self.moe_hidden_layers = self.llm.collective_rpc(engine_rpc.moe_hidden_layers)[0]
             self.num_moe_layers = len(self.moe_hidden_layers)
@@ -238,7 +247,8 @@ class RolloutEngine:
         # requests still hold cache blocks of the old weights (they wait for those and the cache reset)
         self._held: list[tuple[str, list[int], object]] | None = None
         self._sampled: dict[str, int] = {}  # tokens a running request has delivered so far
-        self._switches: dict[str, list[tuple[int, int]]] = {}  # (token index, version) where new weights took over
+        # (token index, version) where new weights took over
+        self._switches: dict[str, list[tuple[int, int]]] = {}
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -251,8 +261,8 @@ class RolloutEngine:
 
     def _add(self, prompt_ids: list[int], sampling: Sampling) -> str:
         if len(prompt_ids) + sampling.max_tokens > self.settings.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {sampling.max_tokens} new exceeds max_model_len "
-                             f"{self.settings.max_model_len}")
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + {sampling.max_tokens} new exceeds "
+                             f"max_model_len {self.settings.max_model_len}")
         rid = f"r{next(self._ids)}"
         self._meta[rid] = (list(prompt_ids), self.version, sampling.routes_from)
         if self._held is not None:
@@ -277,8 +287,8 @@ class RolloutEngine:
         logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, token_ids, strict=True)]
         routes = captured
         if self.route_source == "vllm" and comp.routed_experts is not None:
-            routes = RoutingRecord.from_rows(moe_rows(comp.routed_experts, self.moe_hidden_layers), routes_from,
-                                             route_dtype(self.num_experts))
+            routes = RoutingRecord.from_rows(moe_rows(comp.routed_experts, self.moe_hidden_layers),
+                                             routes_from, route_dtype(self.num_experts))
         versions = [version] * len(token_ids)
         for index, new in self._switches.pop(out.request_id, []):  # weights updated while it ran
             versions[index:] = [new] * (len(token_ids) - index)
@@ -288,13 +298,15 @@ class RolloutEngine:
 
     def _step(self) -> list[GenerationResult]:
         if self.half_updated:  # the version check before every engine step
-            raise HalfUpdatedWeights(f"the engine's weights are half-updated (an update after version {self.version} "
+            raise HalfUpdatedWeights("the engine's weights are half-updated (an update after version "
+                                     f"{self.version} "
                                      "did not finish): no token is generated until a weight update completes")
         if self.asleep:  # vLLM's scheduler would wait for the wake-up forever
-            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self.asleep))} released): wake it first")
+            raise RuntimeError(f"the engine is asleep ({', '.join(sorted(self.asleep))} released): wake it "
+                               "first")
         if self.discarded:
-            raise HalfUpdatedWeights("the engine's weights were discarded by a level-2 sleep, and no weight sync since "
-                                     "has replaced them all: no token is generated until one does")
+            raise HalfUpdatedWeights("the engine's weights were discarded by a level-2 sleep, and no weight "
+                                     "sync since has replaced them all: no token is generated until one does")
         if self._held is not None and not self.engine.has_unfinished_requests():
             if self.prefix_caching:
                 self._reset_prefix_cache()
@@ -309,8 +321,8 @@ class RolloutEngine:
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache with no request running; cached keys and values "
-                               "of old weights would serve new requests")
+            raise RuntimeError("vLLM could not reset its prefix cache with no request running; cached keys "
+                               "and values of old weights would serve new requests")
 
     def _new_weights(self, version: int, names: Iterable[str]) -> None:
         """The weights changed (`names`: the tensors the update delivered): from now on no cached prefix of
@@ -417,7 +429,8 @@ class RolloutEngine:
         self.llm.collective_rpc(engine_rpc.start_reload)
         try:
             for i, bucket in enumerate(buckets):
-                path = write_bucket([(n, t.to(self._dtype)) for n, t in bucket], directory, i)  # cast once, here
+                # cast once, here
+                path = write_bucket([(n, t.to(self._dtype)) for n, t in bucket], directory, i)
                 try:
                     count += self.llm.collective_rpc(engine_rpc.load_file, args=(str(path),))[0]
                 finally:
@@ -446,7 +459,8 @@ class RolloutEngine:
             self.llm.wake_up(tags=parts)
             self.asleep -= set(parts)
 
-    TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+    TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                      "finish_weight_update")
 
     def transfer(self, call: str, payload: dict | None = None, version: int | None = None) -> None:
         """One step of vLLM's weight-transfer handshake on the engine's workers (the trainer's sender

@@ -37,7 +37,8 @@ def moe_rows(rows_NHK: np.ndarray, moe_hidden_layers: list[int]) -> np.ndarray:
     leaves dense layers' rows unused; records, our capture hook and Megatron's replay index MoE layers
     in layer order (`moe_hidden_layers`: their hidden-layer indices)."""
     if rows_NHK.ndim != 3 or rows_NHK.shape[1] <= max(moe_hidden_layers):
-        raise ValueError(f"routed-experts rows of shape {rows_NHK.shape} do not cover MoE layers {moe_hidden_layers}")
+        raise ValueError(f"routed-experts rows of shape {rows_NHK.shape} do not cover MoE layers "
+                         f"{moe_hidden_layers}")
     return rows_NHK[:, moe_hidden_layers]
 
 

@@ -49,7 +49,8 @@ class SandboxResult:
     ok: bool
     stdout: str
     stderr: str
-    reason: str  # "" | "timeout" | "exit code N" | "killed (signal N)" (also exit codes 129..) | "output too large"
+    # "" | "timeout" | "exit code N" | "killed (signal N)" (also exit codes 129..) | "output too large"
+    reason: str
 
 
 @functools.cache
@@ -68,9 +69,9 @@ def _prefix() -> tuple[str, ...]:
             return (*prefix, python)
         lines = probe.stderr.decode(errors="replace").strip().splitlines()
         problems.append(f"{python}: {lines[-1] if lines else f'exit code {probe.returncode}'}")
-    raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces, then an unprivileged "
-                             "user: code-executing tools need root with CAP_SYS_ADMIN, which containers usually drop): "
-                             f"{'; '.join(problems)}")
+    raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces, then an "
+                             "unprivileged user: code-executing tools need root with CAP_SYS_ADMIN, which "
+                             f"containers usually drop): {'; '.join(problems)}")
 
 
 def check() -> None:
@@ -85,7 +86,8 @@ def _limits(cpu_s: int, memory_mb: int, file_mb: int):
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 2**20, file_mb * 2**20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))  # enforced once unprivileged
+        # enforced once unprivileged
+        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
         os.setsid()
 
     return apply
@@ -109,6 +111,7 @@ async def run_python(code: str, stdin: str = "", timeout_s: float = 5.0, cpu_s: 
     if len(out) > max_output:
         return SandboxResult(False, "", "", "output too large")
     rc = proc.returncode
-    signal = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # > 128: the interpreter killed by signal rc - 128
+    # > 128: the interpreter killed by signal rc - 128
+    signal = -rc if rc < 0 else rc - 128 if rc > 128 else 0
     reason = "" if rc == 0 else f"killed (signal {signal})" if signal else f"exit code {rc}"
     return SandboxResult(rc == 0, out.decode(errors="replace"), err.decode(errors="replace")[-2000:], reason)

@@ -84,7 +84,8 @@ class GatheredExport(WeightSource):
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._export()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         for src, owned in enumerate(self._owned[1:], start=1):
             for m in owned:
                 buf = torch.empty(m.shape, dtype=m.dtype, device=device)
@@ -133,11 +134,12 @@ def trainer_init_info(backend: str, source: WeightSource, rank: int, master_addr
     return BACKENDS[backend](rank, master_address, master_port, world_size, source, bucket_mb)
 
 
-def start_transfer(backend: str, source: WeightSource, client, rank: int, master_address: str, master_port: int,
-                   world_size: int, bucket_mb: float):
+def start_transfer(backend: str, source: WeightSource, client, rank: int, master_address: str,
+                   master_port: int, world_size: int, bucket_mb: float):
     """This trainer rank's side of the transfer: rank 0 opens it with the engines (for nccl, an NCCL
     group of `world_size` ranks rendezvousing at master_address:master_port); the other ranks only take
     part in the export. `client` implements vLLM's VLLMWeightSyncClient (rank 0 only); `bucket_mb`
     bounds what one round of ipc holds at once (`ipc_buffer_bytes`)."""
-    engine_cls, info = trainer_init_info(backend, source, rank, master_address, master_port, world_size, bucket_mb)
+    engine_cls, info = trainer_init_info(backend, source, rank, master_address, master_port, world_size,
+                                         bucket_mb)
     return engine_cls.trainer_init(info, client=client, source=source)

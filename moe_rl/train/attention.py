@@ -53,7 +53,8 @@ class SdpaAttention(MegatronModule):
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal, scale=self.scale)
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
+            scale=self.scale)
 
     def _context_parallel(self, query, key, value):
         """This CP rank's queries (its two chunks, moe_rl.train.context) against every rank's keys and

@@ -6,8 +6,9 @@
     load_model(module, "ckpt/converted")
 
 The model is saved as sharded tensors (torch_dist format), the distributed optimizer with the
-`fully_reshardable` layout (optimizer state keyed by model parameter, so it reshards across TP/PP/EP/DP; the default fully-sharded-model-space layout fails on CPU/gloo), so a checkpoint written
-with TP2 or PP2 loads into TP1/PP1 and back. The Adam step lives in each param group's state and is
+`fully_reshardable` layout (optimizer state keyed by model parameter, so it reshards across TP/PP/EP/DP;
+the default fully-sharded-model-space layout fails on CPU/gloo), so a checkpoint written with TP2 or PP2
+loads into TP1/PP1 and back. The Adam step lives in each param group's state and is
 restored with it. `extra` is a small dict of plain data stored beside (written by rank 0 only).
 
 Loading never unpickles arbitrary objects: torch's checkpoint index (`.metadata`, a pickle) is first
@@ -42,11 +43,13 @@ _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module in _METADATA_MODULES or (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout")}:
+        if module in _METADATA_MODULES \
+                or (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout")}:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"checkpoint index refers to {module}.{name}, which is not checkpoint metadata: refusing to load it")
+        raise CheckpointError(f"checkpoint index refers to {module}.{name}, which is not checkpoint "
+                              "metadata: refusing to load it")
 
 
 def read_metadata(path: str | Path):
@@ -89,7 +92,8 @@ def check_files(path: str | Path) -> None:
     try:
         json.loads((path / "metadata.json").read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path / 'metadata.json'} is not readable JSON ({err}); the checkpoint is damaged") from None
+        raise CheckpointError(f"{path / 'metadata.json'} is not readable JSON ({err}); the checkpoint is "
+                              "damaged") from None
     ends: dict[str, int] = {}
     storage = getattr(md, "storage_data", None)  # which file, at which offset, holds each tensor's bytes
     for info in storage.values() if isinstance(storage, dict) else ():
@@ -99,7 +103,8 @@ def check_files(path: str | Path) -> None:
     for name, end in sorted(ends.items()):
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing (the checkpoint index points into it); the checkpoint is incomplete")
+            raise CheckpointError(f"{f} is missing (the checkpoint index points into it); the checkpoint is "
+                                  "incomplete")
         size = f.stat().st_size
         if size < end:
             raise CheckpointError(f"{f} is truncated ({size} of its {end} bytes); the checkpoint is damaged")
@@ -118,7 +123,8 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = read_metadata(path)
-    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
 
 
 def _model_tensors(sharded: dict) -> dict[str, tuple[int, ...]]:
@@ -135,7 +141,8 @@ def check_model_fits(module, path: str | Path) -> None:
     saved = tensor_shapes(path)
     wanted = _model_tensors(module.sharded_state_dict())
     missing = sorted(k for k in wanted if k not in saved)
-    wrong = sorted(f"{k} {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k])
+    wrong = sorted(f"{k} {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved
+                   and saved[k] != wanted[k])
     if missing or wrong:
         parts = ([f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}"] if missing else []) + \
                 ([f"{len(wrong)} shape mismatch(es), e.g. {'; '.join(wrong[:3])}"] if wrong else [])
@@ -146,7 +153,8 @@ def _sharded(worker, is_loading: bool, with_optimizer: bool = True) -> dict:
     model_sd = worker.module.sharded_state_dict()
     state = {"model": model_sd}
     if with_optimizer:
-        state["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_SHARDING)
+        state["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                 metadata=OPTIM_SHARDING)
     return state
 
 
@@ -183,13 +191,15 @@ def _save(state: dict, path: Path, record: dict) -> None:
 
 def save(worker, path: str | Path, extra: dict | None = None) -> None:
     _save(_sharded(worker, is_loading=False), Path(path),
-          {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker), "role": worker.role})
+          {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker),
+           "role": worker.role})
 
 
 def save_model(module, path: str | Path, extra: dict | None = None) -> None:
     """Weights only (no optimizer state): what conversion writes; loads with `load_model` or
     `load(worker, path, optimizer=False)`."""
-    _save({"model": module.sharded_state_dict()}, Path(path), {"extra": extra or {}, "steps": 0, "optimizer": "none"})
+    _save({"model": module.sharded_state_dict()}, Path(path),
+          {"extra": extra or {}, "steps": 0, "optimizer": "none"})
 
 
 def _last_line(err: BaseException) -> str:
@@ -222,15 +232,18 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
     if optimizer and saved_kind == "none":
         raise CheckpointError(f"{path} holds weights only (no optimizer state); load it with optimizer=False")
     if optimizer and saved_kind != _optimizer_kind(worker):
-        raise CheckpointError(f"{path} holds {saved_kind} optimizer state, this run uses a {_optimizer_kind(worker)} "
-                              "optimizer (data-parallel size changed to or from 1); resume with the same data-parallel "
-                              "size, or load weights only")
+        raise CheckpointError(f"{path} holds {saved_kind} optimizer state, this run uses a "
+                              f"{_optimizer_kind(worker)} "
+                              "optimizer (data-parallel size changed to or from 1); resume with the same "
+                              "data-parallel size, or load weights only")
     check_files(path)
     check_model_fits(worker.module, path)
     try:
-        state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer), str(path))
+        state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer),
+                                        str(path))
     except Exception as err:  # a file damaged beyond what check_files sees: one line, not torch's traceback
-        raise CheckpointError(f"{path}: loading failed ({_last_line(err)}); the checkpoint is damaged") from None
+        raise CheckpointError(f"{path}: loading failed ({_last_line(err)}); the checkpoint is "
+                              "damaged") from None
     worker.module.load_state_dict(state["model"])
     if optimizer:
         worker.optimizer.load_state_dict(state["optimizer"])

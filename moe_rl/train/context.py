@@ -46,7 +46,8 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)  # every rank used the full tensor
-        return grad.index_select(ctx.dim, local_positions(ctx.S, ctx.cp, ctx.rank, grad.device)), None, None, None
+        return grad.index_select(ctx.dim,
+                                 local_positions(ctx.S, ctx.cp, ctx.rank, grad.device)), None, None, None
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:

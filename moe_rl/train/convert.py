@@ -41,7 +41,8 @@ from moe_rl.weights.hf import (
     write_shards,
 )
 
-VALUE_HEAD = "score.weight"  # the critic's scalar head, as transformers' *ForTokenClassification (num_labels=1)
+# the critic's scalar head, as transformers' *ForTokenClassification (num_labels=1)
+VALUE_HEAD = "score.weight"
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,13 @@ def _build(hf_config: str, dtype: str, role: str, layout: Layout):
     if not torch.cuda.is_available():
         cpu_compat.seed_model_parallel(0)
     # the default config's model settings in the checkpoint's dtype; conversion replays no routes
-    spec = replace(settings.model_spec(RunConfig(model=ModelSection(dtype=dtype)), hf_config), routing_replay=False)
+    spec = replace(settings.model_spec(RunConfig(model=ModelSection(dtype=dtype)), hf_config),
+                   routing_replay=False)
     try:
         bridge = M.make_bridge(spec)
     except (ValueError, KeyError) as err:
-        raise CheckpointMismatch(f"{hf_config}: architecture not supported by the bridge registry: {err}") from None
+        raise CheckpointMismatch(f"{hf_config}: architecture not supported by the bridge registry: "
+                                 f"{err}") from None
     return bridge, M.build_gpt(bridge, spec, critic=role == "critic")
 
 
@@ -108,7 +111,8 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic", progress=progress)
     everyone: list[set[str]] = [set()] * world
     dist.all_gather_object(everyone, used)
-    unused = sorted(HFReader(hf).names() - set().union(*everyone) - ({"lm_head.weight", VALUE_HEAD} if role == "critic" else set()))
+    unused = sorted(HFReader(hf).names() - set().union(*everyone) - ({"lm_head.weight", VALUE_HEAD}
+                                                                     if role == "critic" else set()))
     if unused:  # every rank sees the same list: all refuse before anything is written
         raise CheckpointMismatch(f"{hf} holds {len(unused)} tensor(s) its config does not describe "
                                  f"(e.g. {', '.join(unused[:3])}): the config and the weights disagree")
@@ -131,7 +135,8 @@ def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str
     # one copy of each tensor: TP rank 0 of the first data-parallel replica (expert tensors: of the
     # first expert-data-parallel replica)
     progress = _Progress("Megatron -> HF", rank == 0)
-    mine = hf_io.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True, progress=progress)
+    mine = hf_io.export_hf_weights(bridge, module, skip_output_layer=role == "critic", owned_only=True,
+                                   progress=progress)
     if role == "critic" and ps.is_pipeline_last_stage() and hf_io.owns_replica():
         mine = itertools.chain(mine, [(VALUE_HEAD, module.output_layer.weight.detach())])
     return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb), progress.count
@@ -167,13 +172,15 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, r
         raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
     dtype = dtype or _stored_dtype(hf)
     try:
-        counts = _run(_hf_to_mcore_rank, ranks_for(layout), (str(hf), str(out), layout, role, dtype, value_head_from))
+        counts = _run(_hf_to_mcore_rank, ranks_for(layout),
+                      (str(hf), str(out), layout, role, dtype, value_head_from))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     copy_hf_config(hf, out / HF_CONFIG_DIR)
     shapes = _tensor_bytes(out)
-    return Converted(out, len(shapes), sum(shapes.values()), role, counts[0], "checkpoint tensors (layers stacked)")
+    return Converted(out, len(shapes), sum(shapes.values()), role, counts[0],
+                     "checkpoint tensors (layers stacked)")
 
 
 def _stored_dtype(hf: Path) -> str:
@@ -207,12 +214,14 @@ def checkpoint_role_and_dtype(ckpt: str | Path) -> tuple[str, str]:
     head = md.get("output_layer.weight")
     role = "critic" if head is not None and tuple(head.size)[0] == 1 else "policy"
     emb = md.get("embedding.word_embeddings.weight") or head
-    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(getattr(getattr(emb, "properties", None), "dtype", None), "float32")
+    dtype = {torch.float32: "float32",
+             torch.bfloat16: "bfloat16"}.get(getattr(getattr(emb, "properties", None), "dtype", None),
+                                             "float32")
     return role, dtype
 
 
-def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None, layout: Layout | None = None,
-                shard_mb: float = 4096) -> Converted:
+def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
+                layout: Layout | None = None, shard_mb: float = 4096) -> Converted:
     """Export a Megatron dist checkpoint (converted, or a trained policy/critic) as an HF checkpoint."""
     ckpt, out, layout = Path(ckpt), Path(out), layout or Layout()
     if not ckpt.is_dir():
@@ -226,14 +235,16 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
     out.mkdir(parents=True, exist_ok=True)
     try:
-        parts = _run(_mcore_to_hf_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
+        parts = _run(_mcore_to_hf_rank, ranks_for(layout),
+                     (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     written: dict[str, tuple[str, int]] = {}
     for part, _ in parts:
         if written.keys() & part.keys():
-            raise RuntimeError(f"two ranks exported {sorted(written.keys() & part.keys())[:3]} (ownership bug)")
+            raise RuntimeError(f"two ranks exported {sorted(written.keys() & part.keys())[:3]} (ownership "
+                               "bug)")
         written.update(part)
     copy_hf_config(hf_config, out)
     if role == "critic":
@@ -246,7 +257,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
 def _critic_config(path: Path) -> None:
     """A critic exports as a token-classification model with one label: backbone + `score` [1, hidden]."""
     cfg = json.loads(path.read_text())
-    cfg["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification") for a in cfg.get("architectures", [])]
+    cfg["architectures"] = [a.replace("ForCausalLM", "ForTokenClassification")
+                            for a in cfg.get("architectures", [])]
     cfg["num_labels"] = 1
     cfg["id2label"], cfg["label2id"] = {"0": "value"}, {"value": 0}
     path.write_text(json.dumps(cfg, indent=2))

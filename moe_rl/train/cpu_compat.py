@@ -105,7 +105,8 @@ def seed_model_parallel(seed: int) -> None:
     torch.manual_seed(seed)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
-    expert_seed = seed + 1024 + 100 * ps.get_expert_model_parallel_rank() + ps.get_expert_tensor_parallel_rank()
+    expert_seed = (seed + 1024 + 100 * ps.get_expert_model_parallel_rank()
+                   + ps.get_expert_tensor_parallel_rank())
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
 
 
@@ -257,9 +258,9 @@ def natively(fn: Callable) -> Callable:
 
 _TE_NAMES = {
     "megatron.core.transformer.moe.moe_utils": (
-        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
-        "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-        "fused_unpermute", "te_general_gemm"),
+        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+        "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm"),
 }
 
 
@@ -280,7 +281,8 @@ def _optimizer_type() -> None:
     def type_(self, *args, **kwargs):
         if not args and not kwargs:
             name = original(self)
-            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and "cuda" not in name else name
+            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") \
+                and "cuda" not in name else name
         return original(self, *args, **kwargs)
 
     torch.Tensor.type = type_
@@ -292,7 +294,8 @@ def _gloo_all_to_all() -> None:
     original = dist.all_to_all_single
 
     @functools.wraps(original)
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
         if isinstance(output_split_sizes, torch.Tensor):
             output_split_sizes = output_split_sizes.tolist()
         if isinstance(input_split_sizes, torch.Tensor):

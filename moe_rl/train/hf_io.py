@@ -44,7 +44,8 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
         g = name
         m = _LAYER.match(g)
         if m:
-            g = g.replace(f"decoder.layers.{m.group(1)}.", f"decoder.layers.{layer_offset[int(m.group(1))]}.", 1)
+            g = g.replace(f"decoder.layers.{m.group(1)}.", f"decoder.layers.{layer_offset[int(m.group(1))]}.",
+                          1)
         out[name] = to_te_name(g, ep_rank * per_rank)
     return out
 
@@ -53,8 +54,10 @@ def _tp_info(te_name: str):
     from megatron.core import parallel_state as ps
 
     if is_expert(te_name):
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 @torch.no_grad()
@@ -67,8 +70,8 @@ def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool 
     from megatron.core import parallel_state as ps
 
     reader = HFReader(hf_path)
-    names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                         bridge.config.num_moe_experts)
+    names = global_names(model, ps.get_expert_model_parallel_rank(),
+                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
     state = _unwrap(model).state_dict()
     used: set[str] = set()
     for local, te in progress(list(names.items())):
@@ -78,14 +81,16 @@ def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool 
         try:
             hf_names = bridge._weight_name_mapping_mcore_to_hf(te)
         except NotImplementedError:
-            raise CheckpointMismatch(f"no Hugging Face mapping for model parameter '{te}' ({type(bridge).__name__})") from None
+            raise CheckpointMismatch(f"no Hugging Face mapping for model parameter '{te}' "
+                                     f"({type(bridge).__name__})") from None
         used.update(hf_names)
         full = bridge._weight_to_mcore_format(te, [reader.get(n) for n in hf_names])
         rank, size, _ = _tp_info(te)
         if size > 1 and full.shape != param.shape:
             full = list(bridge._weight_split_across_tp(te, full, param, size))[rank]
         if full.shape != param.shape:
-            raise CheckpointMismatch(f"'{te}': checkpoint shape {tuple(full.shape)} does not fit the model's {tuple(param.shape)}")
+            raise CheckpointMismatch(f"'{te}': checkpoint shape {tuple(full.shape)} does not fit the model's "
+                                     f"{tuple(param.shape)}")
         param.copy_(full.to(param.dtype))
     return used
 
@@ -113,8 +118,8 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
     """
     from megatron.core import parallel_state as ps
 
-    names = global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                         bridge.config.num_moe_experts)
+    names = global_names(model, ps.get_expert_model_parallel_rank(),
+                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
     params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
     owner = {False: owns_replica(False), True: owns_replica(True)}
@@ -152,7 +157,8 @@ def load_value_head(model, hf_path: str | Path) -> bool:
         if name in reader.names() and head is not None:
             w = reader.get(name)
             if w.shape != head.weight.shape:
-                raise CheckpointMismatch(f"reward-model head '{name}' has shape {tuple(w.shape)}, the critic needs {tuple(head.weight.shape)}")
+                raise CheckpointMismatch(f"reward-model head '{name}' has shape {tuple(w.shape)}, the critic "
+                                         f"needs {tuple(head.weight.shape)}")
             with torch.no_grad():
                 head.weight.copy_(w.to(head.weight.dtype))
             return True

@@ -28,7 +28,8 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env, environ):
     torch.set_num_threads(1)
     try:
         if torch.cuda._is_in_bad_fork():  # CUDA cannot start in a fork of a process that started it
-            raise RuntimeError(f"importing {PRELOAD} initialised CUDA in the fork server: run_ranks(start='spawn')")
+            raise RuntimeError(f"importing {PRELOAD} initialised CUDA in the fork server: "
+                               "run_ranks(start='spawn')")
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -44,9 +45,10 @@ def _entry(rank, world_size, port, fn, args, queue, dist_env, environ):
 
 # what every rank imports before its first line: imported once, by the fork server (moe_rl.train first: it
 # quiets megatron-core's import-time notices that do not apply here)
-PRELOAD = ["moe_rl.train", "torch", "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
-           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.dist_checkpointing.strategies",
-           "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.router_replay", "moe_rl.train.model"]
+PRELOAD = ["moe_rl.train", "torch", "megatron.core.models.gpt.gpt_model",
+           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.dist_checkpointing.strategies", "megatron.core.pipeline_parallel",
+           "megatron.core.transformer.moe.router_replay", "moe_rl.train.model"]
 
 
 def _context(start: str):

@@ -57,7 +57,8 @@ def install() -> None:
             normalization="LayerNorm"):
         if config.sequence_parallel:
             return SequenceParallelNorm(config, hidden_size, eps)
-        norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                            normalization)
         return norm.to(device=parameter_device(), dtype=config.params_dtype)
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)

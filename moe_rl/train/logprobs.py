@@ -24,7 +24,8 @@ def vocab_parallel_logprobs(
     logits_BSV: [B, S, V/tp] this rank's vocabulary slice (rank r holds ids [r*V/tp, (r+1)*V/tp)).
     tokens_BS:  [B, S] token ids (global vocabulary).
     """
-    logp, ent = target_logprobs(logits_BSV[:, :-1], tokens_BS[:, 1:], tp_group, tp_rank, tp_size, with_entropy)
+    logp, ent = target_logprobs(logits_BSV[:, :-1], tokens_BS[:, 1:], tp_group, tp_rank, tp_size,
+                                with_entropy)
     pad = torch.zeros(logp.shape[0], 1, dtype=logp.dtype, device=logp.device)
     return torch.cat([pad, logp], 1), (torch.cat([pad, ent], 1) if ent is not None else None)
 

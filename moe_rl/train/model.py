@@ -26,7 +26,8 @@ FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tenso
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Built from the config by moe_rl.settings.model_spec (defaults live in the config sections, config_run.py and config_rl.py)."""
+    """Built from the config by moe_rl.settings.model_spec (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
 
     hf_path: str
     dtype: str  # model.dtype: float32 | bfloat16
@@ -45,13 +46,16 @@ class ModelSpec:
 
 def check_spec_for_machine(spec: ModelSpec) -> None:
     if not torch.cuda.is_available() and (spec.layer_spec == "transformer_engine" or spec.fp8 != "none"):
-        raise ValueError("Transformer Engine layers and FP8 need CUDA; this machine has none (use layer_spec=local, fp8=none)")
+        raise ValueError("Transformer Engine layers and FP8 need CUDA; this machine has none (use "
+                         "layer_spec=local, fp8=none)")
 
 
-_DENSE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(linear_fc1\.weight|linear_fc2\.weight|linear_fc1\.layer_norm_weight)$")
+_DENSE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\."
+                        r"(linear_fc1\.weight|linear_fc2\.weight|linear_fc1\.layer_norm_weight)$")
+# TE fuses the pre-MLP norm
 _DENSE_MLP_HF = {"linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                  "linear_fc2.weight": ("mlp.down_proj.weight",),
-                 "linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",)}  # TE fuses the pre-MLP norm
+                 "linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",)}
 
 
 def _map_dense_mlps(bridge) -> None:
@@ -93,13 +97,13 @@ def kernel_settings(layer_spec: str, fused_wgrad: bool) -> dict[str, bool]:
     (as in upstream Megatron-LM): without apex the flag stays off (a speed difference, same results).
     """
     if layer_spec == "local":
-        return dict(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False, apply_rope_fusion=False,
-                    gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-                    bias_dropout_fusion=False, masked_softmax_fusion=False)
+        return dict(moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+                    apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+                    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
     if layer_spec == "transformer_engine":
-        return dict(moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_fusion=False, apply_rope_fusion=True,
-                    gradient_accumulation_fusion=fused_wgrad, persist_layer_norm=True, bias_activation_fusion=True,
-                    bias_dropout_fusion=True, masked_softmax_fusion=False)
+        return dict(moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_fusion=False,
+                    apply_rope_fusion=True, gradient_accumulation_fusion=fused_wgrad, persist_layer_norm=True,
+                    bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=False)
     raise ValueError(f"layer spec {layer_spec!r}: 'local' or 'transformer_engine'")
 
 
@@ -205,7 +209,8 @@ class ValueHead(torch.nn.Module):
         from megatron.core import tensor_parallel
 
         if self.sequence_parallel:
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden,
+                                                                          tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
@@ -274,7 +279,8 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
     if pre and pad is not None:
         keep_pad_row_fixed(model.embedding.word_embeddings, pad)
     if critic and post:
-        # on the device megatron built the model on (DDP moves parameters only under the distributed optimizer)
+        # on the device megatron built the model on (DDP moves parameters only under the distributed
+        # optimizer)
         model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel,
                                        device=next(model.parameters()).device)
     if not torch.cuda.is_available():

@@ -4,9 +4,10 @@ start. A loss is a small frozen dataclass (it travels to the ranks) called per m
 
     loss(outputs, mb) -> (numerator or {term: numerator}, metrics)
 
-outputs: the model's per-token outputs ({"logp_BS", "entropy_BS"} or {"critic_out_BS"}, [b, s]: named as train.results.ScoreResult); mb: a microbatch
-of moe_rl.batch.Batch carrying the fields the loss reads (`fields`: all a rank is sent). The worker divides each numerator by the
-minibatch's global denominator (see algos/aggregate.py and TrainWorker.train_step).
+outputs: the model's per-token outputs ({"logp_BS", "entropy_BS"} or {"critic_out_BS"}, [b, s]: named as
+train.results.ScoreResult); mb: a microbatch of moe_rl.batch.Batch carrying the fields the loss reads
+(`fields`: all a rank is sent). The worker divides each numerator by the minibatch's global denominator
+(see algos/aggregate.py and TrainWorker.train_step).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class ValueLoss:
 
     def __call__(self, outputs, mb):
         pred = state_values(outputs["critic_out_BS"])
-        loss_BT, metrics = losses.clipped_value_loss(pred, mb.values_old_BS, mb.returns_BS, mb.mask_BS, self.clip)
+        loss_BT, metrics = losses.clipped_value_loss(pred, mb.values_old_BS, mb.returns_BS, mb.mask_BS,
+                                                     self.clip)
         metrics["value_mean"] = losses.masked_mean(pred.detach(), mb.mask_BS)
         return aggregate.loss_numerator(loss_BT, mb.mask_BS, "token_mean"), metrics
 
@@ -101,4 +103,5 @@ class SftLoss:
 
     def __call__(self, outputs, mb):
         mask = mb.mask_BS
-        return -(outputs["logp_BS"] * mask).sum(), {"nll": losses.masked_mean(-outputs["logp_BS"].detach(), mask)}
+        return (-(outputs["logp_BS"] * mask).sum(),
+                {"nll": losses.masked_mean(-outputs["logp_BS"].detach(), mask)})

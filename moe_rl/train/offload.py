@@ -35,7 +35,8 @@ def storages(model, optimizer, extra: Iterable[torch.Tensor] = ()) -> list[torch
         inner = opt.optimizer
         for group in inner.param_groups:
             tensors += group["params"]
-        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [v for state in inner.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
     tensors += list(extra)
     seen, out = set(), []
     for t in tensors:

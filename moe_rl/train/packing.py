@@ -2,9 +2,9 @@
 
 Right-padded rows [B, S] spend compute on padding: B * S_max tokens for sum(lengths) real ones.
 Packed, the model sees one row of T = sum(lengths) tokens (plus a few padding tokens so T is a multiple of
-`token_multiple`: the sequence-parallel size, times 16 or 32 under FP8) and megatron-core's `PackedSeqParams` (qkv_format "thd") tell rotary
-embeddings and attention where each sequence starts, so positions restart at 0 and no token attends
-across a sequence boundary.
+`token_multiple`: the sequence-parallel size, times 16 or 32 under FP8) and megatron-core's
+`PackedSeqParams` (qkv_format "thd") tell rotary embeddings and attention where each sequence starts, so
+positions restart at 0 and no token attends across a sequence boundary.
 
     p = Packing.of(lengths_B, S, multiple=token_multiple(tp, 1, fp8_align))
     ids_1T = p.pack(ids_BS)                   # [1, T]
@@ -73,7 +73,8 @@ class Packing:
 
     def positions(self) -> torch.Tensor:
         """[1, T] position of each packed token inside its own sequence."""
-        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1].long(),
+                                         (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
         return (torch.arange(self.total, device=starts.device) - starts).unsqueeze(0)
 
     def seq_params(self):

@@ -92,7 +92,8 @@ def local_device_index(visible_devices: str | None, assigned: list) -> int | Non
         return int(gpu)
     visible = [v.strip() for v in visible_devices.split(",")]
     if gpu not in visible:
-        raise RuntimeError(f"GPU {gpu} was assigned to this process but CUDA_VISIBLE_DEVICES={visible_devices} hides it")
+        raise RuntimeError(f"GPU {gpu} was assigned to this process but "
+                           f"CUDA_VISIBLE_DEVICES={visible_devices} hides it")
     return visible.index(gpu)
 
 
@@ -163,7 +164,8 @@ def ranks() -> Ranks:
         tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
         ep=ps.get_expert_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
         etp=ps.get_expert_tensor_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
         ep_size=ps.get_expert_model_parallel_world_size(), dp_size=ps.get_data_parallel_world_size(),
     )
 

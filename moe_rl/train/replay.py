@@ -36,7 +36,8 @@ def _phase_aware_topk():
     original = RouterReplay.get_replay_topk
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and torch._C._current_graph_task_id() != -1:
+        if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD \
+                and torch._C._current_graph_task_id() != -1:
             self.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
             try:
                 return original(self, scores, topk, num_groups, group_topk, default_compute_topk)
@@ -51,7 +52,8 @@ def _phase_aware_topk():
 def moe_layer_ids(module, config) -> list[int]:
     """For each MoE layer of this stage (router build order), its index among the model's MoE layers."""
     freq = config.moe_layer_freq
-    pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) \
+        else list(freq)
     ids = []
     for layer in module.decoder.layers:
         g = layer.layer_number - 1
@@ -74,8 +76,9 @@ def check_complete(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor, num_exper
     missing = ((routes_BSLK < 0) | (routes_BSLK >= num_experts)).flatten(2).any(-1) & valid
     if bool(missing.any()):
         b, s = (int(x) for x in missing.nonzero()[0])
-        raise MissingRoutes(f"sample {b} position {s} has no recorded route (ids {routes_BSLK[b, s].flatten().tolist()[:8]}, "
-                            f"the model has experts 0..{num_experts - 1})")
+        raise MissingRoutes(f"sample {b} position {s} has no recorded route (ids "
+                            f"{routes_BSLK[b, s].flatten().tolist()[:8]}, the model has experts "
+                            f"0..{num_experts - 1})")
 
 
 def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
@@ -99,21 +102,24 @@ def fill_padding(routes_BSLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Te
     return torch.where(pad & ~has_route, torch.arange(K, device=routes.device).expand_as(routes), routes)
 
 
-def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+def router_tokens(routes_BSK: torch.Tensor, tp_rank: int, tp_size: int,
+                  sequence_parallel: bool) -> torch.Tensor:
     """[B, S, K] complete routes of one layer (padding filled) -> the [tokens, K] int64 array this
     rank's router sees."""
     B, S, K = routes_BSK.shape
     r = routes_BSK.long().transpose(0, 1)  # [S, B, K]: sequence-major, as the router flattens [s, b, h]
     if sequence_parallel and tp_size > 1:
         if S % tp_size:
-            raise ValueError(f"sequence length {S} must be a multiple of tp={tp_size} under sequence parallelism")
+            raise ValueError(f"sequence length {S} must be a multiple of tp={tp_size} under sequence "
+                             "parallelism")
         chunk = S // tp_size
         r = r[tp_rank * chunk:(tp_rank + 1) * chunk]
     return r.reshape(-1, K).contiguous()
 
 
-def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Tensor, tp_rank: int, tp_size: int,
-                sequence_parallel: bool, layer_ids: list[int], topk: int, num_experts: int) -> bool:
+def set_targets(instances, routes_BSLK: torch.Tensor | None, lengths_B: torch.Tensor, tp_rank: int,
+                tp_size: int, sequence_parallel: bool, layer_ids: list[int], topk: int,
+                num_experts: int) -> bool:
     """Arm this stage's routers for one microbatch. Returns False (free routing) when routes is None."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -155,7 +161,8 @@ def clear(instances) -> None:
         inst.clear_router_replay_action()
 
 
-def recorded_routes(instances, B: int, S: int, tp_rank: int, tp_size: int, sequence_parallel: bool, tp_group=None) -> torch.Tensor:
+def recorded_routes(instances, B: int, S: int, tp_rank: int, tp_size: int, sequence_parallel: bool,
+                    tp_group=None) -> torch.Tensor:
     """The routes this stage's routers recorded in the last forward, as [B, S, L_stage, K] int64
     (the inverse of `router_tokens`; TP sequence shards gathered)."""
     import torch.distributed as dist

@@ -1,8 +1,11 @@
 """One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
 
-    w = TrainWorker(settings.model_spec(cfg, hf_path), role="policy", optim=settings.optim_settings(cfg, cfg.trainer.lr))
-    out = w.score(batch)                                  # forward only: ScoreResult (logp/entropy or critic outputs)
-    update = w.train_step(batch, loss_fn, denominator)    # forward+backward over microbatches, step: UpdateResult
+    w = TrainWorker(settings.model_spec(cfg, hf_path), role="policy",
+                    optim=settings.optim_settings(cfg, cfg.trainer.lr))
+    out = w.score(batch)                                # forward only: ScoreResult (logp/entropy or critic
+                                                        # outputs)
+    update = w.train_step(batch, loss_fn, denominator)  # forward+backward over microbatches, step:
+                                                        # UpdateResult
 
 Batches are this data-parallel rank's shard; every TP/PP rank of one replica receives the same shard.
 Microbatches run through megatron-core's `get_forward_backward_func` (pipeline schedules included).
@@ -41,7 +44,8 @@ from moe_rl.trajectory import route_torch_dtype
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections, config_run.py and config_rl.py)."""
+    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
 
     lr: float  # trainer.lr or critic.lr
     weight_decay: float  # trainer.*
@@ -50,13 +54,15 @@ class OptimSettings:
     grad_clip: float
     distributed_optimizer: bool  # parallel.distributed_optimizer
     micro_batch_tokens: int  # trainer.*
-    pack_sequences: bool  # trainer.*; THD: each microbatch's sequences end to end in one row (train/packing.py)
+    # trainer.*; THD: each microbatch's sequences end to end in one row (train/packing.py)
+    pack_sequences: bool
     adam_eps: float = 1e-8  # no config field
 
 
 class TrainWorker:
     def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSettings,
-                 seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+                 seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None,
+                 trains: bool = True):
         """`trains`=False: a model that only scores (the reference policy, a reward model): no gradient
         buffers, no optimizer state; `optim` still sets its microbatching."""
         from megatron.core import parallel_state as ps
@@ -93,13 +99,14 @@ class TrainWorker:
             distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1
             self.ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
-            self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config, module=module)
+            self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config,
+                                                 module=module)
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
-                    optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
-                    adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.grad_clip,
-                    use_distributed_optimizer=distributed, bf16=spec.torch_dtype is torch.bfloat16,
-                    params_dtype=spec.torch_dtype,
+                    optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                    clip_grad=optim.grad_clip, use_distributed_optimizer=distributed,
+                    bf16=spec.torch_dtype is torch.bfloat16, params_dtype=spec.torch_dtype,
                 ),
                 [self.model],
             )
@@ -113,7 +120,8 @@ class TrainWorker:
             module.requires_grad_(False)
         self.ps = ps
         # where this rank computes: batches arrive on the CPU (from Ray) and are moved here in one place
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         self.cp = ps.get_context_parallel_world_size()
         self._packings: dict[int, Packing] = {}
         self.steps = 0
@@ -128,7 +136,8 @@ class TrainWorker:
 
     def _uniform_microbatches(self) -> bool:
         # the allgather dispatcher gathers equal-sized token blocks across the expert group
-        return self.config.moe_token_dispatcher_type == "allgather" and self.ps.get_expert_model_parallel_world_size() > 1
+        return self.config.moe_token_dispatcher_type == "allgather" \
+            and self.ps.get_expert_model_parallel_world_size() > 1
 
     def _token_multiple(self) -> int:
         sp = self.ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
@@ -144,7 +153,8 @@ class TrainWorker:
         if not self._packs():
             return None
         if id(mb) not in self._packings:
-            self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1], self._token_multiple())
+            self._packings[id(mb)] = Packing.of(mb.lengths_B, mb.input_ids_BS.shape[1],
+                                                self._token_multiple())
         return self._packings[id(mb)]
 
     def _forward(self, mb: Batch, model) -> torch.Tensor:
@@ -152,7 +162,8 @@ class TrainWorker:
         ids, lengths = mb.input_ids_BS, mb.lengths_B
         routes = None if mb.routes_BSLK is None else mb.routes_BSLK.long()  # widened one microbatch at a time
         if routes is not None and (pk is not None or self.cp > 1):
-            replay.check_complete(routes, lengths, self.config.num_moe_experts)  # names the sample, not the shard
+            # names the sample, not the shard
+            replay.check_complete(routes, lengths, self.config.num_moe_experts)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         if pk is not None:  # the model sees one packed row; outputs are unpacked in _outputs
             ids, lengths, pos = pk.pack(ids), torch.tensor([pk.real], device=ids.device), pk.positions()
@@ -184,7 +195,8 @@ class TrainWorker:
     def _outputs(self, mb: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token model outputs [b, s] for microbatch `mb` from the last stage's output."""
         ps, pk = self.ps, self._packing(mb)
-        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+              ps.get_tensor_model_parallel_world_size())
         if self.role == "critic":
             values = output.squeeze(-1).float()
             if self.cp > 1:
@@ -196,7 +208,8 @@ class TrainWorker:
             next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
             logp, ent = target_logprobs(output, next_ids[:, idx], *tp)
             logp, ent = (gather_sequence(x, 1, ps.get_context_parallel_group()) for x in (logp, ent))
-            return {"logp_BS": torch.nn.functional.pad(logp[:, :-1], (1, 0)), "entropy_BS": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
+            return {"logp_BS": torch.nn.functional.pad(logp[:, :-1], (1, 0)),
+                    "entropy_BS": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
         ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
         logp, ent = vocab_parallel_logprobs(output, ids, *tp)
         if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
@@ -271,7 +284,8 @@ class TrainWorker:
             out.routes_BSLK = self._gather_stage_routes(recorded, mbs, B, S)
         return out
 
-    def _whole(self, mbs: list[Batch], results: list[dict[str, torch.Tensor]], B: int, S: int) -> dict[str, torch.Tensor]:
+    def _whole(self, mbs: list[Batch], results: list[dict[str, torch.Tensor]], B: int,
+               S: int) -> dict[str, torch.Tensor]:
         """The microbatches' per-token outputs (last stage) as [B, S] float32 tensors, on every stage."""
         out = {}
         if self.ps.is_pipeline_last_stage():
@@ -287,9 +301,11 @@ class TrainWorker:
                 out[name] = full
         return self._broadcast_from_last_stage(out)
 
-    def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[Batch], B: int, S: int) -> torch.Tensor:
+    def _gather_stage_routes(self, recorded: list[torch.Tensor], mbs: list[Batch], B: int,
+                             S: int) -> torch.Tensor:
         K = self.config.moe_router_topk
-        mine = torch.zeros(B, S, len(self.replay_instances), K, dtype=route_torch_dtype(self.config.num_moe_experts))
+        mine = torch.zeros(B, S, len(self.replay_instances), K,
+                           dtype=route_torch_dtype(self.config.num_moe_experts))
         row = 0
         for mb, r in zip(mbs, recorded, strict=True):
             b = min(mb.input_ids_BS.shape[0], B - row)
@@ -299,7 +315,8 @@ class TrainWorker:
         if self.ps.get_pipeline_model_parallel_world_size() == 1:
             return mine
         parts = [None] * self.ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(parts, (self.moe_layer_ids, mine), group=self.ps.get_pipeline_model_parallel_group())
+        dist.all_gather_object(parts, (self.moe_layer_ids, mine),
+                               group=self.ps.get_pipeline_model_parallel_group())
         L = sum(len(ids) for ids, _ in parts)
         full = torch.zeros(B, S, L, K, dtype=mine.dtype)
         for ids, t in parts:
@@ -322,7 +339,8 @@ class TrainWorker:
 
     def _resident(self) -> None:
         if self._host.offloaded:
-            raise RuntimeError("this rank's weights are in host memory (offloaded for a rollout): onload first")
+            raise RuntimeError("this rank's weights are in host memory (offloaded for a rollout): onload "
+                               "first")
 
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by name (for the PPO-EWMA anchor)."""
@@ -391,7 +409,8 @@ class TrainWorker:
         self.optimizer.zero_grad()
         # megatron's gradient finalisation updates routers' expert biases in place (DeepSeek-V3-style
         # aux-free balancing): kept aside, so a skipped step leaves them as they were
-        biases = [(b, b.detach().clone()) for n, b in self.module.named_buffers() if n.endswith("expert_bias")]
+        biases = [(b, b.detach().clone()) for n, b in self.module.named_buffers()
+                  if n.endswith("expert_bias")]
         try:
             losses = self._run(mbs, forward_only=False, loss_func=loss_func)
         finally:
@@ -423,9 +442,11 @@ class TrainWorker:
         part too, where its own NaN stays), then one all-reduce over the model's ranks (the process group
         they were started in). A loss term of detached inputs can be NaN with finite gradients."""
         # sums on the device (a NaN or inf anywhere makes its sum one), one host sync after the all-reduce
-        sums = [b.grad_data.sum(dtype=torch.float32) for b in [*self.model.buffers, *self.model.expert_parallel_buffers]]
+        sums = [b.grad_data.sum(dtype=torch.float32)
+                for b in [*self.model.buffers, *self.model.expert_parallel_buffers]]
         sums += [x["loss"].float().sum() for x in losses if "loss" in x]
-        bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums else torch.zeros(1, device=self.device)
+        bad = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1) if sums \
+            else torch.zeros(1, device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 

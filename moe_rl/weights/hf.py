@@ -51,11 +51,13 @@ def check_model_dir(path: str | Path, field: str = "model.path") -> dict:
         hf = json.loads((path / "config.json").read_text())
         kind = hf.get("model_type", "")
     except FileNotFoundError:
-        raise CheckpointError(f"{field}: '{path}' has no config.json (not a Hugging Face model directory)") from None
+        raise CheckpointError(f"{field}: '{path}' has no config.json (not a Hugging Face model "
+                              "directory)") from None
     except (json.JSONDecodeError, AttributeError) as err:
         raise CheckpointError(f"{field}: '{path}/config.json' is not a JSON object ({err})") from None
     if kind not in MODEL_TYPES:
-        raise CheckpointError(f"{field}: '{path}' is a '{kind or 'unknown'}' model; supported: {', '.join(MODEL_TYPES)}")
+        raise CheckpointError(f"{field}: '{path}' is a '{kind or 'unknown'}' model; supported: "
+                              f"{', '.join(MODEL_TYPES)}")
     return hf
 
 
@@ -67,14 +69,16 @@ def check_reward_model_dir(path: str | Path, field: str = "reward_model.path") -
     hf = check_model_dir(path, field)
     names = HFReader(path).names()
     if not any(n in names for n in VALUE_HEADS):
-        raise CheckpointError(f"{field}: '{path}' has no score head ({' or '.join(VALUE_HEADS)}): a reward model is a "
-                              "one-label *ForSequenceClassification or *ForTokenClassification checkpoint")
+        raise CheckpointError(f"{field}: '{path}' has no score head ({' or '.join(VALUE_HEADS)}): a reward "
+                              "model is a one-label *ForSequenceClassification or *ForTokenClassification "
+                              "checkpoint")
     if "score.bias" in names:
-        raise CheckpointError(f"{field}: '{path}' has a score.bias; the reward-model head is a bias-free projection "
-                              "(as *ForSequenceClassification's): fold the bias into the rewards or drop it")
+        raise CheckpointError(f"{field}: '{path}' has a score.bias; the reward-model head is a bias-free "
+                              "projection (as *ForSequenceClassification's): fold the bias into the rewards "
+                              "or drop it")
     if hf.get("num_labels", len(hf.get("id2label", {}) or {0: 0})) != 1:
-        raise CheckpointError(f"{field}: '{path}' has {hf.get('num_labels') or len(hf['id2label'])} labels; a reward "
-                              "model scores with one")
+        raise CheckpointError(f"{field}: '{path}' has {hf.get('num_labels') or len(hf['id2label'])} labels; "
+                              "a reward model scores with one")
     return hf
 
 
@@ -136,7 +140,8 @@ def copy_hf_config(src: str | Path, dst: str | Path) -> Path:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
-        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".jinja", ".txt", ".model"):
+        if f.is_file() and not f.name.startswith("model") \
+                and f.suffix in (".json", ".jinja", ".txt", ".model"):
             shutil.copy2(f, dst / f.name)
     return dst
 
@@ -150,7 +155,8 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
     written = {}
     for i, shard in enumerate(buckets(named, shard_mb)):
         file = f"{prefix}-{i + 1:05d}.safetensors"
-        save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(Path(out_dir) / file), metadata={"format": "pt"})
+        save_file({n: t.detach().contiguous().cpu() for n, t in shard}, str(Path(out_dir) / file),
+                  metadata={"format": "pt"})
         written.update({n: (file, t.numel() * t.element_size()) for n, t in shard})
     return written
 
@@ -161,13 +167,14 @@ def write_index(out_dir: str | Path, written: dict[str, tuple[str, int]]) -> Pat
     out = Path(out_dir)
     total = sum(size for _, size in written.values())
     weight_map = {n: file for n, (file, _) in sorted(written.items())}
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1))
     (out / "model.safetensors").unlink(missing_ok=True)
     return out
 
 
-def save_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, config_from: str | Path,
-                       shard_mb: float = 2048) -> Path:
+def save_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
+                       config_from: str | Path, shard_mb: float = 2048) -> Path:
     """Write HF-named tensors as a sharded safetensors checkpoint (with index) next to the config and
     tokenizer files of `config_from`. Rank-local: call where the full set of tensors is available."""
     out = copy_hf_config(config_from, out_dir)

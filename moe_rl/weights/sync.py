@@ -97,11 +97,13 @@ def from_buffers(items: list[tuple[str, str, tuple[int, ...], object]]) -> list[
     readers copy out of them, never write)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return [(n, torch.from_numpy(b).view(getattr(torch, dtype)).view(shape)) for n, dtype, shape, b in items]
+        return [(n, torch.from_numpy(b).view(getattr(torch, dtype)).view(shape))
+                for n, dtype, shape, b in items]
 
 
 def shm_dir() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) \
+        else Path(tempfile.gettempdir())
     return base
 
 

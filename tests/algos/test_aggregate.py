@@ -8,7 +8,8 @@ import torch
 from moe_rl.algos import aggregate as agg
 
 B, T, C = 8, 6, 6.0
-MODES = [("token_mean", False), ("seq_mean", False), ("seq_sum_const", False), ("token_mean", True), ("seq_mean", True)]
+MODES = [("token_mean", False), ("seq_mean", False), ("seq_sum_const", False), ("token_mean", True),
+         ("seq_mean", True)]
 LAYOUTS = {
     "whole": [slice(0, 8)],
     "four_uneven_microbatches": [slice(0, 3), slice(3, 4), slice(4, 7), slice(7, 8)],
@@ -81,7 +82,8 @@ def test_denominators_by_hand():
     assert float(agg.loss_denominator(mask, "seq_mean")) == 7.0  # the empty sample does not count
     assert float(agg.loss_denominator(mask, "seq_sum_const", constant=10.0)) == 70.0
     sn_tok = float((w * mask).sum())
-    assert float(agg.loss_denominator(mask, "token_mean", weight_BT=w, self_normalize=True)) == pytest.approx(sn_tok, rel=1e-15)
+    assert float(agg.loss_denominator(mask, "token_mean", weight_BT=w,
+                                      self_normalize=True)) == pytest.approx(sn_tok, rel=1e-15)
     with pytest.raises(ValueError, match="positive constant"):
         agg.loss_denominator(mask, "seq_sum_const")
     with pytest.raises(ValueError, match="self-normalised"):
@@ -99,8 +101,8 @@ def test_empty_batch_gives_a_zero_denominator():
         assert float(agg.loss_denominator(none, mode)) == 0.0
     assert float(agg.loss_denominator(none, "seq_sum_const", constant=4.0)) == 0.0
     # everything rejected under self-normalisation
-    assert float(agg.loss_denominator(torch.ones(2, 3, dtype=torch.bool), "token_mean", weight_BT=torch.zeros(2, 3),
-                                      self_normalize=True)) == 0.0
+    assert float(agg.loss_denominator(torch.ones(2, 3, dtype=torch.bool), "token_mean",
+                                      weight_BT=torch.zeros(2, 3), self_normalize=True)) == 0.0
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "seq_sum_const"])

@@ -19,7 +19,8 @@ def test_ewma_anchor_by_hand_and_as_a_weighted_average():
         a.update({"w": torch.tensor([th])})
     n = len(thetas) - 1
     w = [0.7 ** (n - k) for k in range(n + 1)]
-    assert float(a.params["w"]) == pytest.approx(sum(wi * t for wi, t in zip(w, thetas, strict=True)) / sum(w), rel=1e-6)
+    assert float(a.params["w"]) == pytest.approx(
+        sum(wi * t for wi, t in zip(w, thetas, strict=True)) / sum(w), rel=1e-6)
     state = a.state_dict()
     b = EwmaAnchor({"w": torch.tensor([0.0])}, 0.7)
     b.load_state_dict(state)
@@ -35,8 +36,9 @@ def _good():
     att = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     rewards = torch.tensor([[0, 0, 1.0, 0], [0, 0.5, 0, 0]])
     logp = torch.full((2, 4), -1.0)
-    return dict(mask_BT=mask, attention_mask_BT=att, rewards_BT=rewards, terminated_B=torch.tensor([True, False]),
-                boundary_value_B=torch.tensor([float("nan"), 0.3]), logp_behaviour_BT=logp, logp_old_BT=logp.clone())
+    return dict(mask_BT=mask, attention_mask_BT=att, rewards_BT=rewards,
+                terminated_B=torch.tensor([True, False]), boundary_value_B=torch.tensor([float("nan"), 0.3]),
+                logp_behaviour_BT=logp, logp_old_BT=logp.clone())
 
 
 def test_good_batch_passes_and_counts():
@@ -50,7 +52,8 @@ def test_good_batch_passes_and_counts():
     # a non-finite reward is named as such, on a model token or not (NaN != 0 must not pass as placement)
     (lambda b: b["rewards_BT"].__setitem__((1, 3), float("nan")), "finite_rewards", 1),
     (lambda b: b["rewards_BT"].__setitem__((0, 2), float("-inf")), "finite_rewards", 0),
-    (lambda b: (b["rewards_BT"].__setitem__((1, 1), float("inf")), b["rewards_BT"].__setitem__((0, 0), float("nan"))),
+    (lambda b: (b["rewards_BT"].__setitem__((1, 1), float("inf")),
+                b["rewards_BT"].__setitem__((0, 0), float("nan"))),
      "finite_rewards", 0),
     (lambda b: b["boundary_value_B"].__setitem__(1, float("inf")), "boundary", 1),
     (lambda b: b["logp_behaviour_BT"].__setitem__((1, 0), float("nan")), "policy_roles", 1),

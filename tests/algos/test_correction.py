@@ -153,9 +153,11 @@ def test_ess_from_log_weights_by_hand():
     valid = torch.tensor([True, True, True, False])
     # w = (1, 1, 2) (and a padded entry): (1 + 1 + 2)^2 / (1 + 1 + 4) = 16 / 6
     e, f = ess_from_log_weights(torch.log(torch.tensor([1.0, 1.0, 2.0, 1e30])), valid)
-    assert float(e) == pytest.approx(8 / 3, rel=1e-6, abs=0) and float(f) == pytest.approx(8 / 9, rel=1e-6, abs=0)
+    assert float(e) == pytest.approx(8 / 3, rel=1e-6, abs=0) \
+        and float(f) == pytest.approx(8 / 9, rel=1e-6, abs=0)
     # the same weights scaled by e^500: unchanged
-    e, _ = ess_from_log_weights(torch.log(torch.tensor([1.0, 1.0, 2.0, 1.0], dtype=torch.float64)) + 500, valid)
+    e, _ = ess_from_log_weights(torch.log(torch.tensor([1.0, 1.0, 2.0, 1.0], dtype=torch.float64)) + 500,
+                                valid)
     assert float(e) == pytest.approx(8 / 3, rel=1e-12, abs=0)
     # every weight 0 (log w = -inf), or nothing valid: 0
     e, f = ess_from_log_weights(torch.full((3,), float("-inf")), torch.ones(3, dtype=torch.bool))
@@ -233,14 +235,16 @@ def test_icepop_band():
     c = corr("icepop", old, mu, torch.ones(1, 4, dtype=torch.bool), icepop_min=0.5, icepop_max=2.0)
     assert c.keep_BT.tolist() == [[False, True, True, False]]
     assert float(c.metrics["rejection_rate"]) == 0.5
-    torch.testing.assert_close(c.metrics["ess_frac_token_post_rejection"], torch.tensor(0.5, dtype=torch.float64))
+    torch.testing.assert_close(c.metrics["ess_frac_token_post_rejection"],
+                               torch.tensor(0.5, dtype=torch.float64))
 
 
 def test_bypass_and_none_need_no_weights():
     m = torch.ones(1, 2, dtype=torch.bool)
     for name, needs in (("none", False), ("bypass", True)):
         c = corr(name, torch.tensor([[-0.5, -2.0]]), torch.tensor([[-1.0, -1.0]]), m)  # ratios e^0.5, e^-1
-        assert (c.weight_BT == 1).all() and c.keep_BT.all() and registry.meta("correction", name).reads_behaviour == needs
+        assert (c.weight_BT == 1).all() and c.keep_BT.all() \
+            and registry.meta("correction", name).reads_behaviour == needs
 
 
 def test_ess_by_hand():

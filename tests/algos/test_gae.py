@@ -84,7 +84,8 @@ def test_gae_advantage_routes_decoupled_and_length_adaptive_traces():
     mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
     values = torch.tensor([[0.1, 0.2, 0.3]])
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
-    inp = AdvantageInputs(rewards, mask, torch.ones(1), torch.zeros(1, dtype=torch.long), values, T_, torch.zeros(1))
+    inp = AdvantageInputs(rewards, mask, torch.ones(1), torch.zeros(1, dtype=torch.long), values, T_,
+                          torch.zeros(1))
     # gamma = 1: delta = (0.2 - 0.1, 0.3 - 0.2, 1 - 0.3) = (0.1, 0.1, 0.7)
     # lam_actor = 0 -> A = delta; lam_critic = 1 -> G = Monte-Carlo return 1 everywhere
     adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.0, lam_critic=1.0))
@@ -109,7 +110,8 @@ def test_length_adaptive_lambda():
     rewards = torch.randn(2, 4)
     values = torch.randn(2, 4)
     lam_B = torch.tensor([0.3, 0.9])
-    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 0.99, lam_B)
+    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 0.99,
+                            lam_B)
     ref, _ = reference_gae(rewards, values, mask, [True, True], [0, 0], 0.99, lam_B)
     torch.testing.assert_close(adv.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -148,7 +150,8 @@ def test_matches_common_reverse_loop_when_every_sample_terminates(backend):
     mask = torch.rand(B, T, generator=gen) < 0.6
     values, rewards = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen) * mask
     ones = torch.ones(B, dtype=torch.bool)
-    adv, ret = gae.masked_gae(rewards, values, mask, ones, torch.full((B,), 123.0), 0.99, 0.95, backend=backend)
+    adv, ret = gae.masked_gae(rewards, values, mask, ones, torch.full((B,), 123.0), 0.99, 0.95,
+                              backend=backend)
     loop_adv, loop_ret = gae.reverse_loop_gae(rewards, values, mask, 0.99, 0.95)
     torch.testing.assert_close(adv, loop_adv, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ret, loop_ret, atol=2e-5, rtol=1e-5)
@@ -161,7 +164,8 @@ def test_long_sequences_stay_finite_in_float32():
     values = torch.zeros(2, T)
     rewards = torch.zeros(2, T)
     rewards[:, -1] = 1.0
-    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 1.0, 0.5, backend="torch")
+    adv, _ = gae.masked_gae(rewards, values, mask, torch.ones(2, dtype=torch.bool), torch.zeros(2), 1.0, 0.5,
+                            backend="torch")
     assert torch.isfinite(adv).all()
     assert math.isclose(float(adv[0, -1]), 1.0) and math.isclose(float(adv[0, -3]), 0.25, rel_tol=1e-5)
     assert float(adv[0, 0]) == 0.0  # 0.5**4999 underflows to exactly 0, as it should
@@ -175,8 +179,8 @@ def test_non_finite_values_and_rewards_at_mask0_positions_are_ignored(backend, b
     values = torch.tensor([[0.5, 0.0, 0.25, 0.0], [0.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     terminated, boundary = torch.tensor([True, False, False]), torch.tensor([bad, 3.0, bad])
-    clean, clean_ret = gae.masked_gae(rewards, values, mask, terminated, torch.tensor([0.0, 3.0, 0.0]), 0.9, 0.8,
-                                      backend=backend)
+    clean, clean_ret = gae.masked_gae(rewards, values, mask, terminated, torch.tensor([0.0, 3.0, 0.0]), 0.9,
+                                      0.8, backend=backend)
     dirty_v, dirty_r = values.clone(), rewards.clone()
     dirty_v[~mask] = bad
     dirty_r[~mask] = bad
@@ -184,9 +188,12 @@ def test_non_finite_values_and_rewards_at_mask0_positions_are_ignored(backend, b
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     torch.testing.assert_close(adv, clean, rtol=0, atol=0)
     torch.testing.assert_close(ret, clean_ret, rtol=0, atol=0)
-    # by hand, sample 0 (mask 1 0 1, terminated): A2 = 1 - 0.25 = 0.75; A1 = 0.9*0.25 - 0.5 + 0.72*0.75 = 0.265
-    # sample 1 (mask 0 1 1, truncated at V_boot = 3): A2 = 0 + 0.9*3 - 2 = 0.7; A1 = 0.5 + 0.9*2 - 1 + 0.72*0.7
-    torch.testing.assert_close(adv, torch.tensor([[0.265, 0.0, 0.75, 0.0], [0.0, 1.804, 0.7, 0.0], [0.0] * 4]))
+    # by hand, sample 0 (mask 1 0 1, terminated): A2 = 1 - 0.25 = 0.75; A1 = 0.9*0.25 - 0.5 + 0.72*0.75 =
+    # 0.265
+    # sample 1 (mask 0 1 1, truncated at V_boot = 3): A2 = 0 + 0.9*3 - 2 = 0.7; A1 = 0.5 + 0.9*2 - 1 +
+    # 0.72*0.7
+    torch.testing.assert_close(adv,
+                               torch.tensor([[0.265, 0.0, 0.75, 0.0], [0.0, 1.804, 0.7, 0.0], [0.0] * 4]))
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
@@ -200,11 +207,12 @@ def test_half_precision_inputs_are_computed_in_float32(backend, dtype):
     adv, ret = gae.masked_gae(rewards, values, mask, terminated, boundary, 0.99, 0.95, backend=backend)
     assert adv.dtype == torch.float32 and ret.dtype == torch.float32
     # the same (exactly representable) numbers in float32 give the same result
-    ref_adv, ref_ret = gae.masked_gae(rewards.float(), values.float(), mask, terminated, boundary.float(), 0.99, 0.95,
-                                      backend=backend)
+    ref_adv, ref_ret = gae.masked_gae(rewards.float(), values.float(), mask, terminated, boundary.float(),
+                                      0.99, 0.95, backend=backend)
     torch.testing.assert_close(adv, ref_adv, rtol=0, atol=0)
     torch.testing.assert_close(ret, ref_ret, rtol=0, atol=0)
-    empty, _ = gae.masked_gae(rewards[:, :0], values[:, :0], mask[:, :0], terminated, boundary, 0.99, 0.95, backend=backend)
+    empty, _ = gae.masked_gae(rewards[:, :0], values[:, :0], mask[:, :0], terminated, boundary, 0.99, 0.95,
+                              backend=backend)
     assert empty.shape == (3, 0) and empty.dtype == torch.float32
 
 

@@ -29,7 +29,8 @@ def test_the_kernel_is_keyed_by_the_ninja_on_path(tmp_path, monkeypatch):
     assert names[old] != names[new]  # another ninja: another build directory, not a rebuild of the same one
     assert names[old] == names[same]  # the same version elsewhere on PATH: the same build
     assert gae.kernel_name(SRC, "1.11.1") == names[old]
-    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no ninja at all: still a name (torch then says why)
+    # no ninja at all: still a name (torch then says why)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert gae.ninja_version() == "" and gae.kernel_name(SRC).startswith("moe_rl_gae_kernel_")
 
 

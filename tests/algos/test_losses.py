@@ -54,7 +54,8 @@ def _ppo_data():
     return logp.requires_grad_(True), old, adv, mask
 
 
-@pytest.mark.parametrize("el, eh, cd", [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0), (0.1, 0.1, 1.5)])
+@pytest.mark.parametrize("el, eh, cd",
+                         [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0), (0.1, 0.1, 1.5)])
 def test_ppo_matches_formula(el, eh, cd):
     logp, old, adv, mask = _ppo_data()
     hp = PolicyLossParams(el, eh, cd)
@@ -77,7 +78,8 @@ def test_ppo_hand_example_and_clip_metrics():
     # r=1.5,A=+1 -> clipped to 1.3 -> -1.3; r=0.5,A=-1 -> max(0.5, 0.8) = 0.8;
     # r=1.1 -> -1.1; r=10,A=-1 -> max(10, 1.3) = 10 -> dual clip min(10, 3) = 3
     torch.testing.assert_close(loss, torch.tensor([[-1.3, 0.8, -1.1, 3.0]]))
-    assert float(m["clipfrac_high"]) == 0.25 and float(m["clipfrac_low"]) == 0.25 and float(m["clipfrac_dual"]) == 0.25
+    assert float(m["clipfrac_high"]) == 0.25 and float(m["clipfrac_low"]) == 0.25 \
+        and float(m["clipfrac_dual"]) == 0.25
 
 
 def test_gspo_sequence_ratio_value_and_gradient():
@@ -106,7 +108,8 @@ def test_gspo_sequence_ratio_value_and_gradient():
     torch.testing.assert_close(g1, g2)
     # sample 0 (s = 1.23, A > 0) and sample 1 (s = 0.72, A < 0) are clipped: no gradient; sample 2 is not
     _, m = losses.gspo_loss(logp.detach(), old, adv, mask, hp)
-    assert float(m["seq_clipfrac_high"]) == pytest.approx(1 / 3) and float(m["seq_clipfrac_low"]) == pytest.approx(1 / 3)
+    assert float(m["seq_clipfrac_high"]) == pytest.approx(1 / 3) \
+        and float(m["seq_clipfrac_low"]) == pytest.approx(1 / 3)
     assert (g1[:2] == 0).all() and (g1[2, mask[2]] != 0).all()
 
 
@@ -172,11 +175,13 @@ def test_value_loss_by_hand_and_gradcheck():
     G = torch.tensor([[2.0, 5.0, 0.5]], dtype=torch.float64)
     mask = torch.tensor([[1, 0, 1]], dtype=torch.bool)
     loss, m = losses.clipped_value_loss(v, v_old, G, mask, clip=0.2)
-    # t0: unclipped (1-2)^2=1, clipped V=0.7 -> 1.69 -> 0.5*1.69; t2: (2-.5)^2=2.25, clipped 1.2 -> .49 -> max 2.25
+    # t0: unclipped (1-2)^2=1, clipped V=0.7 -> 1.69 -> 0.5*1.69; t2: (2-.5)^2=2.25, clipped 1.2 -> .49 -> max
+    # 2.25
     torch.testing.assert_close(loss.detach(), torch.tensor([[0.845, 0.0, 1.125]], dtype=torch.float64))
     assert float(m["value_clipfrac"]) == 0.5
     loss.sum().backward()
-    torch.testing.assert_close(v.grad, torch.tensor([[0.0, 0.0, 1.5]], dtype=torch.float64))  # clipped branch has no grad
+    # clipped branch has no grad
+    torch.testing.assert_close(v.grad, torch.tensor([[0.0, 0.0, 1.5]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("estimator, expected", [
@@ -242,7 +247,8 @@ def test_value_and_kl_losses_ignore_non_finite_mask0_positions():
     torch.testing.assert_close(v.grad, torch.tensor([[0.0, 0.0, 1.5, 0.0]], dtype=torch.float64))
     assert float(m["value_clipfrac"]) == 0.5
     for est in ("k1", "k2", "k3"):
-        lp = torch.tensor([[-1.0, float("-inf"), -2.0, float("nan")]], dtype=torch.float64, requires_grad=True)
+        lp = torch.tensor([[-1.0, float("-inf"), -2.0, float("nan")]], dtype=torch.float64,
+                          requires_grad=True)
         ref = torch.tensor([[-1.5, float("-inf"), -1.0, -1.0]], dtype=torch.float64)
         kl = losses.sampled_kl_loss(lp, ref, mask, est)
         kl.sum().backward()
@@ -282,7 +288,8 @@ def test_policy_losses_compute_half_precision_inputs_in_float32(name):
     hp = PolicyLossParams(0.2, 0.28, 3.0 if name == "ppo" else None)
     for dtype in (torch.bfloat16, torch.float16):
         lo = _loss_and_grad(name, logp.to(dtype), old.to(dtype), adv.to(dtype), mask, hp)
-        hi = _loss_and_grad(name, logp.to(dtype).float(), old.to(dtype).float(), adv.to(dtype).float(), mask, hp)
+        hi = _loss_and_grad(name, logp.to(dtype).float(), old.to(dtype).float(), adv.to(dtype).float(), mask,
+                            hp)
         assert lo[0].dtype == torch.float32
         torch.testing.assert_close(lo[0], hi[0], rtol=0, atol=0)
         torch.testing.assert_close(lo[1].float(), hi[1].to(dtype).float(), rtol=0, atol=0)
@@ -302,9 +309,11 @@ def test_value_and_kl_losses_compute_half_precision_inputs_in_float32():
     assert lo.dtype == torch.float32 and m_lo["value_clipfrac"].dtype == m_hi["value_clipfrac"].dtype
     torch.testing.assert_close(lo, hi, rtol=0, atol=0)
     assert losses.clipped_value_loss(v, v_old, G, mask, clip=None)[1]["value_clipfrac"].dtype == torch.float32
-    lp, ref = (-torch.rand(2, 6, generator=g) * 3).to(torch.bfloat16), (-torch.rand(2, 6, generator=g) * 3).to(torch.bfloat16)
+    lp, ref = ((-torch.rand(2, 6, generator=g) * 3).to(torch.bfloat16),
+               (-torch.rand(2, 6, generator=g) * 3).to(torch.bfloat16))
     for est in ("k1", "k2", "k3"):
         out = losses.sampled_kl_loss(lp, ref, mask, est)
         assert out.dtype == torch.float32
-        torch.testing.assert_close(out, losses.sampled_kl_loss(lp.float(), ref.float(), mask, est), rtol=0, atol=0)
+        torch.testing.assert_close(out, losses.sampled_kl_loss(lp.float(), ref.float(), mask, est), rtol=0,
+                                   atol=0)
     assert losses.masked_mean(lp, mask).dtype == torch.float32

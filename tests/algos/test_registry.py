@@ -73,16 +73,19 @@ def test_importing_the_registry_alone_registers_every_method():
 
 def _advantage_inputs(groups, values: bool) -> AdvantageInputs:
     g = torch.Generator().manual_seed(0)
-    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1], [1, 0, 1, 1, 1]],
+                        dtype=torch.bool)
     return AdvantageInputs(
-        rewards_BT=torch.randn(4, 5, generator=g) * mask, mask_BT=mask, score_B=torch.tensor([1.0, 0.0, 3.0, 0.5]),
-        group_B=torch.tensor(groups), values_BT=torch.randn(4, 5, generator=g) if values else None,
+        rewards_BT=torch.randn(4, 5, generator=g) * mask, mask_BT=mask,
+        score_B=torch.tensor([1.0, 0.0, 3.0, 0.5]), group_B=torch.tensor(groups),
+        values_BT=torch.randn(4, 5, generator=g) if values else None,
         terminated_B=torch.tensor([True, False, True, False]) if values else None,
         boundary_value_B=torch.tensor([0.0, 0.7, 0.0, -0.4]) if values else None)
 
 
 def _same(a, b) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.allclose(x.double(), y.double()))
+    return all((x is None and y is None)
+               or (x is not None and y is not None and torch.allclose(x.double(), y.double()))
                for x, y in zip(a, b, strict=True))
 
 
@@ -104,7 +107,8 @@ def test_advantage_metadata_matches_what_the_estimator_reads(name):
     # params: exactly the declared hyperparameters change the result (advantages or critic targets)
     other = {"gamma": 0.5, "lam": 0.5, "lam_critic": 0.3, "length_adaptive_alpha": 0.5, "eps": 0.5}
     for field in dataclasses.fields(AdvantageParams):
-        changed = fn(_advantage_inputs([0, 0, 1, 1], values=True), dataclasses.replace(hp, **{field.name: other[field.name]}))
+        changed = fn(_advantage_inputs([0, 0, 1, 1], values=True),
+                     dataclasses.replace(hp, **{field.name: other[field.name]}))
         assert _same(changed, base) != (field.name in meta.params), field.name
 
 
@@ -155,5 +159,6 @@ def test_sequence_level_losses_give_each_token_its_sequence_value(name):
     logp = torch.log(torch.tensor([[0.6, 0.3, 0.25, 0.1], [0.2, 0.35, 0.7, 0.1]]))
     adv = torch.tensor([[1.0], [-0.5]]).expand(2, 4)  # one advantage per sequence
     loss, _ = fn(logp, old, adv, mask, PolicyLossParams(clip_low=0.1, clip_high=0.1))
-    per_sequence = all(torch.allclose(row[m], row[m][0].expand(int(m.sum()))) for row, m in zip(loss, mask, strict=True))
+    per_sequence = all(torch.allclose(row[m], row[m][0].expand(int(m.sum())))
+                       for row, m in zip(loss, mask, strict=True))
     assert per_sequence == meta.sequence_level

@@ -21,7 +21,8 @@ def test_kl_estimators_by_hand():
     # d = log pi_ref - log pi = -0.5: e^-0.5 + 0.5 - 1 = 0.10653065971263342
     torch.testing.assert_close(rewards.kl_k3(lp, lr), torch.tensor([0.10653065971263342]))
     shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -1.0, -9.0]]),
-                                          torch.tensor([[-1.5, -0.5, -1.0]]), torch.tensor([[1, 1, 0]], dtype=torch.bool), 0.1)
+                                          torch.tensor([[-1.5, -0.5, -1.0]]),
+                                          torch.tensor([[1, 1, 0]], dtype=torch.bool), 0.1)
     torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
     torch.testing.assert_close(shaped, torch.tensor([[-0.05, 1.05, 0.0]]))
 
@@ -61,11 +62,13 @@ def test_outcome_estimators_by_hand():
     mean, std_, n = group_stats(torch.tensor(scores), torch.tensor(groups))
     assert n.tolist() == [4, 4, 4, 4, 2, 2]
     assert mean.tolist() == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0]
-    torch.testing.assert_close(std_, torch.tensor([std] * 4 + [0.0] * 2, dtype=torch.float64), rtol=1e-15, atol=0)
+    torch.testing.assert_close(std_, torch.tensor([std] * 4 + [0.0] * 2, dtype=torch.float64), rtol=1e-15,
+                               atol=0)
 
 
 def test_reinforce_pp_baseline_is_the_group_centred_score():
-    # groups {0: (3, 1)}, {5: (2, 5, 8)}: means 2 and 5 -> (1, -1, -3, 0, 3); no std division (the loop whitens)
+    # groups {0: (3, 1)}, {5: (2, 5, 8)}: means 2 and 5 -> (1, -1, -3, 0, 3); no std division (the loop
+    # whitens)
     inp = _inp([3.0, 1.0, 2.0, 5.0, 8.0], [0, 0, 5, 5, 5])
     adv, ret = registry.get("advantage", "reinforce_pp_baseline")(inp, AdvantageParams(eps=0.0))
     assert ret is None
@@ -117,7 +120,8 @@ def test_whitening_ignores_non_finite_mask0_values():
 
 def test_kl_shaping_ignores_non_finite_logprobs_at_mask0_positions():
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[-1.0, -1.0, float("-inf")]]),
+    shaped, k = rewards.kl_shaped_rewards(torch.tensor([[0.0, 1.0, 0.0]]),
+                                          torch.tensor([[-1.0, -1.0, float("-inf")]]),
                                           torch.tensor([[-1.5, -0.5, float("-inf")]]), mask, 0.1)
     torch.testing.assert_close(k, torch.tensor([[0.5, -0.5, 0.0]]))
     torch.testing.assert_close(shaped, torch.tensor([[-0.05, 1.05, 0.0]]))

@@ -25,7 +25,8 @@ def test_pi_old_is_the_scored_policy_mu_or_left_to_each_minibatch():
     b = two_samples()
     policy = torch.where(b.mask_BS, -0.5 + 1e-4, 0.0)  # within the synchronous tolerance of mu
     t = targets(b, Scores(policy), params(advantage="rloo"))
-    assert t.logp_old_BS is policy and t.is_weight_BS.eq(1).all() and t.pg_mask_BS.equal(b.loss_mask_BS & b.mask_BS)
+    assert t.logp_old_BS is policy and t.is_weight_BS.eq(1).all() \
+        and t.pg_mask_BS.equal(b.loss_mask_BS & b.mask_BS)
     assert t.logp_policy_BS is policy
     # rloo by hand: A_0 = R_0 - R_1 = 1, A_1 = -1 on model tokens, 0 elsewhere
     assert t.adv_BS.tolist() == [[0, 1, 1], [0, -1, -1]]
@@ -48,7 +49,8 @@ def test_checklist_runs_before_the_targets():
         targets(b, Scores(drifted), params(advantage="grpo"))
     t = targets(b, Scores(drifted), params(advantage="grpo", correction="tis_token"))  # corrected: allowed
     # w = pi_old / mu = exp(-0.1) on model tokens
-    assert t.is_weight_BS[b.mask_BS].tolist() == pytest.approx([torch.exp(torch.tensor(-0.1)).item()] * 4, rel=1e-6)
+    assert t.is_weight_BS[b.mask_BS].tolist() == pytest.approx([torch.exp(torch.tensor(-0.1)).item()] * 4,
+                                                               rel=1e-6)
     cfg = RunConfig(algorithm=AlgorithmSection(advantage="grpo"), rollout=RolloutSection(async_mode=True))
     targets(b, Scores(drifted), settings.target_params(cfg))  # asynchronous: mu = pi_old is not assumed
 

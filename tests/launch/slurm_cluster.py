@@ -102,7 +102,8 @@ class SlurmCluster:
         return self
 
     def _nodes_idle(self) -> bool:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env)
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
+                             env=self.env)
         states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
         return all(states.get(n, "").startswith("idle") for n in NODES)
 
@@ -113,12 +114,14 @@ class SlurmCluster:
                 return
             for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[0]} exited with {p.returncode} while waiting for {what}; logs: {self.logs()}")
+                    raise RuntimeError(f"{p.args[0]} exited with {p.returncode} while waiting for {what}; "
+                                       f"logs: {self.logs()}")
             time.sleep(0.5)
         raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}; logs: {self.logs()}")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}" for f in sorted((self.root / "logs").glob("*")))
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-2000:]}"
+                         for f in sorted((self.root / "logs").glob("*")))
 
     def cancel_jobs(self, timeout_s: float = 90.0) -> None:
         """Cancel every job of this cluster and wait for them to end (their steps outlive slurmd)."""

@@ -30,10 +30,11 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0, env_extra: dict | None = None):
+def submit(slurm, tmp: Path, *overrides: str, wait: bool = True, retries: int = 0,
+           env_extra: dict | None = None):
     logs = tmp / "logs"
-    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(free_port("127.0.0.1")), "OMP_NUM_THREADS": "1",
-           "MOE_RL_RETRIES": str(retries), **(env_extra or {})}
+    env = {**slurm.env, "MOE_RL_LOG_DIR": str(logs), "MOE_RL_RAY_PORT": str(free_port("127.0.0.1")),
+           "OMP_NUM_THREADS": "1", "MOE_RL_RETRIES": str(retries), **(env_extra or {})}
     argv = ["sbatch", "--parsable", f"--output={tmp / 'job.out'}", *(["--wait"] if wait else []),
             str(SCRIPT), "configs/quickstart.yaml", f"run.output_dir={tmp / 'run'}", *SHORT, *overrides]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -48,7 +49,8 @@ def job_processes(job: str) -> list[str]:
 
 
 def explain(slurm, tmp: Path) -> str:
-    texts = [f"--- {f}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp.rglob("*.log")) + [tmp / "job.out"] if f.exists()]
+    texts = [f"--- {f}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp.rglob("*.log"))
+             + [tmp / "job.out"] if f.exists()]
     return "\n".join(texts) + slurm.logs()[-3000:]
 
 
@@ -61,8 +63,8 @@ def test_quickstart_runs_across_both_nodes_and_a_fault_is_retried_on_the_same_cl
 
     token = tmp_path / "token"
     token.touch()
-    proc, job, logs = submit(slurm, tmp_path, "checkpoint.every=1", "rollout.weight_sync_bucket_mb=0.5", retries=1,
-                             env_extra={"MOE_RL_FAILPOINT": f"trainer_export:3:{token}"})
+    proc, job, logs = submit(slurm, tmp_path, "checkpoint.every=1", "rollout.weight_sync_bucket_mb=0.5",
+                             retries=1, env_extra={"MOE_RL_FAILPOINT": f"trainer_export:3:{token}"})
     assert proc.returncode == 0, explain(slurm, tmp_path)
     driver = (logs / f"driver-{list(NODES)[0]}.log").read_text()
     placement = next(line for line in driver.splitlines() if "placement:" in line)
@@ -75,12 +77,14 @@ def test_quickstart_runs_across_both_nodes_and_a_fault_is_retried_on_the_same_cl
         assert "Ray runtime started" in (logs / f"ray-{node}.log").read_text()
     script = (logs / "driver.log").read_text()
     assert not token.exists() and "policy rank" in driver and "(export_weights): the actor died" in driver
-    assert script.count("Ray cluster up") == 1 and "driver exited with 3" in script and "driver exited with 0" in script
+    assert script.count("Ray cluster up") == 1 and "driver exited with 3" in script \
+        and "driver exited with 0" in script
     assert "retry 1 of 1 from the last checkpoint (the Ray cluster stays up)" in script
     assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_000001'}" in driver
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
-    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]  # step 1 by the first try, 2 and 3 by the retry
+    # step 1 by the first try, 2 and 3 by the retry
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
     time.sleep(1)
     assert job_processes(job) == []
 
@@ -112,7 +116,8 @@ def test_cancelled_job_stops_everything_it_started(slurm, tmp_path):
     subprocess.run(["scancel", job], env=slurm.env, check=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        queued = subprocess.run(["squeue", "-h", "-j", job], env=slurm.env, capture_output=True, text=True).stdout
+        queued = subprocess.run(["squeue", "-h", "-j", job], env=slurm.env, capture_output=True,
+                                text=True).stdout
         if not queued.strip() and not job_processes(job):
             break
         time.sleep(1)

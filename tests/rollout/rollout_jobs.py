@@ -90,7 +90,8 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
     from moe_rl.weights.sync import buckets, write_bucket
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(model_path), optim=optim_settings(3e-3, micro_batch_tokens=4096, pack_sequences=False))
+    w = TrainWorker(model_spec(model_path),
+                    optim=optim_settings(3e-3, micro_batch_tokens=4096, pack_sequences=False))
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
     # one production SFT step (NLL of every token): new weights for vLLM to receive
@@ -109,7 +110,8 @@ def megatron_score_job(rank, world, model_path, sequences, routes):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(model_path), optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+    w = TrainWorker(model_spec(model_path),
+                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     S = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), S, dtype=torch.long)
     for i, s in enumerate(sequences):
@@ -145,7 +147,8 @@ def agent_vllm_job(rank, world, model_path):
 
     engine.agenerate = logged
     tok = AutoTokenizer.from_pretrained(model_path)
-    agent = Agent(engine, tok, EnvSpec("guess_number"), agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
+    agent = Agent(engine, tok, EnvSpec("guess_number"),
+                  agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
     prompts = get_env("guess_number").generate_prompts(4, seed=0, options=get_env("guess_number").Options())
     groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
@@ -162,7 +165,8 @@ def export_source_job(rank, world, model_path, layout, gathered):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(model_path), optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+    w = TrainWorker(model_spec(model_path),
+                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     passes = []
 
     def export():
@@ -171,7 +175,8 @@ def export_source_job(rank, world, model_path, layout, gathered):
 
     source = GatheredExport(export) if gathered else ExportSource(export)
     meta = source.metadata()
-    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata())) if rank == 0 else list(source)
+    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata())) if rank == 0 \
+        else list(source)
     return {"meta": [(m.name, m.dtype, m.shape) for m in meta], "passes": len(passes),
             "sent": {n: t.clone() for n, t in sent}}
 
@@ -190,7 +195,8 @@ def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
     reader = HFReader(model_path)
 
     def weights(scale):
-        return [(k, reader.get(k) * (scale if ".mlp." in k or "self_attn" in k else 1.0)) for k in sorted(reader.names())]
+        return [(k, reader.get(k) * (scale if ".mlp." in k or "self_attn" in k else 1.0))
+                for k in sorted(reader.names())]
 
     def fresh():  # the same request computed from scratch: the cache emptied by hand first
         assert engine.llm.reset_prefix_cache()
@@ -260,7 +266,8 @@ def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
         for _ in range(4):
             await asyncio.sleep(0)
         engine.transfer("start_weight_update")
-        late = asyncio.ensure_future(engine.agenerate(prompt, s))  # its prompt's blocks are cached (old weights)
+        # its prompt's blocks are cached (old weights)
+        late = asyncio.ensure_future(engine.agenerate(prompt, s))
         for _ in range(4):
             await asyncio.sleep(0)
         engine.transfer("update_weights", {"names": [n for n, _ in named], "path": str(path)})
@@ -274,8 +281,8 @@ def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
         engine.llm = TransferStandIn()
         transfer_running, transfer_late = await during_transfer()
         engine.llm = real_llm
-        return (waited, after_pause, held_twice, held_through_update, held_twice_fresh, transfer_running, transfer_late,
-                fresh())
+        return (waited, after_pause, held_twice, held_through_update, held_twice_fresh, transfer_running,
+                transfer_late, fresh())
 
     (waited, after_pause, held_twice, held_through_update, held_twice_fresh, transfer_running, transfer_late,
      transfer_fresh) = asyncio.run(later())

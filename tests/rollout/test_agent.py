@@ -73,7 +73,8 @@ def test_truncation_keeps_the_boundary_observation(tok):
     assert t.outcome is Outcome.TRUNCATED_TURNS and not t.terminated
     # the boundary state includes the observation returned after the last model token
     assert t.boundary_len == len(t.token_ids)
-    assert tok.decode(t.token_ids).endswith("2<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(t.token_ids).endswith("2<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n"
+                                            "<|im_start|>assistant\n")
     assert not any(t.response_mask[t.spans[-1][1] + 1:])
 
 
@@ -118,7 +119,8 @@ def test_environment_failures_are_counted_not_trained(tok):
 
 
 def test_calculator_tool_call_result_and_verified_answer(tok):
-    agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok, EnvSpec("calculator"),
+    agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok,
+                  EnvSpec("calculator"),
                   agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "What is 12*7+3?", "answer": 87}))
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0
@@ -139,7 +141,8 @@ def test_calculator_expert_calls_the_tool_then_answers(tok):
     t = run(agent.run_episode(prompt))
     text = tok.decode(t.token_ids)
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0 and len(t.spans) == 2
-    assert f"<calc>{prompt['question'][8:-1]}</calc>" in text and f"<result>{prompt['answer']}</result>" in text
+    assert f"<calc>{prompt['question'][8:-1]}</calc>" in text \
+        and f"<result>{prompt['answer']}</result>" in text
 
 
 @pytest.mark.parametrize("expr, expect", [
@@ -179,9 +182,11 @@ class FlakyTool(Environment):
 def test_max_tool_errors_ends_a_user_environment_episode(tok):
     settings = agent_settings(max_turns=6, token_budget=400, max_model_len=512, max_tokens_per_turn=8)
     # failed calls count over the episode, not in a row: the 2nd failure (turn 3) ends it
-    agent = Agent(ScriptedPolicy(tok, ["bad", "ok", "bad", "ok", "bad", "ok"]), tok, EnvSpec(FlakyTool), settings)
+    agent = Agent(ScriptedPolicy(tok, ["bad", "ok", "bad", "ok", "bad", "ok"]), tok, EnvSpec(FlakyTool),
+                  settings)
     t = run(agent.run_episode({}))
-    assert t.outcome is Outcome.TOOL_ERROR and t.terminated and len(t.spans) == 3 and t.info["tool_errors"] == 2
+    assert t.outcome is Outcome.TOOL_ERROR and t.terminated and len(t.spans) == 3 \
+        and t.info["tool_errors"] == 2
     assert t.info["figures"] == {"calls": 1.0} and t.terminal_reward == 0.0 and agent.stats.tool_errors == 2
     assert tok.decode(t.token_ids).endswith("bad<|im_end|>")  # the ending step's observation is not appended
     assert agent.accept([t]) == [t]  # trained on, as a terminated episode
@@ -254,7 +259,8 @@ def test_sandbox_limits_and_no_network():
         r = run(run_python(probe))
     # its own network namespace: the host's loopback (and its name) are not there; only refusals
     assert r.ok and r.stdout.count("refused") == 2 and "reached" not in r.stdout, r.stdout + r.stderr
-    r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass", timeout_s=10, cpu_s=1))
+    r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass",
+                       timeout_s=10, cpu_s=1))
     assert not r.ok and r.reason.startswith("killed")
     assert run(run_python("print(6*7)")).stdout.strip() == "42"
 
@@ -267,20 +273,26 @@ def test_sandbox_holds_files_processes_and_memory(tmp_path):
     from moe_rl.rollout.sandbox import run_python
 
     outside = ROOT / "sandbox_escape_probe"
-    code = (f"import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd(), os.getuid(), open('scratch.txt').read())\n"
+    code = ("import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd(), os.getuid(), "
+            "open('scratch.txt').read())\n"
             f"for p in ({str(outside)!r}, '/var/tmp/probe', '/dev/shm/probe'):\n"
-            f"    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.errno)")
+            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n       "
+            " print('refused', p, e.errno)")
     r = run(run_python(code))
     lines = r.stdout.splitlines()
     # EACCES, or ENOENT where the checkout itself lies under /tmp (the tool's /tmp is its own)
-    assert r.ok and lines[0] == "/tmp 65534 ok" and lines[1] in (f"refused {outside} 13", f"refused {outside} 2"), r.stdout + r.stderr
+    assert r.ok and lines[0] == "/tmp 65534 ok" \
+        and lines[1] in (f"refused {outside} 13", f"refused {outside} 2"), r.stdout + r.stderr
     # /var/tmp and /dev/shm are the tool's own: what it writes there is gone with it
-    assert not outside.exists() and not os.path.exists("/var/tmp/probe") and not os.path.exists("/dev/shm/probe")
+    assert not outside.exists() and not os.path.exists("/var/tmp/probe") \
+        and not os.path.exists("/dev/shm/probe")
     t0 = time.monotonic()
     bomb = run(run_python("import os\nwhile True:\n    os.fork()", timeout_s=5))
     assert not bomb.ok and bomb.reason in ("timeout", "exit code 1") and time.monotonic() - t0 < 15
     assert "BlockingIOError" in bomb.stderr or bomb.reason == "timeout"
-    memory = run(run_python("import os\nfor _ in range(3):\n    os.fork()\nx = bytearray(2**30)", memory_mb=128))  # 8 processes: under the process limit, each over the memory limit
+    # 8 processes: under the process limit, each over the memory limit
+    memory = run(run_python("import os\nfor _ in range(3):\n    os.fork()\nx = bytearray(2**30)",
+                            memory_mb=128))
     assert not memory.ok and "MemoryError" in memory.stderr
     assert run(run_python("print(6*7)")).stdout.strip() == "42"  # and the next tool runs as usual
 
@@ -296,7 +308,8 @@ def test_group_sampling_and_dynamic_sampling(tok):
     groups = run(agent.run_groups(prompts, samples_per_prompt=3))
     assert [len(g) for g in groups] == [3, 3] and [t.group_id for t in groups[1]] == [1, 1, 1]
     # every group's rewards are all equal for a deterministic policy: all dropped, bounded rounds
-    kept = run(agent.dynamic_sampling(lambda k: prompts[:k], groups_wanted=2, samples_per_prompt=2, max_rounds=2))
+    kept = run(agent.dynamic_sampling(lambda k: prompts[:k], groups_wanted=2, samples_per_prompt=2,
+                                      max_rounds=2))
     assert kept == [] and agent.stats.dropped_groups == 6
 
 
@@ -371,26 +384,32 @@ def test_observations_are_rendered_by_the_chat_template(tok):
     agent = Agent(ScriptedPolicy(tok, []), tok, EnvSpec("guess_number"), agent_settings())
 
     def chatml(prefix):
-        return tok.encode(f"{prefix}\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        return tok.encode(f"{prefix}\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
+                          add_special_tokens=False)
 
     assert agent._observation_ids("user", "higher", closed=True) == chatml("")  # the model sampled <|im_end|>
-    assert agent._observation_ids("user", "higher", closed=False) == chatml("<|im_end|>")  # cut off: closed for it
+    # cut off: closed for it
+    assert agent._observation_ids("user", "higher", closed=False) == chatml("<|im_end|>")
     inst = copy.deepcopy(tok)
-    inst.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-                          "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
-    other = Agent(ScriptedPolicy(inst, ["3", "7"]), inst, EnvSpec("guess_number"), agent_settings(max_turns=2))
-    assert other._observation_ids("user", "higher", closed=True) == inst.encode("[INST] higher [/INST]", add_special_tokens=False)
-    assert other._observation_ids("user", "higher", closed=False) == inst.encode("<|im_end|>[INST] higher [/INST]",
-                                                                                 add_special_tokens=False)
+    inst.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+                          "[/INST]{% else %}{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
+    other = Agent(ScriptedPolicy(inst, ["3", "7"]), inst, EnvSpec("guess_number"),
+                  agent_settings(max_turns=2))
+    assert other._observation_ids("user", "higher", closed=True) == inst.encode("[INST] higher [/INST]",
+                                                                                add_special_tokens=False)
+    assert other._observation_ids("user", "higher", closed=False) == inst.encode(
+        "<|im_end|>[INST] higher [/INST]", add_special_tokens=False)
     episode = run(other.run_episode({"secret": 5, "low": 1, "high": 9}))  # a whole episode in that format
     text = inst.decode(episode.token_ids)
-    assert text.startswith("[INST] Guess my number from 1 to 9. [/INST]3") and "[INST] higher [/INST]7" in text, text
+    assert text.startswith("[INST] Guess my number from 1 to 9. [/INST]3") \
+        and "[INST] higher [/INST]7" in text, text
     thinking = copy.deepcopy(tok)  # Qwen3's way: an empty thinking block only in the latest assistant turn
     thinking.chat_template = (
-        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}"
-        "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
-        "loop.index0 > ns.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = "
+        "loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if "
+        "m['role'] == 'assistant' and loop.index0 > ns.last %}<think>\n\n</think>\n\n{% endif %}{{ "
+        "m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% "
+        "endif %}")
     qwen3 = Agent(ScriptedPolicy(thinking, []), thinking, EnvSpec("guess_number"), agent_settings())
     assert qwen3._observation_ids("user", "higher", closed=True) == chatml("")
     broken = copy.deepcopy(tok)
@@ -409,7 +428,8 @@ def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
     agent = Agent(ScriptedPolicy(tok, ["a", "b"]), tok, spec, agent_settings(max_turns=1))
     assert run(agent.run_groups([{"prompt": "q"}], 2)) == []
     assert agent.stats.rejected["env_error"] == 2
-    assert agent.stats.first_error == f"step: ZeroDivisionError: division by zero ({tmp_path / 'scores.py'}:2)"
+    assert agent.stats.first_error == ("step: ZeroDivisionError: division by zero "
+                                       f"({tmp_path / 'scores.py'}:2)")
 
 
 def test_a_scripted_turn_longer_than_the_turn_limit_is_an_error_not_a_cut_demonstration(tok):

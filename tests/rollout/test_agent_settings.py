@@ -15,8 +15,9 @@ def test_overlong_filter_setting_excludes_truncated_episodes(tiny_qwen):
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
     prompts = [{"secret": 9, "low": 1, "high": 9}]
     for on in (False, True):
+        # cut by the token budget
         agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, EnvSpec("guess_number"),
-                      agent_settings(max_turns=5, token_budget=10, overlong_filter=on))  # cut by the token budget
+                      agent_settings(max_turns=5, token_budget=10, overlong_filter=on))
         [[t]] = asyncio.run(agent.run_groups(prompts, 1))
         assert ("loss_excluded" in t.info) is on and agent.stats.overlong_filtered == int(on)
 
@@ -31,7 +32,8 @@ class NanReward(Environment):
 
 def test_non_finite_rewards_are_rejected_and_counted(tiny_qwen):
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
-    agent = Agent(ScriptedPolicy(tok, ["good", "bad", "good"]), tok, EnvSpec(NanReward), agent_settings(max_turns=1))
+    agent = Agent(ScriptedPolicy(tok, ["good", "bad", "good"]), tok, EnvSpec(NanReward),
+                  agent_settings(max_turns=1))
     groups = asyncio.run(agent.run_groups([{}], 3))
     assert [t.terminal_reward for g in groups for t in g] == [1.0, 1.0]
     assert agent.stats.rejected == {"rewards": 1}

@@ -46,7 +46,8 @@ def test_a_sync_mid_conversation_gives_per_token_versions_and_staleness_from_the
 
     out = rollout
     trajs = [t for g in out["groups"] for t in g]
-    spanning = [t for t in trajs if len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 2]
+    spanning = [t for t in trajs
+                if len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 2]
     assert spanning, "the weight sync landed between two turns of some conversation"
     for t in trajs:
         assert len(t.versions) == len(t.token_ids) and t.versions == sorted(t.versions)
@@ -57,5 +58,6 @@ def test_a_sync_mid_conversation_gives_per_token_versions_and_staleness_from_the
     # two versions later, max_staleness=1 drops every sample with a token of version 0, newer tokens or not
     batch = build_batch(trajs, None)
     keep, _ = staleness(batch.version_B, 2, 1)
-    assert keep.tolist() == [t.weight_version >= 1 for t in trajs] and not any(keep[trajs.index(t)] for t in spanning)
+    assert keep.tolist() == [t.weight_version >= 1 for t in trajs] \
+        and not any(keep[trajs.index(t)] for t in spanning)
     assert torch.equal(batch.version_B, torch.tensor([t.weight_version for t in trajs]))

@@ -18,11 +18,13 @@ def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
     assert kw["max_num_batched_tokens"] == 256 * 128 and kw["max_num_seqs"] == 128
     assert "enable_return_routed_experts" not in kw and "weight_transfer_config" not in kw
     kw = engine_kwargs(dataclasses.replace(s, kv_cache_gb=2.5), None, cuda=False)
-    assert kw["kv_cache_memory_bytes"] == int(2.5 * 2**30) and kw["enable_prefix_caching"]  # no routes recorded
+    # no routes recorded
+    assert kw["kv_cache_memory_bytes"] == int(2.5 * 2**30) and kw["enable_prefix_caching"]
 
 
 def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_config():
-    cfg = from_dict({}, ["cluster.colocate=false", "rollout.weight_transfer=nccl", "rollout.max_model_len=16384"],
+    cfg = from_dict({},
+                    ["cluster.colocate=false", "rollout.weight_transfer=nccl", "rollout.max_model_len=16384"],
                     cuda_available=True)
     kw = engine_kwargs(settings_from_config(cfg, "m"), "vllm", cuda=True)
     assert not kw["enforce_eager"]  # CUDA graphs: weights are reloaded in place
@@ -32,11 +34,13 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
     assert kw["max_num_batched_tokens"] == 8192  # chunked prefill, not max_model_len * max_num_seqs (2.1M)
     assert kw["weight_transfer_config"] == {"backend": "nccl"}
     colocated = from_dict({}, ["cluster.colocate=true"], cuda_available=True)
-    assert engine_kwargs(settings_from_config(colocated, "m"), "vllm", cuda=True)["gpu_memory_utilization"] == 0.4
+    assert engine_kwargs(settings_from_config(colocated, "m"), "vllm",
+                         cuda=True)["gpu_memory_utilization"] == 0.4
     own = from_dict({}, ["rollout.gpu_memory_utilization=0.6", "rollout.max_num_seqs=16000",
                          "rollout.max_num_batched_tokens=16384"], cuda_available=True)
     kw = engine_kwargs(settings_from_config(own, "m"), "vllm", cuda=True)
-    assert (kw["gpu_memory_utilization"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (0.6, 16000, 16384)
+    assert (kw["gpu_memory_utilization"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) \
+        == (0.6, 16000, 16384)
     sleeping = from_dict({}, ["rollout.sleep_engines=true"], cuda_available=True)  # colocated by default
     assert engine_kwargs(settings_from_config(sleeping, "m"), "vllm", cuda=True)["enable_sleep_mode"]
     assert "enable_sleep_mode" not in kw

@@ -19,7 +19,8 @@ def test_no_cached_prefix_of_old_weights_serves_a_request(out):
     assert out["cached"].token_ids == out["first"].token_ids
     assert out["cached"].logprobs == pytest.approx(out["first"].logprobs, abs=1e-5)
     # the update changed the model; the request after it equals one computed from scratch
-    assert max(abs(a - b) for a, b in zip(out["after_sync"].logprobs, out["first"].logprobs, strict=True)) > 1e-2
+    assert max(abs(a - b)
+               for a, b in zip(out["after_sync"].logprobs, out["first"].logprobs, strict=True)) > 1e-2
     assert out["after_sync"].token_ids == out["after_sync_fresh"].token_ids
     assert out["after_sync"].logprobs == pytest.approx(out["after_sync_fresh"].logprobs, abs=1e-5)
     # asynchronous: a request submitted while an older one still runs waits for the cache reset
@@ -46,7 +47,8 @@ def test_a_request_held_until_an_update_carries_the_new_version_and_is_kept(out)
     from moe_rl.algos.correction import staleness
 
     assert out["held_through_update"]  # held when version 4 arrived (a request of version 3 still ran)
-    for key, fresh_key, version in (("held_twice", "held_twice_fresh", 4), ("transfer_late", "transfer_fresh", 5)):
+    for key, fresh_key, version in (("held_twice", "held_twice_fresh", 4),
+                                    ("transfer_late", "transfer_fresh", 5)):
         r, fresh = out[key], out[fresh_key]
         assert r.weight_version == version and r.token_versions() == [version] * len(r.token_ids), key
         assert r.token_ids == fresh.token_ids and r.logprobs == pytest.approx(fresh.logprobs, abs=1e-5), key
@@ -55,4 +57,5 @@ def test_a_request_held_until_an_update_carries_the_new_version_and_is_kept(out)
     # the request that ran through the transfer: sampled by version 4, then by 5 (paused in between)
     running = out["transfer_running"]
     switch = running.versions.index(5)
-    assert running.weight_version == 4 and 0 < switch < 50 and running.versions == [4] * switch + [5] * (50 - switch)
+    assert running.weight_version == 4 and 0 < switch < 50 \
+        and running.versions == [4] * switch + [5] * (50 - switch)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 def synced(request, tmp_path_factory):
     tiny_qwen = request.getfixturevalue(f"tiny_{request.param}")
     root = tmp_path_factory.mktemp("sync")
-    n_buckets = run_ranks(megatron_train_export_job, 1, (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
+    n_buckets = run_ranks(megatron_train_export_job, 1,
+                          (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
     gen = run_in_process(vllm_sync_job, (str(tiny_qwen), str(root / "buckets")))
     return root, n_buckets, gen
 
@@ -37,7 +38,8 @@ def test_half_updated_weights_never_generate(synced):
     """A weight update that dies halfway (its source fails mid-stream) leaves the engine refusing to
     generate (the run then replaces the engine: driver/rollout_manager.py)."""
     _, _, gen = synced
-    assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 4 did not finish)")
+    assert gen["refused"].startswith("the engine's weights are half-updated (an update after version 4 did "
+                                     "not finish)")
 
 
 def test_engines_sleep_at_level_2_where_the_syncs_replace_every_weight(synced):
@@ -100,7 +102,8 @@ def test_vllm_logprobs_match_megatron_with_replayed_routes(synced):
     # router logits lie within the ~1e-6 fp32 gap between vLLM's CPU kernels and Megatron's; the bound
     # allows a few such ties (1%, at least one), while a real error (expert ids permuted, routes shifted
     # by a position, layers swapped) drops agreement towards chance (1/6 for top-2 of 4 experts).
-    print(f"free-routing agreement with vLLM: {agree}/{total} = {agree / total:.4f}, replayed logp max err {max_err:.2e}")
+    print(f"free-routing agreement with vLLM: {agree}/{total} = {agree / total:.4f}, replayed logp max err "
+          f"{max_err:.2e}")
     assert total - agree <= max(1, total // 100)
 
 

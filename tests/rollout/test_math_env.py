@@ -59,7 +59,8 @@ def test_extraction_modes_and_limits():
     assert extract_answer("3/4 of it", "boxed_or_last_number") == ("3/4", False)
     long_answer = "\\boxed{" + "1+" * 200 + "1}"
     assert score(long_answer, "201")[0] == pytest.approx(0.1)  # too long to parse: wrong, still boxed
-    reward, info = score("\\boxed{9^{9^{9^{9}}}}", "1", verify_timeout_s=1.0)  # adversarial: the check is bounded
+    # adversarial: the check is bounded
+    reward, info = score("\\boxed{9^{9^{9^{9}}}}", "1", verify_timeout_s=1.0)
     assert reward == pytest.approx(0.1) and info["correct"] == 0.0
     assert score("\\boxed{4}", "4")[0] == pytest.approx(1.1)  # and the next answer is checked as usual
 
@@ -74,9 +75,12 @@ def test_rows_are_checked_for_prompt_and_answer(tmp_path):
                     + json.dumps({"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5"}) + "\n")
     assert len(load_prompts(rows, MathEnv.required_fields, MathEnv.check_row)) == 2
     for row, message in (({"prompt": "q"}, "p.jsonl:1: missing field(s) answer"),
-                         ({"prompt": "q", "answer": ""}, "p.jsonl:1: answer must be a non-empty string or a number"),
-                         ({"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}, "p.jsonl:1: prompt[0].role is 'robot'"),
-                         ({"prompt": 3, "answer": "1"}, "p.jsonl:1: prompt must be a string or a non-empty list")):
+                         ({"prompt": "q", "answer": ""},
+                          "p.jsonl:1: answer must be a non-empty string or a number"),
+                         ({"prompt": [{"role": "robot", "content": "x"}], "answer": "1"},
+                          "p.jsonl:1: prompt[0].role is 'robot'"),
+                         ({"prompt": 3, "answer": "1"},
+                          "p.jsonl:1: prompt must be a string or a non-empty list")):
         rows.write_text(json.dumps(row) + "\n")
         with pytest.raises(DatasetError, match=re.escape(message)):
             load_prompts(rows, MathEnv.required_fields, MathEnv.check_row)
@@ -106,6 +110,8 @@ def test_without_math_verify_the_config_is_refused_at_load(monkeypatch):
 
     from moe_rl.schema import ConfigError
 
-    monkeypatch.setitem(sys.modules, "math_verify", None)  # what find_spec reports for a package not installed
-    with pytest.raises(ConfigError, match=r"math-verify, which is not installed: pip install 'moe-rl\[math\]'"):
+    # what find_spec reports for a package not installed
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(ConfigError,
+                       match=r"math-verify, which is not installed: pip install 'moe-rl\[math\]'"):
         build_options(MathEnv, {})

@@ -19,12 +19,13 @@ CALCULATOR = ("configs/quickstart.yaml", "environment.name=calculator", "environ
 DENIED = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]  # no capabilities after exec, still uid 0
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                                reason="needs root (the sandbox's own requirement) and setpriv to drop capabilities")
+                                reason="needs root (the sandbox's own requirement) and setpriv to drop "
+                                       "capabilities")
 
 
 def run(*cmd: str, denied: bool) -> subprocess.CompletedProcess:
-    return subprocess.run([*(DENIED if denied else []), *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    return subprocess.run([*(DENIED if denied else []), *cmd], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
 
 def test_the_denied_state_refuses_the_namespace_syscall():
@@ -40,8 +41,8 @@ def test_a_tool_environment_is_refused_when_the_config_loads():
     out = run(*moe_rl_cli(), "check-config", *CALCULATOR, denied=True)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr[-3000:]
-    assert lines[0].startswith("moe-rl: error: environment: Calculator runs its tools in the sandbox, and this "
-                               "machine cannot run tool code isolated"), lines[0]
+    assert lines[0].startswith("moe-rl: error: environment: Calculator runs its tools in the sandbox, and "
+                               "this machine cannot run tool code isolated"), lines[0]
     assert "CAP_SYS_ADMIN" in lines[0] and "Operation not permitted" in lines[0]
     out = run(*moe_rl_cli(), "check-config", "configs/quickstart.yaml", denied=True)  # guess_number: no tools
     assert out.returncode == 0, out.stderr[-3000:]
@@ -79,8 +80,8 @@ def test_a_tool_call_raises_rather_than_observes_the_failure():
     assert step.startswith("step: SandboxUnavailable: cannot run tool code isolated"), step
     out = run(sys.executable, "-c", PROBE, denied=False)  # the same where the sandbox runs: a result
     assert out.stdout.strip().splitlines() == [
-        "check: passed", "step: observation: StepResult(observation='<result>2</result>', reward=0.0, done=False, "
-        "final_reward=None, tool_error=False, info={})"], out.stdout + out.stderr[-3000:]
+        "check: passed", "step: observation: StepResult(observation='<result>2</result>', reward=0.0, "
+        "done=False, final_reward=None, tool_error=False, info={})"], out.stdout + out.stderr[-3000:]
 
 
 UNDECLARED = '''
@@ -109,10 +110,12 @@ def test_a_run_whose_tool_finds_no_sandbox_stops_with_one_line(tmp_path):
     tool call raises SandboxUnavailable in the engine's agent loop; the run stops with that line, exit
     code 2 (not an episode's env_error: 'no valid trajectories', nor a tool_error trained on)."""
     (tmp_path / "envs.py").write_text(UNDECLARED)
-    out = run(*moe_rl_cli(), "train", "configs/quickstart.yaml", f"environment.name={tmp_path / 'envs.py'}:Runner",
-              "environment.options={}", "run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=0.001",
-              "trainer.eval_prompts=0", "rollout.prompts_per_step=2", f"run.output_dir={tmp_path / 'run'}",
+    out = run(*moe_rl_cli(), "train", "configs/quickstart.yaml",
+              f"environment.name={tmp_path / 'envs.py'}:Runner", "environment.options={}", "run.steps=1",
+              "trainer.warm_start_steps=0", "trainer.warm_start_lr=0.001", "trainer.eval_prompts=0",
+              "rollout.prompts_per_step=2", f"run.output_dir={tmp_path / 'run'}",
               "logging.progress_bar=false", "cluster.num_cpus=2", denied=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
     assert "starting Ray" in out.stdout  # it got past the config check, into the run
-    assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: cannot run tool code isolated"), out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: cannot run tool code "
+                                                          "isolated"), out.stderr[-3000:]

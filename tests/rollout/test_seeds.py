@@ -47,10 +47,13 @@ def test_every_turn_of_every_sample_of_a_run_has_its_own_seed(tiny_qwen):
     for dynamic in (False, True):
         seeds = run_seeds(tok, 1234, steps=30, dynamic=dynamic)
         assert len(seeds) > 30 * 32 * 2  # several turns per episode
-        assert len(set(seeds)) == len(seeds), f"{len(seeds) - len(set(seeds))} repeated seeds (dynamic={dynamic})"
+        assert len(set(seeds)) == len(seeds), (f"{len(seeds) - len(set(seeds))} repeated seeds "
+                                               f"(dynamic={dynamic})")
         assert all(0 <= s < 2**SEED_BITS for s in seeds)
-        assert seeds == run_seeds(tok, 1234, steps=30, dynamic=dynamic)  # the same run asks for the same seeds
-    assert not set(run_seeds(tok, 1, 5, False)) & set(run_seeds(tok, 2, 5, False))  # nor do two runs share one
+        # the same run asks for the same seeds
+        assert seeds == run_seeds(tok, 1234, steps=30, dynamic=dynamic)
+    # nor do two runs share one
+    assert not set(run_seeds(tok, 1, 5, False)) & set(run_seeds(tok, 2, 5, False))
 
 
 def test_seed_paths_by_hand():

@@ -36,32 +36,37 @@ def rewards_module(tmp_path):
 
 
 def test_the_reward_function_scores_the_decoded_answer(tok, rewards_module):  # noqa: F811
-    spec = EnvSpec("single_turn", {"system_prompt": "Be brief."}, EnvContext(reward_fn=f"{rewards_module}:length"))
+    spec = EnvSpec("single_turn", {"system_prompt": "Be brief."},
+                   EnvContext(reward_fn=f"{rewards_module}:length"))
     agent = Agent(ScriptedPolicy(tok, ["hello", "yo"]), tok, spec, agent_settings(max_turns=1))
     [[a, b]] = asyncio.run(agent.run_groups([{"prompt": [{"role": "user", "content": "hi"}], "id": 3}], 2))
     seen = import_object(f"{rewards_module}:seen")
     assert sorted(seen) == [(3, "hello"), (3, "yo")]  # the row and the decoded answer
     assert sorted([a.terminal_reward, b.terminal_reward]) == [0.2, 0.5] and a.outcome is Outcome.COMPLETED
-    assert {a.info["figures"]["long"], b.info["figures"]["long"]} == {0.0, 1.0} and a.info["figures"]["n"] == 7.0
+    assert {a.info["figures"]["long"], b.info["figures"]["long"]} == {0.0, 1.0} \
+        and a.info["figures"]["n"] == 7.0
     assert "Be brief." in tok.decode(a.token_ids[:a.prompt_len])  # the system prompt comes first
 
 
-@pytest.mark.parametrize("fn, outcome, reward", [("later", Outcome.COMPLETED, 0.5), ("nan", Outcome.ENV_ERROR, 0.0),
+@pytest.mark.parametrize("fn, outcome, reward",
+                         [("later", Outcome.COMPLETED, 0.5), ("nan", Outcome.ENV_ERROR, 0.0),
                                                  ("text", Outcome.ENV_ERROR, 0.0)])
 def test_reward_function_results(tok, rewards_module, fn, outcome, reward):  # noqa: F811
     spec = EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:{fn}"))
-    t = asyncio.run(Agent(ScriptedPolicy(tok, ["x"]), tok, spec, agent_settings(max_turns=1)).run_episode({"prompt": "q"}))
+    t = asyncio.run(Agent(ScriptedPolicy(tok, ["x"]), tok, spec,
+                          agent_settings(max_turns=1)).run_episode({"prompt": "q"}))
     assert t.outcome is outcome and t.terminal_reward == reward
 
 
 def test_bad_reward_functions_and_import_paths_fail_at_start(tok, rewards_module, monkeypatch):  # noqa: F811
     with pytest.raises(EnvImportError, match=r"must take \(row, response\)"):
-        Agent(ScriptedPolicy(tok, []), tok, EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:one_arg")),
-              agent_settings())
+        Agent(ScriptedPolicy(tok, []), tok,
+              EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:one_arg")), agent_settings())
     with pytest.raises(EnvImportError, match="has no missing"):
         import_object(f"{rewards_module}:missing")
     with pytest.raises(EnvImportError, match="is not an import path"):
         import_object("no_colon_here")
     monkeypatch.chdir(ROOT)
-    assert get_env("examples/tool_env/envs.py:Lookup").__name__ == "Lookup"  # a file, relative to the directory
+    # a file, relative to the directory
+    assert get_env("examples/tool_env/envs.py:Lookup").__name__ == "Lookup"
     assert math.isclose(import_object("math:pi"), math.pi)  # a module

@@ -44,7 +44,8 @@ def test_engine_ranks_follow_the_sender():
 def test_weight_transfer_choice():
     assert from_dict({}, [], cuda_available=True).rollout.weight_transfer == "store"
     ep2 = ["parallel.ep=2", "parallel.world_size=2"]
-    nccl = ["rollout.weight_transfer=nccl", "cluster.colocate=false"]  # NCCL: trainer and engines on their own GPUs
+    # NCCL: trainer and engines on their own GPUs
+    nccl = ["rollout.weight_transfer=nccl", "cluster.colocate=false"]
     assert from_dict({}, [*nccl, *ep2], cuda_available=True).rollout.weight_transfer == "nccl"
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs every trainer rank"):
         from_dict({}, ["rollout.weight_transfer=ipc", *ep2], cuda_available=True)
@@ -52,7 +53,8 @@ def test_weight_transfer_choice():
         from_dict({}, ["rollout.weight_transfer=nccl"], cuda_available=False)
     with pytest.raises(ConfigError, match="rollout.weight_transfer: 'ipc' needs CUDA"):
         from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=False)
-    assert from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=True).rollout.weight_transfer == "ipc"
+    assert from_dict({}, ["rollout.weight_transfer=ipc"],
+                     cuda_available=True).rollout.weight_transfer == "ipc"
 
 
 def test_ipc_transfer_is_packed_into_one_bounded_buffer():
@@ -67,7 +69,8 @@ def test_ipc_transfer_is_packed_into_one_bounded_buffer():
 
     mib = 2**20
     named = [("model.embed_tokens.weight", torch.zeros(3 * mib // 4, dtype=torch.float32))]  # 3 MiB
-    named += [(f"model.layers.{i}.mlp.weight", torch.zeros(mib // 2, dtype=torch.bfloat16)) for i in range(8)]  # 1 MiB each
+    # 1 MiB each
+    named += [(f"model.layers.{i}.mlp.weight", torch.zeros(mib // 2, dtype=torch.bfloat16)) for i in range(8)]
     passes = []
 
     def export():
@@ -78,9 +81,11 @@ def test_ipc_transfer_is_packed_into_one_bounded_buffer():
     cls, info = trainer_init_info("ipc", source, 0, "", 0, 1, bucket_mb=2.0)
     assert cls is IPCTrainerWeightTransferEngine and isinstance(info, IPCTrainerInitInfo)
     assert info.packed and info.rank == 0
-    # the largest tensor (3 MiB) does not fit the 2 MiB bucket: the buffer holds it, and not the model (11 MiB)
+    # the largest tensor (3 MiB) does not fit the 2 MiB bucket: the buffer holds it, and not the model (11
+    # MiB)
     assert info.packed_buffer_size_bytes == 3 * mib
     assert ipc_buffer_bytes(4.0, source.metadata()) == 4 * mib and ipc_buffer_bytes(0.5, []) == mib // 2
     assert passes == [1]  # the metadata came from one pass of the export, cached for every later use
     _, other_rank = trainer_init_info("ipc", source, 1, "", 0, 1, bucket_mb=2.0)
-    assert other_rank.packed and other_rank.packed_buffer_size_bytes == info.packed_buffer_size_bytes  # chunk alike
+    # chunk alike
+    assert other_rank.packed and other_rank.packed_buffer_size_bytes == info.packed_buffer_size_bytes

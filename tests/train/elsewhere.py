@@ -91,7 +91,8 @@ class _Factories(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         device = kwargs.get("device")
-        if func in (torch.tensor, torch.as_tensor) and device is not None and torch.device(device) == ELSEWHERE \
+        if func in (torch.tensor, torch.as_tensor) and device is not None \
+                and torch.device(device) == ELSEWHERE \
                 and not isinstance(args[0], torch.Tensor):
             del kwargs["device"]
             return func(*args, **kwargs).to(ELSEWHERE)
@@ -109,7 +110,8 @@ class _Checked(TorchDispatchMode):
         kwargs = dict(kwargs or {})
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         here = [t for t in tensors if isinstance(t, Elsewhere)]
-        stray = [t for t in tensors if not isinstance(t, Elsewhere) and not (t.dim() == 0 and t.device.type == "cpu")]
+        stray = [t for t in tensors if not isinstance(t, Elsewhere)
+                 and not (t.dim() == 0 and t.device.type == "cpu")]
         if here and stray and func not in _COPIES:
             raise DeviceMix(f"{func} mixes devices: " + ", ".join(_describe(t) for t in tensors))
         if any(t.device == ELSEWHERE for t in stray):

@@ -12,8 +12,8 @@ from moe_rl.train.attention import SdpaAttention
 
 
 def attention():
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                            attention_dropout=0.0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=8, attention_dropout=0.0)
     return SdpaAttention(cfg, 1, AttnMaskType.causal, "self")
 
 
@@ -29,12 +29,14 @@ def reference(q, k, v, lengths, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("lengths", [[5, 7, 6, 7], [1, 1, 12], [9]])  # batched; per sequence (padding > 2x); one
+# batched; per sequence (padding > 2x); one
+@pytest.mark.parametrize("lengths", [[5, 7, 6, 7], [1, 1, 12], [9]])
 def test_packed_attention_equals_sequence_by_sequence(lengths, monkeypatch):
     attn = attention()
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     g = torch.Generator().manual_seed(0)
     t = sum(lengths)
     q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))

@@ -25,7 +25,8 @@ def test_save_two_ranks_load_one(tmp_path, tiny_qwen, layout):
     assert loaded["step2"]["grad_norm"] == pytest.approx(ref["step2"]["grad_norm"], rel=1e-5)
     _, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
-    torch.testing.assert_close(loaded["after"].logp_BS * valid, ref["after"].logp_BS * valid, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loaded["after"].logp_BS * valid, ref["after"].logp_BS * valid, atol=1e-5,
+                               rtol=0)
 
 
 def test_distributed_optimizer_resume(tmp_path, tiny_qwen):
@@ -41,7 +42,8 @@ def test_distributed_optimizer_resume(tmp_path, tiny_qwen):
         assert res["steps"] == 2 and res["extra"] == {"step": 1, "note": "after one update"}
         assert res["step2"]["loss"] == pytest.approx(ref["step2"]["loss"], abs=1e-6)
         assert res["step2"]["grad_norm"] == pytest.approx(ref["step2"]["grad_norm"], rel=1e-5)
-        torch.testing.assert_close(res["after"].logp_BS * valid, ref["after"].logp_BS * valid, atol=1e-6, rtol=0)
+        torch.testing.assert_close(res["after"].logp_BS * valid, ref["after"].logp_BS * valid, atol=1e-6,
+                                   rtol=0)
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path, tiny_qwen):

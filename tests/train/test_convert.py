@@ -35,12 +35,14 @@ def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_pat
     assert done.role == "policy" and (mc / HF_CONFIG_DIR / "config.json").is_file()
     back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(pp=2, ep=2))  # another layout, 4 ranks
     assert_same_tensors(tiny_qwen, back.out)
-    assert json.loads((back.out / "config.json").read_text()) == json.loads((tiny_qwen / "config.json").read_text())
+    assert (json.loads((back.out / "config.json").read_text())
+            == json.loads((tiny_qwen / "config.json").read_text()))
     # the converted checkpoint, loaded by a single-rank trainer, gives transformers' log-probs
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen), str(mc), "policy"))[0]
     assert out.logp_BS.shape == ids.shape == (B, S)
-    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen, ids)[:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen, ids)[:, 1:], atol=1e-5,
+                               rtol=0)
 
 
 def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
@@ -59,7 +61,8 @@ def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, 
     assert_same_tensors(tiny_qwen_dense, back.out)
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(tiny_qwen_dense), str(mc), "policy"))[0]
-    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5,
+                               rtol=0)
 
 
 def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, tiny_qwen):
@@ -157,7 +160,9 @@ def test_cli_and_tool_script(tmp_path, tiny_qwen):
     assert r.returncode == 0, r.stderr
     assert_same_tensors(tiny_qwen, tmp_path / "hf")
     # user errors: one line, exit 2
-    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf", str(tmp_path / "nothing"),
-                        str(tmp_path / "hf2")], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf",
+                        str(tmp_path / "nothing"), str(tmp_path / "hf2")], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == f"moe-rl: error: {tmp_path / 'nothing'}: no such checkpoint directory"
+    assert r.stderr.strip().splitlines()[-1] == (f"moe-rl: error: {tmp_path / 'nothing'}: no such checkpoint "
+                                                 "directory")

@@ -48,7 +48,8 @@ def shim_checks(rank, world):
     torch.cuda.synchronize()
     out["streams"] = {"x": x.tolist(), "event_done": ev.query(), "elapsed": ev.elapsed_time(ev),
                       "stream_event_done": s.record_event().query(),
-                      "installed": torch.cuda.Stream is cpu_compat._NoStream and torch.cuda.Event is cpu_compat._NoEvent}
+                      "installed": torch.cuda.Stream is cpu_compat._NoStream
+                      and torch.cuda.Event is cpu_compat._NoEvent}
 
     # cuda_device
     out["current_device"] = torch.cuda.current_device()
@@ -124,7 +125,8 @@ def test_every_shim_in_a_fresh_process():
     assert out["param_type"] == "torch.cuda.FloatTensor" and out["explicit_type"] == "torch.float64"
     assert out["all_to_all"] == [0.0, 1.0, 2.0, 3.0]
     shim = "moe_rl.train.cpu_compat._optimizer_step.<locals>."
-    assert out["optimizer_step"] == {"needed": True, "patched": [shim + "state_dict", shim + "load_state_dict",
+    assert out["optimizer_step"] == {"needed": True,
+                                     "patched": [shim + "state_dict", shim + "load_state_dict",
                                                                  shim + "set_states"]}
     # behaviour: test_checkpoint.py::test_distributed_optimizer_resume (DP2 save, DP2 load)
 

@@ -80,8 +80,10 @@ def test_packing_builds_its_offsets_and_masks_on_the_device():
             assert t.device == ELSEWHERE
     assert (p.total, p.real, params.max_seqlen_q) == (ref.total, ref.real, 6) == (16, 14, 6)
     assert torch.equal(plain(p.cu_seqlens), ref.cu_seqlens)
-    assert torch.equal(plain(packed), ref.pack(ids)) and torch.equal(plain(packed_routes), ref.pack(routes, fill=-1))
-    assert torch.equal(plain(back), ref.unpack(ref.pack(ids))) and torch.equal(plain(positions), ref.positions())
+    assert torch.equal(plain(packed), ref.pack(ids)) \
+        and torch.equal(plain(packed_routes), ref.pack(routes, fill=-1))
+    assert torch.equal(plain(back), ref.unpack(ref.pack(ids))) \
+        and torch.equal(plain(positions), ref.positions())
 
 
 @pytest.fixture

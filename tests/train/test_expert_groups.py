@@ -25,7 +25,8 @@ def uneven_job(rank, world, hf_path, ep):
 
     parallel.init_distributed(parallel.Layout(ep=ep))
     cfg = RunConfig()
-    optim = dataclasses.replace(settings.optim_settings(cfg, 1e-3), micro_batch_tokens=12, pack_sequences=False)
+    optim = dataclasses.replace(settings.optim_settings(cfg, 1e-3), micro_batch_tokens=12,
+                                pack_sequences=False)
     w = TrainWorker(settings.model_spec(cfg, hf_path), optim=optim)
     g = torch.Generator().manual_seed(5)
     B, S = len(LENGTHS), max(LENGTHS)

@@ -46,7 +46,8 @@ def te_job(rank, world, hf_path, fp8, tp):
     exact_fp32_matmuls()  # torch's own products (router, output layer) in full fp32: only TE's GEMMs are TF32
     parallel.init_distributed(parallel.Layout(tp=tp))
     assert torch.distributed.get_backend() == "nccl"
-    spec = model_spec(hf_path, layer_spec="transformer_engine", fp8=fp8, dtype="bfloat16" if fp8 != "none" else "float32")
+    spec = model_spec(hf_path, layer_spec="transformer_engine", fp8=fp8,
+                      dtype="bfloat16" if fp8 != "none" else "float32")
     w = TrainWorker(spec, optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     ids = te_ids()  # on the CPU, as from Ray: the worker moves it
     lengths = torch.full((4,), 32)
@@ -67,7 +68,8 @@ def fp8_support(recipe: str) -> tuple[bool, str]:
     needs("transformer_engine.pytorch")
     check = {"delayed": "check_fp8_support", "tensorwise": "check_fp8_support",
              "blockwise": "check_fp8_block_scaling_support", "mxfp8": "check_mxfp8_support"}[recipe]
-    for where in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):  # TE 2.8+, before
+    # TE 2.8+, before
+    for where in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
         try:
             return getattr(importlib.import_module(where), check)()
         except (ImportError, AttributeError):
@@ -111,7 +113,8 @@ def vllm_routes_job(rank, world, model_path):
     engine = RolloutEngine(engine_settings(model_path, route_source="vllm", seed=0))
     first = engine.generate([[257, 84, 82, 68]], Sampling(max_tokens=6, seed=1))[0]
     start = first.routes.num_positions
-    nxt = engine.generate([first.prompt_ids + first.token_ids + [198]], Sampling(max_tokens=4, seed=2, routes_from=start))[0]
+    nxt = engine.generate([first.prompt_ids + first.token_ids + [198]],
+                          Sampling(max_tokens=4, seed=2, routes_from=start))[0]
     return {"first": first, "next": nxt, "start": start, "source": engine.route_source}
 
 
@@ -143,7 +146,8 @@ TRANSFER_RUNS = {
 }
 
 
-@pytest.mark.parametrize("transfer", [pytest.param(name, marks=needs_gpus(gpus)) for name, (_, gpus) in TRANSFER_RUNS.items()])
+@pytest.mark.parametrize("transfer", [pytest.param(name, marks=needs_gpus(gpus))
+                                      for name, (_, gpus) in TRANSFER_RUNS.items()])
 def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     import subprocess
     import sys
@@ -153,7 +157,8 @@ def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
 
     needs("vllm")
     overrides, _ = TRANSFER_RUNS[transfer]
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={tmp_path}", *overrides]
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml",
+           f"run.output_dir={tmp_path}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"weight sync: {transfer}" in proc.stdout

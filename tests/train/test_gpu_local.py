@@ -42,7 +42,8 @@ def state(worker) -> dict[str, torch.Tensor]:
 
 
 def offload_round_trip(worker) -> dict:
-    """offload (device memory freed: on CUDA, counted) then onload: every tensor back bitwise, where it was."""
+    """offload (device memory freed: on CUDA, counted) then onload: every tensor back bitwise, where it
+    was."""
     cuda = worker.device.type == "cuda"
     before, held = state(worker), torch.cuda.memory_allocated() if cuda else 0
     moved = worker.offload()
@@ -65,7 +66,8 @@ def cp_gather_round_trip(device: torch.device) -> dict:
     upstream = torch.randn(2, 8, 3, device=device, generator=g)
     out = gather_sequence(x, 1, ps.get_context_parallel_group())
     out.backward(upstream)
-    return {"device": str(out.device), "forward": torch.equal(out, x), "backward": torch.equal(x.grad, upstream)}
+    return {"device": str(out.device), "forward": torch.equal(out, x),
+            "backward": torch.equal(x.grad, upstream)}
 
 
 def attempt(fn, *args):
@@ -111,7 +113,8 @@ def local_job(rank, world, hf_path, dtype, checks=False):
     replay = policy.score(Batch(ids, lengths, free.routes_BSLK))
     out = {"device": str(policy.device), "free": free, "replay": replay}
     if checks:  # the same weights, each row its own microbatch row (right-padded), the routes replayed
-        out["replay_unpacked"] = attempt(unpacked_replay, hf_path, dtype, optim, Batch(ids, lengths, free.routes_BSLK))
+        out["replay_unpacked"] = attempt(unpacked_replay, hf_path, dtype, optim,
+                                         Batch(ids, lengths, free.routes_BSLK))
         out["packs"] = policy._packs()
     before = snapshot(policy)
     shard = Batch(ids, lengths, free.routes_BSLK, **policy_tensors(replay.logp_BS, mask, adv))
@@ -119,7 +122,8 @@ def local_job(rank, world, hf_path, dtype, checks=False):
     out["policy_moved"] = largest_change(policy, before)
     if checks:
         out["offload"] = attempt(offload_round_trip, policy)
-        out["step_after_onload"] = attempt(lambda: policy.train_step(shard, policy_loss(), Denominator(mask)).figures)
+        out["step_after_onload"] = attempt(lambda: policy.train_step(shard, policy_loss(),
+                                                                     Denominator(mask)).figures)
         out["cp_gather"] = attempt(cp_gather_round_trip, policy.device)
 
     critic = TrainWorker(model_spec(hf_path, dtype=dtype, routing_replay=False), role="critic", optim=optim)

@@ -26,7 +26,8 @@ def test_the_transformer_engine_spec_uses_megatron_lms_moe_fusions(fused_wgrad):
     for on in ("moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion", "bias_activation_fusion",
                "bias_dropout_fusion", "persist_layer_norm"):
         assert flags[on], on
-    assert flags["gradient_accumulation_fusion"] == fused_wgrad  # megatron-core's output layer needs apex's kernel
+    # megatron-core's output layer needs apex's kernel
+    assert flags["gradient_accumulation_fusion"] == fused_wgrad
     assert not flags["masked_softmax_fusion"]  # the scripts' --no-masked-softmax-fusion
     assert not flags["moe_router_fusion"]  # megatron-core's fused top-k bypasses RouterReplay (R3)
 

@@ -75,7 +75,8 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     assert all(d > 0 for d in ref["router_moved"])  # router gradients flow under replay
     valid, _ = _valid()
     after_routes = ref["after_free"].routes_BSLK
-    changed = ((after_routes.sort(-1).values != routes.sort(-1).values).any(-1).any(-1) & valid).float().mean()
+    changed = ((after_routes.sort(-1).values != routes.sort(-1).values).any(-1).any(-1)
+               & valid).float().mean()
     # lr 1e-2 moves the routers: some tokens route differently now, and replay pins them to the old routes
     gap = ((ref["after_replay"].logp_BS - ref["after_free"].logp_BS).abs() * valid).max()
     assert float(changed) > 0 and float(gap) > 0
@@ -106,10 +107,11 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
         assert res["dp_rank"][0] == res["dp_rank"][1]  # parallel.dp_rank_of agrees with megatron's groups
         for key in ("free", "replay", "after_replay", "after_free"):
             for name in ("logp_BS", "entropy_BS"):
-                torch.testing.assert_close(getattr(res[key], name) * valid, getattr(ref[key], name) * valid, **TOL,
-                                           msg=f"{key}/{name}")
+                torch.testing.assert_close(getattr(res[key], name) * valid, getattr(ref[key], name) * valid,
+                                           **TOL, msg=f"{key}/{name}")
         v = valid[:, :, None, None]
-        torch.testing.assert_close(res["free"].routes_BSLK * v, ref["free"].routes_BSLK * v)  # padding routes are arbitrary
+        # padding routes are arbitrary
+        torch.testing.assert_close(res["free"].routes_BSLK * v, ref["free"].routes_BSLK * v)
     if "cp" in layout:
         assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
@@ -128,5 +130,6 @@ def test_replay_under_activation_recompute(reference, tiny_qwen, pack):
     valid, _ = _valid()
     assert res["step"]["loss"] == pytest.approx(ref["step"]["loss"], abs=1e-6)
     assert res["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-5)
-    torch.testing.assert_close(res["after_replay"].logp_BS * valid, ref["after_replay"].logp_BS * valid, **TOL)
+    torch.testing.assert_close(res["after_replay"].logp_BS * valid, ref["after_replay"].logp_BS * valid,
+                               **TOL)
     assert res["refused"].startswith("sample 1 position 2 has no recorded route (ids [255, ")

@@ -39,7 +39,8 @@ def test_logprobs_match_transformers(arch, request):
     torch.testing.assert_close(res["free"].logp_BS * valid, ref * valid, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
+@pytest.mark.parametrize("arch,layout",
+                         [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
                                          ("qwen2_moe", {"tp": 2})])
 def test_hf_round_trip_is_bitwise(arch, layout, request):
     tiny_qwen = request.getfixturevalue(f"tiny_{arch}")
@@ -63,7 +64,8 @@ def test_dense_layers_of_qwen_moe_configs():
     from moe_rl.weights.hf import dense_layers
 
     assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=1)) == [0]
-    assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)) == [0, 2]  # MoE at 1, 3
+    # MoE at 1, 3
+    assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2)) == [0, 2]
     assert dense_layers(C(num_hidden_layers=4, mlp_only_layers=[3], decoder_sparse_step=2)) == [0, 2, 3]
     assert dense_layers(C(num_hidden_layers=4, num_local_experts=8)) == []  # Mixtral: experts everywhere
 
@@ -115,7 +117,8 @@ def test_reward_model_scores_equal_transformers(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     rm = tmp_path / "rm"
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model", "--seed", "3"],
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "tiny", str(rm), "--reward-model", "--seed",
+                           "3"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ids, lengths, _, _ = batch_tensors()

@@ -24,7 +24,8 @@ def odd_job(rank, world, hf_path, layout):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-3, micro_batch_tokens=64, pack_sequences=False))
+    w = TrainWorker(model_spec(hf_path),
+                    optim=optim_settings(1e-3, micro_batch_tokens=64, pack_sequences=False))
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (B, S), generator=g)
     lengths = torch.tensor(LENGTHS)
@@ -35,8 +36,9 @@ def odd_job(rank, world, hf_path, layout):
         out[pack] = w.score(Batch(ids, lengths))
     dp, dps = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
     rows = slice(dp * B // dps, (dp + 1) * B // dps)
-    full = Batch(ids, lengths, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=torch.randn(B, S, generator=g) * mask,
-                 logp_old_BS=out[False].logp_BS, is_weight_BS=torch.ones(B, S))
+    full = Batch(ids, lengths, pg_mask_BS=mask, loss_mask_BS=mask,
+                 adv_BS=torch.randn(B, S, generator=g) * mask, logp_old_BS=out[False].logp_BS,
+                 is_weight_BS=torch.ones(B, S))
     # PPO-Clip, token mean, as configured by default; pi_old given (scored by a pass of its own)
     loss = settings.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
     out["step"] = w.train_step(full.rows(rows), loss, {"policy": mask.sum().double()}).figures
@@ -51,7 +53,8 @@ def one_rank(tiny_qwen):
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"ep": 2}, {"cp": 2}])
 def test_odd_lengths_match_one_rank(one_rank, tiny_qwen, layout):
     valid = torch.arange(S) < torch.tensor(LENGTHS).unsqueeze(1)
-    torch.testing.assert_close(one_rank[True].logp_BS * valid, one_rank[False].logp_BS * valid, atol=1e-5, rtol=0)
+    torch.testing.assert_close(one_rank[True].logp_BS * valid, one_rank[False].logp_BS * valid, atol=1e-5,
+                               rtol=0)
     results = run_ranks(odd_job, 2, (str(tiny_qwen), layout))
     for res in results:
         for pack in (False, True):

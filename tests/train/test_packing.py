@@ -27,7 +27,8 @@ def test_every_fp8_recipe_has_an_alignment():
     assert FP8_ALIGN["none"] == 1 and FP8_ALIGN["mxfp8"] == 32 and FP8_ALIGN["delayed"] == 16
 
 
-@pytest.mark.parametrize("tp,cp,fp8", [(1, 1, "delayed"), (2, 1, "tensorwise"), (2, 2, "blockwise"), (4, 1, "mxfp8"),
+@pytest.mark.parametrize("tp,cp,fp8",
+                         [(1, 1, "delayed"), (2, 1, "tensorwise"), (2, 2, "blockwise"), (4, 1, "mxfp8"),
                                        (1, 2, "none")])
 def test_each_ranks_share_of_every_microbatch_is_aligned(tp, cp, fp8):
     g = torch.Generator().manual_seed(0)

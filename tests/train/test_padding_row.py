@@ -51,7 +51,8 @@ def hf_gradients(hf_path, ids, lengths, mask, tensors, out):
     logp, entropy = torch.zeros(B, S), torch.zeros(B, S)
     logp[:, 1:] = lp_BSV[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     entropy[:, 1:] = -(lp_BSV.exp() * lp_BSV).sum(-1)[:, :-1]
-    numerators, _ = policy_loss()({"logp_BS": logp, "entropy_BS": entropy}, Batch(ids, lengths, None, **tensors))
+    numerators, _ = policy_loss()({"logp_BS": logp, "entropy_BS": entropy},
+                                  Batch(ids, lengths, None, **tensors))
     den = Denominator(mask)
     sum(num / den[k] for k, num in numerators.items()).backward()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
@@ -95,7 +96,8 @@ def test_update_gradients_equal_transformers_with_pad_tokens(tiny_qwen, tmp_path
     for res in ranks:
         assert set(res["grads"]) == set(ref)
         for name, g in ref.items():
-            torch.testing.assert_close(res["grads"][name], g, atol=1e-6, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(res["grads"][name], g, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
         assert res["step"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     row = ranks[0]["grads"]["model.embed_tokens.weight"][pad]
     if tied:  # the LM head's gradient reaches the row; the lookup's does not

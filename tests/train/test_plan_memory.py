@@ -114,20 +114,24 @@ def state_bytes_job(rank, world, hf_path, layout, dtype):
     w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     logp = w.score(Batch(ids, lengths)).logp_BS
-    w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask))
+    w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
+                 Denominator(mask))
     params = list(w.module.parameters())
     buffers = [*w.model.buffers, *w.model.expert_parallel_buffers]
-    held = [t.untyped_storage() for t in [*params, *(b.param_data for b in buffers if b.param_data is not None),
+    held = [t.untyped_storage()
+            for t in [*params, *(b.param_data for b in buffers if b.param_data is not None),
                                           *(b.grad_data for b in buffers)]]
     optimizer = []
     for opt in getattr(w.optimizer, "chained_optimizers", [w.optimizer]):
         optimizer += [p for group in opt.optimizer.param_groups for p in group["params"]]
-        optimizer += [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        optimizer += [v for state in opt.optimizer.state.values() for v in state.values()
+                      if isinstance(v, torch.Tensor)]
     return {"distributed": w.ddp_config.use_distributed_optimizer,
             "weights": sum(p.numel() * p.element_size() for p in params),
             "gradients": _storage_bytes([b.grad_data for b in buffers]),
             "optimizer": _storage_bytes(optimizer, held),
-            "ewma_anchor": sum(t.numel() * t.element_size() for t in EwmaAnchor(w.local_params(), 0.9).params.values())}
+            "ewma_anchor": sum(t.numel() * t.element_size()
+                               for t in EwmaAnchor(w.local_params(), 0.9).params.values())}
 
 
 @pytest.mark.slow
@@ -135,7 +139,8 @@ def state_bytes_job(rank, world, hf_path, layout, dtype):
     ({"cp": 2}, "float32", False),  # dp 1: no distributed optimizer, so no sharding over cp either
     ({"ep": 2}, "bfloat16", True),  # dp 2: dense state over dp*cp = 2, expert state over edp = 2 / ep = 1
 ], ids=["cp2-fp32", "dp2-ep2-bf16"])
-def test_weights_gradients_optimizer_and_anchor_terms_are_measured_bytes(tiny_qwen, layout, dtype, distributed):
+def test_weights_gradients_optimizer_and_anchor_terms_are_measured_bytes(
+        tiny_qwen, layout, dtype, distributed):
     cfg = _plan_cfg(dtype, parallel={**layout, "world_size": 2},
                     algorithm={"anchor": "ewma", "correction": "tis_token"})  # for the anchor's term
     planned = trainer_memory(_shape(cfg), cfg, "policy")

@@ -27,5 +27,6 @@ def test_the_update_forward_gives_pi_old_bitwise(tiny_qwen):
 
 def test_mu_unequal_to_pi_old_is_refused_before_the_update(tiny_qwen):
     for r in run_ranks(proximal_job, 2, (str(tiny_qwen), True, 0.01)):
-        assert r["refused"].startswith("batch check 'sync_roles' failed: sample 0: mu and pi_old differ by 0.01")
+        assert r["refused"].startswith("batch check 'sync_roles' failed: sample 0: mu and pi_old differ by "
+                                       "0.01")
         assert r["untouched"]

@@ -38,8 +38,8 @@ def policy_tensors(logp_now, mask, adv):
     g = torch.Generator().manual_seed(1)
     offset = 0.15 * torch.randn(B, S, generator=g)
     is_weight = 0.5 + torch.rand(B, S, generator=g)
-    return {"pg_mask_BS": mask, "loss_mask_BS": mask, "adv_BS": adv, "logp_old_BS": (logp_now - offset) * mask,
-            "is_weight_BS": is_weight}
+    return {"pg_mask_BS": mask, "loss_mask_BS": mask, "adv_BS": adv,
+            "logp_old_BS": (logp_now - offset) * mask, "is_weight_BS": is_weight}
 
 
 class Denominator(dict):
@@ -80,8 +80,10 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     tensors = policy_tensors(out["replay"].logp_BS, mask, adv)  # pi_old: scored with the replayed routes
     shard = Batch(ids, lengths, routes, **tensors).rows(rows)
     routers = [(n, p.detach().clone()) for n, p in w.module.named_parameters() if "router" in n]
-    out["step"] = w.train_step(shard, policy_loss(), Denominator(mask)).figures  # global denominator of the batch
-    out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max()) for n, p in routers]
+    # global denominator of the batch
+    out["step"] = w.train_step(shard, policy_loss(), Denominator(mask)).figures
+    out["router_moved"] = [float((p - dict(w.module.named_parameters())[n].detach()).abs().max())
+                           for n, p in routers]
     out["after_replay"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(free, record_routes=True)
     out["mbs"] = len(shard.microbatches(24))
@@ -112,7 +114,8 @@ def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
         checkpoint.save(w, ckpt_dir, extra={"step": 1, "note": "after one update"})
         import multiprocessing
 
-        extra = {"children": [p.name for p in multiprocessing.active_children()]}  # what the save left running
+        # what the save left running
+        extra = {"children": [p.name for p in multiprocessing.active_children()]}
     else:
         extra = checkpoint.load(w, ckpt_dir)
     step2 = w.train_step(batch(), policy_loss(), Denominator(mask)).figures
@@ -149,7 +152,8 @@ def critic_job(rank, world, hf_path, layout):
     # values_old 0 with clip=None: the loss is 1/2 (V(s_t) - G_t)^2 on model tokens, V(s_t) = out[t-1]
     batch = Batch(ids, lengths, mask_BS=mask, returns_BS=returns, values_old_BS=torch.zeros(B, S))
 
-    emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() if w.ps.is_pipeline_first_stage() else None
+    emb0 = dict(w.module.named_parameters())["embedding.word_embeddings.weight"].detach().clone() \
+        if w.ps.is_pipeline_first_stage() else None
     head = w.module.output_layer.weight if w.ps.is_pipeline_last_stage() else None
     head0 = None if head is None else head.detach().clone()
     step = w.train_step(batch, ValueLoss(None), Denominator(mask)).figures
@@ -157,7 +161,8 @@ def critic_job(rank, world, hf_path, layout):
     backbone = {n: p.detach().clone() for n, p in w.module.named_parameters() if "output_layer" not in n}
     # a second step: its loss is computed from `after` (nonzero values), where the V(s_t) shift shows
     step2 = w.train_step(batch, ValueLoss(None), Denominator(mask)).figures
-    return {"before": before, "after": after, "step": step, "step2": step2, "backbone_names": sorted(backbone),
+    return {"before": before, "after": after, "step": step, "step2": step2,
+            "backbone_names": sorted(backbone),
             "head_moved": None if head is None else float((head.detach() - head0).abs().max()),
             "embedding_at_start": emb0}
 
@@ -175,7 +180,8 @@ def own_routes_job(rank, world, hf_path, seeds):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-5, micro_batch_tokens=24, pack_sequences=False))
+    w = TrainWorker(model_spec(hf_path),
+                    optim=optim_settings(1e-5, micro_batch_tokens=24, pack_sequences=False))
     gaps = []
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
@@ -220,7 +226,8 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    w = TrainWorker(model_spec(hf_path, dtype=dtype),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     out = {"moved": [], "steps": [], "scores": []}
     for _ in range(2):
@@ -237,8 +244,8 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
             w.onload()
         logp = w.score(Batch(ids, lengths)).logp_BS
         out["scores"].append(logp)
-        out["steps"].append(w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
-                                         Denominator(mask)).figures)
+        out["steps"].append(w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)),
+                                         policy_loss(), Denominator(mask)).figures)
     out["weights"] = {n: p.detach().clone() for n, p in w.module.named_parameters()}
     return out
 
@@ -256,11 +263,11 @@ def nonfinite_job(rank, world, hf_path):
     logp = w.score(Batch(ids, lengths)).logp_BS
     poisoned = adv.clone()
     poisoned[rows.start, 5] = float("nan") if rank == 0 else poisoned[rows.start, 5]
-    bad = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, poisoned)).rows(rows), policy_loss(),
-                       Denominator(mask)).figures
+    bad = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, poisoned)).rows(rows),
+                       policy_loss(), Denominator(mask)).figures
     untouched = all(torch.equal(before[n], p) for n, p in w.module.named_parameters())
-    good = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)).rows(rows), policy_loss(),
-                        Denominator(mask)).figures
+    good = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)).rows(rows),
+                        policy_loss(), Denominator(mask)).figures
     finite = all(bool(torch.isfinite(p).all()) for p in w.module.parameters())
     moved = any(not torch.equal(before[n], p) for n, p in w.module.named_parameters())
     return {"bad": bad, "untouched": untouched, "good": good, "finite": finite, "moved": moved}
@@ -277,7 +284,8 @@ def router_loss_job(rank, world, hf_path, aux, z):
                     optim=optim_settings(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     logp = w.score(Batch(ids, lengths)).logp_BS
-    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(), Denominator(mask)).figures
+    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
+                           Denominator(mask)).figures
     routers = {n: p.detach().clone() for n, p in w.module.named_parameters() if "router" in n}
     return {"figures": figures, "routers": routers}
 
@@ -314,12 +322,15 @@ def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
     loss = dataclasses.replace(POLICY, old_from_forward=from_forward, check_sync=from_forward)
     rows = parallel.dp_rows(B, rank, world)
     shard = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, adv_BS=adv, logp_old_BS=logp,
-                  is_weight_BS=torch.ones(B, S), logp_mu_BS=logp + mu_offset * mask).rows(rows).only(loss.fields)
+                  is_weight_BS=torch.ones(B, S),
+                  logp_mu_BS=logp + mu_offset * mask).rows(rows).only(loss.fields)
     before = [p.detach().clone() for p in w.module.parameters()]
     try:
         step = w.train_step(shard, loss, Denominator(mask), keep_logp=from_forward)
     except BatchCheckError as err:
-        return {"refused": str(err), "untouched": all(torch.equal(a, p) for a, p in zip(before, w.module.parameters(), strict=True))}
+        return {"refused": str(err),
+                "untouched": all(torch.equal(a, p)
+                                 for a, p in zip(before, w.module.parameters(), strict=True))}
     params = [p.detach().clone() for p in w.module.parameters()]
     return {"step": step, "scored": logp[rows], "params": params, "fields": loss.fields,
             "moved": sum(not torch.equal(a, p) for a, p in zip(before, params, strict=True))}

@@ -56,8 +56,10 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=256)
     ap.add_argument("--T", type=int, default=16384)
     ap.add_argument("--obs-frac", type=float, default=0.3)
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds (kernel, tensor path, pass)")
-    ap.add_argument("--loop-rows", type=int, default=256, help="rows the Python loop and the kernel it is compared with run on")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="interleaved timing rounds (kernel, tensor path, pass)")
+    ap.add_argument("--loop-rows", type=int, default=256,
+                    help="rows the Python loop and the kernel it is compared with run on")
     args = ap.parse_args()
     B, T = args.B, args.T
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +69,8 @@ def main() -> None:
     terminated = torch.rand(B, generator=gen) < 0.5
     boundary = torch.randn(B, generator=gen)
     gamma, lam = 1.0, 0.95
-    print(f"masked GAE  B={B} T={T}  observation tokens {1 - mask.float().mean():.1%}  threads {torch.get_num_threads()}")
+    print(f"masked GAE  B={B} T={T}  observation tokens {1 - mask.float().mean():.1%}  threads "
+          f"{torch.get_num_threads()}")
 
     def kernel():
         return masked_gae(rewards, values, mask, terminated, boundary, gamma, lam, backend="kernel")
@@ -104,7 +107,8 @@ def main() -> None:
     loop = time.perf_counter() - t0
     t_kernel_rows = []
     for _ in range(args.repeats):
-        kernel_term, _ = timed(masked_gae, t_kernel_rows, r_rows, v_rows, m_rows, ones, b_rows, gamma, lam, "kernel")
+        kernel_term, _ = timed(masked_gae, t_kernel_rows, r_rows, v_rows, m_rows, ones, b_rows, gamma, lam,
+                               "kernel")
     fast_rows = statistics.median(t_kernel_rows)
     loop_err = float((kernel_term - loop_adv).abs().max())
 
@@ -116,22 +120,25 @@ def main() -> None:
     torch_err = float((adv_torch.double() - ref).abs().max())
 
     figures = {
-        "bench": "gae", "B": B, "T": T, "obs_frac": round(1 - float(mask.float().mean()), 3), "rounds": args.repeats,
-        "kernel_ms": round(fast * 1e3, 2), "torch_path_ms": round(slow * 1e3, 2),
+        "bench": "gae", "B": B, "T": T, "obs_frac": round(1 - float(mask.float().mean()), 3),
+        "rounds": args.repeats, "kernel_ms": round(fast * 1e3, 2), "torch_path_ms": round(slow * 1e3, 2),
         "elementwise_pass_ms": round(ew * 1e3, 2), "loop_ms": round(loop * 1e3, 1),
         "loop_rows": rows, "kernel_loop_rows_ms": round(fast_rows * 1e3, 2),
         "speedup_vs_loop": round(loop / fast_rows, 1), "kernel_speedup_vs_torch_path": round(slow / fast, 2),
-        "kernel_vs_elementwise_pass": round(fast / ew, 2), "torch_path_vs_elementwise_pass": round(slow / ew, 2),
-        "max_abs_err": err, "torch_path_max_abs_err": torch_err, "max_abs_err_vs_loop": loop_err,
+        "kernel_vs_elementwise_pass": round(fast / ew, 2),
+        "torch_path_vs_elementwise_pass": round(slow / ew, 2), "max_abs_err": err,
+        "torch_path_max_abs_err": torch_err, "max_abs_err_vs_loop": loop_err,
     }
     print(f"fused kernel      {fast * 1e3:9.2f} ms   (backend='kernel', median of {args.repeats})")
-    print(f"tensor path       {slow * 1e3:9.2f} ms   (backend='torch', used off-CPU; kernel {slow / fast:.2f}x faster)")
-    print(f"elementwise pass  {ew * 1e3:9.2f} ms   (one torch pass over the same bytes; kernel {fast / ew:.2f}x, "
-          f"tensor path {slow / ew:.2f}x of it)")
+    print(f"tensor path       {slow * 1e3:9.2f} ms   (backend='torch', used off-CPU; kernel "
+          f"{slow / fast:.2f}x faster)")
+    print(f"elementwise pass  {ew * 1e3:9.2f} ms   (one torch pass over the same bytes; kernel "
+          f"{fast / ew:.2f}x, tensor path {slow / ew:.2f}x of it)")
     print(f"Python loop       {loop * 1e3:9.1f} ms   (per-token reverse loop on {rows} rows, all terminated; "
           f"the kernel on the same rows {fast_rows * 1e3:.2f} ms)")
     print(f"speedup vs loop {loop / fast_rows:.1f}x (target >= 50)")
-    print(f"max abs error vs float64: kernel {err:.2e}, tensor path {torch_err:.2e}; kernel vs loop {loop_err:.2e}")
+    print(f"max abs error vs float64: kernel {err:.2e}, tensor path {torch_err:.2e}; kernel vs loop "
+          f"{loop_err:.2e}")
     print(json.dumps(figures))
 
 

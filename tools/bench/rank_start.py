@@ -29,7 +29,8 @@ def job(rank, world_size):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     for i in range(args.rounds):
         for start in times:
             times[start].append(timed(start))
-        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
+              flush=True)
     spawn, fork = statistics.median(times["spawn"]), statistics.median(times["forkserver"])
     result = {"world_size": args.world_size, "rounds": args.rounds, "spawn_s": round(spawn, 3),
               "forkserver_s": round(fork, 3), "forkserver_first_s": round(first, 3),

@@ -39,8 +39,10 @@ import tempfile
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--colocated", action="store_true", help="trainer offload around every rollout (cluster.offload)")
-    ap.add_argument("--calls", type=int, default=200, help="empty Ray actor calls timed after the run (their median)")
+    ap.add_argument("--colocated", action="store_true",
+                    help="trainer offload around every rollout (cluster.offload)")
+    ap.add_argument("--calls", type=int, default=200,
+                    help="empty Ray actor calls timed after the run (their median)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=32")
     args = ap.parse_args()
     from moe_rl import config
@@ -48,15 +50,18 @@ def main() -> None:
 
     out = tempfile.mkdtemp(prefix="moe_rl_bench_rl_step_")
     cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
-                                                         "trainer.warm_start_steps=2", "trainer.eval_prompts=0",
-                                                         "checkpoint.every=0", "logging.progress_bar=false",
-                                                         *(["cluster.offload=true"] if args.colocated else []),
+                                                         "trainer.warm_start_steps=2",
+                                                         "trainer.eval_prompts=0", "checkpoint.every=0",
+                                                         "logging.progress_bar=false",
+                                                         *(["cluster.offload=true"] if args.colocated
+                                                           else []),
                                                          *args.overrides])
     loop.main(cfg)
     call_ms = empty_actor_call_ms(cfg, args.calls)
     import torch
 
-    hist = torch.load(f"{out}/history.pt", weights_only=False)[1:] or torch.load(f"{out}/history.pt", weights_only=False)
+    hist = torch.load(f"{out}/history.pt", weights_only=False)[1:] \
+        or torch.load(f"{out}/history.pt", weights_only=False)
     parts = {
         "generate": [h["timing/generate_wait_s"] for h in hist],
         "score": [h["timing/score_s"] for h in hist],
@@ -78,24 +83,27 @@ def main() -> None:
         old = statistics.median(h[f"routing/{prefix}route_bytes_per_rank_int64_computed"] for h in hist)
         ratios[f"{prefix}route_bytes_per_rank"] = sent
         ratios[f"{prefix}route_bytes_ratio_computed"] = round(old / sent, 2) if sent else float("nan")
-        print(f"routes per policy rank and step{' (scoring)' if prefix else ''}: {sent / 2**10:.1f} KiB sent (measured); "
-              f"the old path, computed as 8 bytes (int64) per element: {old / 2**10:.1f} KiB, ratio "
-              f"{ratios[f'{prefix}route_bytes_ratio_computed']} (dp={cfg.parallel.dp}; not a measurement)")
+        print(f"routes per policy rank and step{' (scoring)' if prefix else ''}: {sent / 2**10:.1f} KiB sent "
+              f"(measured); the old path, computed as 8 bytes (int64) per element: {old / 2**10:.1f} KiB, "
+              f"ratio {ratios[f'{prefix}route_bytes_ratio_computed']} (dp={cfg.parallel.dp}; not a "
+              "measurement)")
     trips = statistics.median(h["timing/round_trips"] for h in hist)
     trips_frac = trips * call_ms / 1e3 / step
-    print(f"Ray round trips per step (the driver's waits on remote calls): {trips:g}; an empty actor call takes "
-          f"{call_ms:.3f} ms here (median of {args.calls}), so {trips:g} of them would be {100 * trips_frac:.1f}% of the step")
-    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp, "round_trips": trips,
-               "empty_actor_call_ms": round(call_ms, 4), "actor_calls_timed": args.calls,
-               "round_trips_frac_est": round(trips_frac, 4),
+    print(f"Ray round trips per step (the driver's waits on remote calls): {trips:g}; an empty actor call "
+          f"takes {call_ms:.3f} ms here (median of {args.calls}), so {trips:g} of them would be "
+          f"{100 * trips_frac:.1f}% of the step")
+    figures = {"bench": "rl_step", "steps": len(hist), "step_s": round(step, 4), "dp": cfg.parallel.dp,
+               "round_trips": trips, "empty_actor_call_ms": round(call_ms, 4),
+               "actor_calls_timed": args.calls, "round_trips_frac_est": round(trips_frac, 4),
                **{f"{k}_frac": round(v / step, 4) for k, v in med.items()}, **ratios}
     if args.colocated:  # the offload runs between steps (before the rollout), the onload inside them
         offload = statistics.median(h["timing/offload_s"] for h in hist)
         swap = (offload + med["onload"]) / (step + offload)
         moved = statistics.median(h["memory/offloaded_gib"] for h in hist)
-        print(f"colocated: offload {offload * 1e3:.1f} ms + onload {med['onload'] * 1e3:.1f} ms of {moved * 2**10:.1f} MiB "
-              f"= {100 * swap:.1f}% of the step (target <= 10%)")
-        figures |= {"offload_s": round(offload, 4), "swap_frac": round(swap, 4), "offloaded_mib": round(moved * 2**10, 2)}
+        print(f"colocated: offload {offload * 1e3:.1f} ms + onload {med['onload'] * 1e3:.1f} ms of "
+              f"{moved * 2**10:.1f} MiB = {100 * swap:.1f}% of the step (target <= 10%)")
+        figures |= {"offload_s": round(offload, 4), "swap_frac": round(swap, 4),
+                    "offloaded_mib": round(moved * 2**10, 2)}
     print(json.dumps(figures))
 
 

@@ -43,12 +43,14 @@ def main() -> None:
     from moe_rl.rollout.engine import RolloutEngine, Sampling
     from moe_rl.tiny import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_rollout"), TinyModel(), seed=0)
+    path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_rollout"), TinyModel(),
+                                 seed=0)
     engine = RolloutEngine(settings.engine_settings(RunConfig(run=RunSection(seed=0)), str(path)))
     prompts = [[257] + [40 + (i * 7 + j) % 60 for j in range(20)] for i in range(args.prompts)]
     s = Sampling(max_tokens=args.max_tokens, seed=0)
     if engine.route_source != "capture":
-        raise SystemExit(f"rollout bench: routes come from {engine.route_source!r} here; it switches the capture hook")
+        raise SystemExit(f"rollout bench: routes come from {engine.route_source!r} here; it switches the "
+                         "capture hook")
     engine.generate(prompts, s)  # warm-up
     times = {True: [], False: []}
     tokens = {True: 0, False: 0}
@@ -80,7 +82,8 @@ def main() -> None:
     print(f"generation without routes {per_round[False] / t_off:8.1f} tokens/s   ({rpcs[False]} route RPCs)")
     print(f"generation with routes    {per_round[True] / t_on:8.1f} tokens/s   ({rpcs[True]} route RPCs)   "
           f"overhead {100 * (t_on / t_off - 1):+.1f}% (target <= 5%)")
-    print(f"routing record: {bytes_ / max(positions, 1):.1f} bytes per token ({engine.num_moe_layers} MoE layers x top-{engine.top_k}, uint8)")
+    print(f"routing record: {bytes_ / max(positions, 1):.1f} bytes per token ({engine.num_moe_layers} MoE "
+          f"layers x top-{engine.top_k}, uint8)")
     print(json.dumps(figures))
     engine.shutdown()
 

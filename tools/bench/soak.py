@@ -120,8 +120,10 @@ def main() -> None:
         "fds": [sum(a[p]["fds"] for p in both), sum(b[p]["fds"] for p in both)],
         "threads": [sum(a[p]["threads"] for p in both), sum(b[p]["threads"] for p in both)],
         "steps_per_s": [1 / statistics.median(times[:q]), 1 / statistics.median(times[-q:])],
-        "steps_per_s_by_quarter": [1 / statistics.median(times[i * q:(i + 1) * q]) for i in range(4) if times[i * q:(i + 1) * q]],
-        "per_process": [{"role": b[p]["role"], "pid": p, "rss_mib": [a[p]["rss"] / 2**20, b[p]["rss"] / 2**20],
+        "steps_per_s_by_quarter": [1 / statistics.median(times[i * q:(i + 1) * q]) for i in range(4)
+                                   if times[i * q:(i + 1) * q]],
+        "per_process": [{"role": b[p]["role"], "pid": p,
+                         "rss_mib": [a[p]["rss"] / 2**20, b[p]["rss"] / 2**20],
                          "growth": b[p]["rss"] / a[p]["rss"] - 1, "fds": [a[p]["fds"], b[p]["fds"]],
                          "threads": [a[p]["threads"], b[p]["threads"]]} for p in both],
         "reward_mean": [hist[0]["reward/mean"], hist[-1]["reward/mean"]],
@@ -129,13 +131,15 @@ def main() -> None:
         "engine_restarts": hist[-1].get("rollout/engine_restarts", 0),
     }
     summary["steps_per_s_ratio"] = summary["steps_per_s"][1] / summary["steps_per_s"][0]
-    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, calculator tool; processes sampled at steps "
-          f"{first} and {last} ({len(both)} in both)")
-    print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; most: "
-          f"{summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   goal <= +5%")
+    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, calculator tool; processes sampled at "
+          f"steps {first} and {last} ({len(both)} in both)")
+    print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; "
+          f"most: {summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   "
+          "goal <= +5%")
     for row in sorted(summary["per_process"], key=lambda r: -r["rss_mib"][1]):
-        print(f"    {row['role']:<14} pid {row['pid']:<8} {row['rss_mib'][0]:8.1f} -> {row['rss_mib'][1]:8.1f} MiB "
-              f"({row['growth']:+.2%})  fds {row['fds'][0]} -> {row['fds'][1]}  threads {row['threads'][0]} -> {row['threads'][1]}")
+        print(f"    {row['role']:<14} pid {row['pid']:<8} {row['rss_mib'][0]:8.1f} -> "
+              f"{row['rss_mib'][1]:8.1f} MiB ({row['growth']:+.2%})  fds {row['fds'][0]} -> {row['fds'][1]}  "
+              f"threads {row['threads'][0]} -> {row['threads'][1]}")
     print(f"  fds             {summary['fds'][0]} -> {summary['fds'][1]}")
     print(f"  threads         {summary['threads'][0]} -> {summary['threads'][1]}")
     print(f"  steps/s         {summary['steps_per_s'][0]:.3f} -> {summary['steps_per_s'][1]:.3f} "

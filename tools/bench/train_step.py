@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps of each arm for the packed/padded comparison")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed steps of each arm for the packed/padded comparison")
     ap.add_argument("--pairs", type=int, default=16,
                     help="interleaved rounds (a transformers, a free-routing and a replay step each)")
     ap.add_argument("--threads", type=int, default=1)
@@ -78,9 +79,9 @@ def main() -> None:
     from moe_rl.config import TinyModel
     from moe_rl.tiny import build_tiny_checkpoint
 
-    spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                     head_dim=args.hidden // 4, num_experts=args.experts, top_k=2, moe_intermediate_size=args.hidden,
-                     max_position_embeddings=max(1024, args.seq))
+    spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=args.hidden // 4, num_experts=args.experts, top_k=2,
+                     moe_intermediate_size=args.hidden, max_position_embeddings=max(1024, args.seq))
     path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_train_step"), spec, seed=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (args.batch, args.seq), generator=g)
@@ -93,7 +94,8 @@ def main() -> None:
 
     conn, child_conn = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(target=transformers_steps,
-                                                         args=(child_conn, str(path), ids, args.threads), daemon=True)
+                                                         args=(child_conn, str(path), ids, args.threads),
+                                                         daemon=True)
     child.start()
     hf_threads = conn.recv()  # loaded and warmed up
 
@@ -110,7 +112,8 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_PORT", "29561")
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
-    cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))  # padded; packed below
+    # padded; packed below
+    cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))
     w = TrainWorker(model_spec(cfg, str(path)), optim=optim_settings(cfg, lr=1e-6))
     lengths = torch.full((args.batch,), args.seq)
     mask = torch.ones_like(ids, dtype=torch.bool)
@@ -150,26 +153,31 @@ def main() -> None:
         arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
         for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
             w.optim_settings = settings
-            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]  # round 0 warms up
+            # round 0 warms up
+            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]
     w.optim_settings = padded_settings
     t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
     parallel.shutdown()
 
     figures = {
         "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
-        "seq": args.seq, "batch": args.batch, "rounds": args.pairs, "hf_tokens_per_s": round(tokens / t_hf_med, 1),
-        "megatron_tokens_per_s": round(tokens / t_mg, 1), "megatron_vs_hf": round(t_hf_med / t_mg, 3),
-        "replay_overhead": round(replay_overhead, 4), "threads": args.threads,
-        "variable_rows": rows, "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
+        "seq": args.seq, "batch": args.batch, "rounds": args.pairs,
+        "hf_tokens_per_s": round(tokens / t_hf_med, 1), "megatron_tokens_per_s": round(tokens / t_mg, 1),
+        "megatron_vs_hf": round(t_hf_med / t_mg, 3), "replay_overhead": round(replay_overhead, 4),
+        "threads": args.threads, "variable_rows": rows,
+        "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
         "packed_speedup": round(t_pd / t_pk, 3),
     }
     print(f"transformers   {t_hf_med * 1e3:8.1f} ms/step  {tokens / t_hf_med:8.0f} tokens/s  (child process, "
           f"{hf_threads} threads; median of {args.pairs} steps interleaved with Megatron's)")
-    print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf_med / t_mg:.2f}x transformers; target >= 0.7)")
-    print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * replay_overhead:+.1f}%, median of {args.pairs} pairs; target <= 3%)")
-    print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when right-padded): "
-          f"padded {t_pd * 1e3:.1f} ms/step, packed {t_pk * 1e3:.1f} ms/step ({t_pd / t_pk:.2f}x); "
-          f"loss per token {loss['padded'] / float(var_denom):.6f} vs {loss['packed'] / float(var_denom):.6f}")
+    print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf_med / t_mg:.2f}x "
+          "transformers; target >= 0.7)")
+    print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * replay_overhead:+.1f}%, "
+          f"median of {args.pairs} pairs; target <= 3%)")
+    print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when "
+          f"right-padded): padded {t_pd * 1e3:.1f} ms/step, packed {t_pk * 1e3:.1f} ms/step "
+          f"({t_pd / t_pk:.2f}x); loss per token {loss['padded'] / float(var_denom):.6f} vs "
+          f"{loss['packed'] / float(var_denom):.6f}")
     print(json.dumps(figures))
 
 

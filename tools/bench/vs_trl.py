@@ -42,15 +42,16 @@ SIZES = {
             "prompts": 8, "new_tokens": 64, "steps": 12},
 }
 SAMPLES, LR, SEED = 4, 1e-4, 0
-TINY = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-        "num_experts": 4, "top_k": 2}  # configs/quickstart.yaml's model.tiny
+TINY = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "head_dim": 32, "num_experts": 4, "top_k": 2}  # configs/quickstart.yaml's model.tiny
 
 
 def build_model(out: Path, size: str) -> tuple[Path, int]:
     from moe_rl.config import TinyModel
     from moe_rl.tiny import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(out / f"model_{size}", TinyModel(**{**TINY, **SIZES[size]["model"]}), seed=SEED)
+    path = build_tiny_checkpoint(out / f"model_{size}", TinyModel(**{**TINY, **SIZES[size]["model"]}),
+                                 seed=SEED)
     from safetensors import safe_open
 
     n = 0
@@ -75,25 +76,29 @@ def run_ours(out: Path, model: Path, prompts: Path, size: str) -> dict:
     import yaml
 
     s = SIZES[size]
-    cfg = {"run": {"name": f"vs_trl_{size}", "seed": SEED, "output_dir": str(out / f"ours_{size}"), "steps": s["steps"]},
+    cfg = {"run": {"name": f"vs_trl_{size}", "seed": SEED, "output_dir": str(out / f"ours_{size}"),
+                   "steps": s["steps"]},
            "model": {"path": str(model), "dtype": "float32"},
            "rollout": {"max_model_len": 256, "max_new_tokens": s["new_tokens"], "temperature": 1.0,
                        "prompts_per_step": s["prompts"], "samples_per_prompt": SAMPLES},
            "environment": {"name": "arithmetic", "dataset": str(prompts), "token_budget": s["new_tokens"]},
-           "algorithm": {"advantage": "grpo", "policy_loss": "ppo", "aggregation": "token_mean", "correction": "none"},
+           "algorithm": {"advantage": "grpo", "policy_loss": "ppo", "aggregation": "token_mean",
+                         "correction": "none"},
            "trainer": {"lr": LR, "epochs": 1, "minibatches": 1, "warm_start_steps": 0, "eval_prompts": 0},
            "checkpoint": {"every": 0, "at_end": False, "resume": "never"},
            "logging": {"progress_bar": False}}
     path = out / f"ours_{size}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     launched = time.time()
-    proc = subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "train", str(path)], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "train", str(path)], cwd=ROOT,
+                          capture_output=True,
                           text=True)  # this process's environment, as TRL's: the same thread budget
     if proc.returncode:
         sys.exit(f"moe_rl failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ea = EventAccumulator(str(out / f"ours_{size}" / "tensorboard" / cfg["run"]["name"]), size_guidance={"scalars": 0})
+    ea = EventAccumulator(str(out / f"ours_{size}" / "tensorboard" / cfg["run"]["name"]),
+                          size_guidance={"scalars": 0})
     ea.Reload()
     steps = sorted(ea.Scalars("timing/step_s"), key=lambda e: e.step)
     first = steps[0]
@@ -111,7 +116,8 @@ def run_ours(out: Path, model: Path, prompts: Path, size: str) -> dict:
 def run_trl(out: Path, model: Path, prompts: Path, size: str) -> dict:
     launched = time.time()
     result = out / f"trl_{size}.json"
-    proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(model), str(prompts), size, str(out), str(result)],
+    proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(model), str(prompts), size, str(out),
+                           str(result)],
                           cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"TRL failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -130,7 +136,8 @@ def trl_worker(model: str, prompts: str, size: str, out: str, result: str) -> No
 
     s = SIZES[size]
     rows = [json.loads(line) for line in Path(prompts).read_text().splitlines()]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in rows])
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                              for r in rows])
 
     def reward(completions, answer, **_):
         out = []
@@ -148,16 +155,19 @@ def trl_worker(model: str, prompts: str, size: str, out: str, result: str) -> No
         def on_step_end(self, args, state, control, **kw):
             durations.append(time.time() - begins[-1])
 
-    args = GRPOConfig(output_dir=str(Path(out) / f"trl_{size}"), per_device_train_batch_size=s["prompts"] * SAMPLES,
-                      num_generations=SAMPLES, max_completion_length=s["new_tokens"], learning_rate=LR,
-                      max_steps=s["steps"], num_iterations=1, beta=0.0, temperature=1.0, use_cpu=True, bf16=False,
-                      shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", report_to="none",
-                      logging_steps=1, seed=SEED, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, callbacks=[Timer()])
+    args = GRPOConfig(output_dir=str(Path(out) / f"trl_{size}"),
+                      per_device_train_batch_size=s["prompts"] * SAMPLES, num_generations=SAMPLES,
+                      max_completion_length=s["new_tokens"], learning_rate=LR, max_steps=s["steps"],
+                      num_iterations=1, beta=0.0, temperature=1.0, use_cpu=True, bf16=False,
+                      shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no",
+                      report_to="none", logging_steps=1, seed=SEED, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          callbacks=[Timer()])
     trainer.train()
     import torch
 
-    Path(result).write_text(json.dumps({"begins": begins, "durations": durations, "threads": torch.get_num_threads()}))
+    Path(result).write_text(json.dumps({"begins": begins, "durations": durations,
+                                        "threads": torch.get_num_threads()}))
 
 
 def versions() -> dict:
@@ -187,7 +197,8 @@ def main() -> None:
         print(f"{size} ({params / 1e6:.1f}M parameters, {SIZES[size]['new_tokens']} new tokens):", flush=True)
         for name, r in (("moe_rl", ours), ("TRL", theirs)):
             print(f"  {name:7s} start-up {r['startup_s']:6.1f} s   steady {r['step_s']:.3f} s/step "
-                  f"({SIZES[size]['prompts'] * SAMPLES / r['step_s']:.0f} samples/s, {r['steps']} steps; {r['threads']})",
+                  f"({SIZES[size]['prompts'] * SAMPLES / r['step_s']:.0f} samples/s, {r['steps']} steps; "
+                  f"{r['threads']})",
                   flush=True)
         print("  moe_rl's step: " + ", ".join(f"{k} {v:.3f} s" for k, v in ours["parts"].items())
               + f", the rest {ours['step_s'] - sum(ours['parts'].values()):.3f} s", flush=True)

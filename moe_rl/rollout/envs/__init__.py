@@ -109,14 +109,16 @@ class Environment:
         override calls it too (`super().check_context(context)`)."""
         limit = cls.max_tool_errors
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"{cls.__name__}.max_tool_errors={limit!r} must be a positive integer or None (no limit)")
+            raise ValueError(f"{cls.__name__}.max_tool_errors={limit!r} must be a positive integer or None "
+                             "(no limit)")
         if cls.sandboxed_tools:
             from moe_rl.rollout.sandbox import SandboxUnavailable, check
 
             try:
                 check()
             except SandboxUnavailable as err:
-                raise ValueError(f"{cls.__name__} runs its tools in the sandbox, and this machine {err}") from None
+                raise ValueError(f"{cls.__name__} runs its tools in the sandbox, and this machine "
+                                 f"{err}") from None
 
     @classmethod
     def has_expert(cls) -> bool:
@@ -140,7 +142,8 @@ class Environment:
         answer) after `await super().trial(row)`; raise TrialError to name the setting to fix."""
         problem = check_messages(await self.reset(row))
         if problem:
-            raise TrialError("environment.name", f"{type(self).__name__}.reset returned {problem[0]}", problem[1])
+            raise TrialError("environment.name", f"{type(self).__name__}.reset returned {problem[0]}",
+                             problem[1])
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:
@@ -170,7 +173,8 @@ class TrialError(ValueError):
 
 
 TRIAL_TIMEOUT_S = 30.0  # as long as an episode's reset or step may take (AgentSettings.env_timeout_s)
-_OURS = (str(Path(__file__).resolve().parents[2]) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)  # moe_rl/, Python's own
+# moe_rl/, Python's own
+_OURS = (str(Path(__file__).resolve().parents[2]) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
 
 
 def error_text(err: BaseException) -> str:
@@ -191,9 +195,11 @@ def check_messages(messages) -> tuple[str, str] | None:
     dict with a string `role` and `content`) and how to fix it, or None."""
     fix = "reset returns the chat messages that open the episode: [{'role': 'user', 'content': '...'}, ...]"
     if not isinstance(messages, list) or not messages:
-        return (f"{type(messages).__name__} {messages!r:.60}" if not isinstance(messages, list) else "an empty list"), fix
+        return (f"{type(messages).__name__} {messages!r:.60}" if not isinstance(messages, list)
+                else "an empty list"), fix
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
             return f"{m!r:.60} as message {i}", fix
     return None
 
@@ -211,13 +217,14 @@ def try_first_prompt(spec: EnvSpec, row: dict, source: str) -> None:
     try:
         asyncio.run(asyncio.wait_for(env.trial(row), TRIAL_TIMEOUT_S))
     except TrialError as err:
-        raise ConfigError(err.field, f"{err} on {source}, before the run starts" + (f"; {err.fix}" if err.fix else "")) from None
+        raise ConfigError(err.field, f"{err} on {source}, before the run starts"
+                          + (f"; {err.fix}" if err.fix else "")) from None
     except (TimeoutError, asyncio.TimeoutError):
-        raise ConfigError("environment.name", f"{cls.__name__}.reset did not return within {TRIAL_TIMEOUT_S:g} s on "
-                          f"{source} (an episode's reset has as long)") from None
+        raise ConfigError("environment.name", f"{cls.__name__}.reset did not return within "
+                          f"{TRIAL_TIMEOUT_S:g} s on {source} (an episode's reset has as long)") from None
     except Exception as err:
-        raise ConfigError("environment.name", f"{cls.__name__}.reset failed on {source} before the run starts: "
-                          f"{error_text(err)}") from None
+        raise ConfigError("environment.name", f"{cls.__name__}.reset failed on {source} before the run "
+                          f"starts: {error_text(err)}") from None
 
 
 def register_env(name: str):
@@ -245,7 +252,8 @@ def import_object(spec: str):
     directory or absolute). EnvImportError (one line) if it cannot be loaded."""
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr.isidentifier():
-        raise EnvImportError(f"'{spec}' is not an import path like package.module:Name or path/to/file.py:Name")
+        raise EnvImportError(f"'{spec}' is not an import path like package.module:Name or "
+                             "path/to/file.py:Name")
     try:
         if where.endswith(".py") or "/" in where:
             path = Path(where).resolve()
@@ -299,12 +307,12 @@ def check_implements(cls: type, name: str) -> None:
     missing = [m for m in ("reset", "step") if getattr(cls, m) is getattr(Environment, m)]
     if missing:
         raise EnvImportError(f"'{name}' does not implement {' and '.join(missing)}: an Environment defines "
-                             "`async def reset(self, row) -> list[dict]` and `async def step(self, action_text) -> "
-                             "StepResult` (docs/environments.md)")
+                             "`async def reset(self, row) -> list[dict]` and `async def step(self, "
+                             "action_text) -> StepResult` (docs/environments.md)")
     plain = [m for m in ("reset", "step") if not inspect.iscoroutinefunction(getattr(cls, m))]
     if plain:
-        raise EnvImportError(f"'{name}': {' and '.join(f'{cls.__name__}.{m}' for m in plain)} must be `async def` "
-                             "(the agent awaits it)")
+        raise EnvImportError(f"'{name}': {' and '.join(f'{cls.__name__}.{m}' for m in plain)} must be `async "
+                             "def` (the agent awaits it)")
 
 
 def absolute_name(name: str) -> str:
@@ -325,8 +333,8 @@ def build_options(env_cls: type, options: dict, path: str = "environment.options
 
     if options and not dataclasses.fields(env_cls.Options):
         key = next(iter(options))
-        raise ConfigError(f"{path}.{key}", f"unknown key; allowed: none ({env_cls.__name__} takes no options: it "
-                          f"declares no Options dataclass); remove {path}")
+        raise ConfigError(f"{path}.{key}", f"unknown key; allowed: none ({env_cls.__name__} takes no "
+                          f"options: it declares no Options dataclass); remove {path}")
     opts = build(env_cls.Options, options, path, {})
     check = getattr(opts, "check", None)
     if check is not None:

@@ -58,13 +58,15 @@ class Calculator(Environment):
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
         self.timeout = self.context.tool_timeout_s
-        return [{"role": "system", "content": "Use <calc>expr</calc> to compute, then reply <answer>n</answer>."},
+        return [{"role": "system",
+                 "content": "Use <calc>expr</calc> to compute, then reply <answer>n</answer>."},
                 {"role": "user", "content": str(prompt["question"])}]
 
     async def step(self, action_text: str) -> StepResult:
         final = _ANSWER.search(action_text)
         if final:
-            return StepResult(None, done=True, final_reward=1.0 if int(final.group(1)) == self.answer else 0.0)
+            return StepResult(None, done=True,
+                              final_reward=1.0 if int(final.group(1)) == self.answer else 0.0)
         call = _CALL.search(action_text)
         if not call:
             return StepResult("Reply with <calc>expr</calc> or <answer>n</answer>.", reward=-0.05)
@@ -75,7 +77,8 @@ class Calculator(Environment):
         """The tool's answer to the model's expression, or `tool_error: why` (the model's call failed).
         SandboxUnavailable (stops the run) and a tool that does not start at all (OSError: the episode's
         env_error) are raised: the machine failed, not the model's call."""
-        res = await run_python(_EVALUATOR, stdin=expression[:200], timeout_s=self.timeout, cpu_s=max(1, int(self.timeout)))
+        res = await run_python(_EVALUATOR, stdin=expression[:200], timeout_s=self.timeout,
+                               cpu_s=max(1, int(self.timeout)))
         if not res.ok:
             last = res.stderr.strip().splitlines()[-1:] or [res.reason]
             return f"tool_error: {res.reason or 'failed'}: {last[0][:120]}"

@@ -32,7 +32,8 @@ class GuessNumber(Environment):
     required_fields = ("secret",)
 
     async def reset(self, prompt: dict) -> list[dict]:
-        self.low, self.high = int(prompt.get("low", self.options.low)), int(prompt.get("high", self.options.high))
+        self.low, self.high = (int(prompt.get("low", self.options.low)),
+                               int(prompt.get("high", self.options.high)))
         self.secret = int(prompt["secret"])
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")

@@ -66,7 +66,8 @@ def equivalent(answer: str, gold: str) -> bool:
 
     from math_verify import parse, verify
 
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the helper process bounds it
+    # "timeout is disabled": the helper process bounds it
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def read(s: str):
         s = s.strip().removeprefix("$").removesuffix("$")
@@ -96,7 +97,8 @@ class Verifier:
 
     async def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:
-            self.pool = ProcessPoolExecutor(max_workers=self.WORKERS, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = ProcessPoolExecutor(max_workers=self.WORKERS,
+                                            mp_context=multiprocessing.get_context("spawn"))
             self.starting = [self.pool.submit(_ready) for _ in range(self.WORKERS)]
         pool = self.pool
         await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, self.starting)), self.START_TIMEOUT_S)
@@ -114,7 +116,8 @@ class Verifier:
         for _ in range(3):
             pool = await self._pool()
             try:
-                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, equivalent, answer, gold),
+                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, equivalent,
+                                                                                         answer, gold),
                                               timeout_s)
             except asyncio.TimeoutError:
                 self._discard(pool)
@@ -141,14 +144,15 @@ class MathAnswer(Environment):
             if self.verify_timeout_s <= 0:
                 raise ValueError(f"verify_timeout_s={self.verify_timeout_s} must be positive")
             if importlib.util.find_spec("math_verify") is None:
-                raise ValueError("the math environment checks answers with math-verify, which is not installed: "
-                                 "pip install 'moe-rl[math]'")
+                raise ValueError("the math environment checks answers with math-verify, which is not "
+                                 "installed: pip install 'moe-rl[math]'")
 
     required_fields = ("prompt", "answer")
 
     @classmethod
     def check_row(cls, row: dict) -> str | None:
-        if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool) or str(row["answer"]) == "":
+        if not isinstance(row["answer"], (str, int, float)) or isinstance(row["answer"], bool) \
+                or str(row["answer"]) == "":
             return f"answer must be a non-empty string or a number, not {row['answer']!r}"
         return check_chat_prompt(row["prompt"])
 
@@ -165,8 +169,8 @@ class MathAnswer(Environment):
             correct, timed_out = bool(verdict), verdict is None
         reward = o.correct_reward * correct + o.format_reward * boxed
         return StepResult(None, done=True, final_reward=reward,
-                          info={"correct": float(correct), "boxed": float(boxed), "verify_timeout": float(timed_out),
-                                "success": float(correct)})
+                          info={"correct": float(correct), "boxed": float(boxed),
+                                "verify_timeout": float(timed_out), "success": float(correct)})
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:

@@ -73,7 +73,8 @@ def reward_function(spec: str):
     try:
         inspect.signature(fn).bind({}, "")
     except TypeError:
-        raise EnvImportError(f"'{spec}' must take (row, response); its signature is {inspect.signature(fn)}") from None
+        raise EnvImportError(f"'{spec}' must take (row, response); its signature is "
+                             f"{inspect.signature(fn)}") from None
     except ValueError:  # a builtin without a signature: trust it
         pass
     return fn
@@ -94,13 +95,14 @@ def reward_value(value, spec: str) -> tuple[float, dict]:
     extra = {}
     if isinstance(value, dict):
         if "reward" not in value:
-            raise RewardValueError(spec, f"returned a dict without 'reward' ({sorted(value)})", "put the reward under 'reward'")
+            raise RewardValueError(spec, f"returned a dict without 'reward' ({sorted(value)})",
+                                   "put the reward under 'reward'")
         try:
             extra = {k: float(v) for k, v in value.items() if k != "reward"}
         except (TypeError, ValueError):
             bad = next(k for k, v in value.items() if k != "reward" and not isinstance(v, (int, float)))
-            raise RewardValueError(spec, f"returned {bad!r}: {value[bad]!r:.40}", "the entries beside 'reward' are "
-                                   "logged (env/NAME): each must be a number") from None
+            raise RewardValueError(spec, f"returned {bad!r}: {value[bad]!r:.40}", "the entries beside "
+                                   "'reward' are logged (env/NAME): each must be a number") from None
         value = value["reward"]
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         got = "None" if value is None else f"{type(value).__name__} {value!r:.40}"
@@ -148,7 +150,9 @@ class SingleTurn(Environment):
         try:
             await self.step("")
         except RewardValueError as err:
-            raise TrialError("environment.reward_fn", f"{self.context.reward_fn} {err.what} for the answer ''", err.fix) from None
+            raise TrialError("environment.reward_fn",
+                             f"{self.context.reward_fn} {err.what} for the answer ''", err.fix) from None
         except Exception as err:
-            raise TrialError("environment.reward_fn", f"{self.context.reward_fn} raised {error_text(err)} scoring the "
-                             "answer ''", "a reward function must score every answer, the empty one too") from None
+            raise TrialError("environment.reward_fn", f"{self.context.reward_fn} raised {error_text(err)} "
+                             "scoring the answer ''",
+                             "a reward function must score every answer, the empty one too") from None
