@@ -37,7 +37,7 @@ def learning_curve(history: list[dict[str, float]], evaluations: dict[int, dict[
                    baselines: dict[str, dict[str, float]], path: Path) -> Path:
     """Two panels over the RL steps: the success rate (each step's training samples, its rolling mean,
     the held-out evaluations, and the reference policies on the held-out prompts as dashed lines) and
-    the reward (training and held-out). Written as a PNG to `path`."""
+    the reward (the same four). Written as a PNG to `path`."""
     steps = list(range(1, len(history) + 1))
     window = max(1, len(history) // 20)
     fig = _figure(11, 4)
@@ -53,11 +53,11 @@ def learning_curve(history: list[dict[str, float]], evaluations: dict[int, dict[
         held = sorted((s, f[eval_key]) for s, f in evaluations.items() if eval_key in f)
         if held:
             ax.plot(*zip(*held, strict=True), color="tab:orange", marker="o", linewidth=2, label="held-out")
+        colors = ("tab:red", "tab:green", "tab:purple", "tab:brown")
+        for (name, figures), color in zip(baselines.items(), colors, strict=False):
+            ax.axhline(figures[eval_key], color=color, linestyle="--", linewidth=1.5,
+                       label=f"{name} (held-out): {figures[eval_key]:.2f}")
         if eval_key == "eval/success_rate":
-            colors = ("tab:red", "tab:green", "tab:purple", "tab:brown")
-            for (name, figures), color in zip(baselines.items(), colors, strict=False):
-                ax.axhline(figures[eval_key], color=color, linestyle="--", linewidth=1.5,
-                           label=f"{name} (held-out): {figures[eval_key]:.2f}")
             ax.set_ylim(-0.02, 1.02)
         ax.set_title(title)
         ax.set_xlabel("RL step")

@@ -28,12 +28,14 @@ def test_the_learning_curve_shows_training_held_out_and_each_baseline(tmp_path):
                for i in range(40)]
     evals = {0: {"eval/success_rate": 0.35, "eval/reward_mean": -0.1},
              40: {"eval/success_rate": 0.9, "eval/reward_mean": 0.7}}
-    baselines = {"random guesses": {"eval/success_rate": 0.376}, "binary search": {"eval/success_rate": 1.0}}
+    baselines = {"random guesses": {"eval/success_rate": 0.376, "eval/reward_mean": 0.19},
+                 "binary search": {"eval/success_rate": 1.0, "eval/reward_mean": 0.92}}
     path = learning_curve(history, evals, baselines, tmp_path / "curve.png")
     image = (matplotlib.image.imread(path) * 255).round().astype(np.uint8)
     assert image.shape[:2] == (400, 1100)
-    for colour in ("blue", "orange", "red", "green"):  # training, held-out, the two baselines
-        assert share_of(image, TAB[colour]) > 5e-4, colour
+    for colour in ("blue", "orange", "red", "green"):  # training, held-out, the two baselines: in both panels
+        for panel in (image[:, :550], image[:, 550:]):
+            assert share_of(panel, TAB[colour]) > 5e-4, colour
     bare = matplotlib.image.imread(learning_curve(history, evals, {}, tmp_path / "bare.png"))
     bare = (bare * 255).round().astype(np.uint8)
     assert share_of(bare, TAB["red"]) < 1e-4 and share_of(bare, TAB["green"]) < 1e-4  # no baselines: no lines
