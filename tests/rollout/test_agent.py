@@ -78,6 +78,22 @@ def test_truncation_keeps_the_boundary_observation(tok):
     assert not any(t.response_mask[t.spans[-1][1] + 1:])
 
 
+def test_the_guessing_game_ends_after_its_guesses_a_true_termination(tok):
+    """Four guesses are the game's rule (environment.options.guesses), not a cut: the fourth wrong guess
+    ends the episode (completed, terminal reward 0, no bootstrap from a state the game never reaches),
+    whatever environment.max_turns allows; an answer out of range uses a guess too."""
+    agent = Agent(ScriptedPolicy(tok, ["1", "x", "2", "3", "4"]), tok, EnvSpec("guess_number"),
+                  agent_settings(max_turns=6, token_budget=200))
+    t = run(agent.run_episode({"secret": 9}))
+    assert t.outcome is Outcome.COMPLETED and t.terminated and len(t.spans) == 4
+    assert t.turn_rewards == [-0.05, -0.1, -0.05, -0.05] and t.terminal_reward == 0.0
+    assert tok.decode(t.token_ids).endswith("3<|im_end|>")  # no observation after the last guess
+    two = Agent(ScriptedPolicy(tok, ["1", "2", "3"]), tok, EnvSpec("guess_number", {"guesses": 2}),
+                agent_settings(max_turns=6, token_budget=200))
+    t = run(two.run_episode({"secret": 9}))
+    assert t.outcome is Outcome.COMPLETED and len(t.spans) == 2 and t.info["figures"] == {"guess": 2.0}
+
+
 def test_budget_and_context_limits(tok):
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, EnvSpec("guess_number"),
                   agent_settings(max_turns=5, token_budget=30, max_tokens_per_turn=16))

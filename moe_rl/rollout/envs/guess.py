@@ -1,10 +1,13 @@
 """Guess the number: a multi-turn game with "higher"/"lower" feedback.
 
 The secret is an integer in [low, high]. Each model turn is one guess (the first integer in the turn);
-the environment answers "higher", "lower" or ends the episode. A random policy already wins sometimes
-(1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns to use the
-observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for each
-wrong guess and -0.1 for a turn without a number in range.
+the environment answers "higher", "lower" or ends the episode: on the right number, or when the game's
+`guesses` are used up (a turn without a number in range uses one too). That end is the game's rule, a
+true termination: nothing is bootstrapped past it (environment.max_turns, the framework's cut, would be
+a truncation, bootstrapped from the critic's value of a game that could go on). A random policy already
+wins sometimes (1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns
+to use the observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for
+each wrong guess and -0.1 for a turn without a number in range.
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ class GuessNumber(Environment):
     class Options:
         low: int = 1  # the secret's range, for prompts that do not carry one
         high: int = 9
+        guesses: int = 4  # turns per game: the last one without the number loses it (a true end)
 
         def check(self) -> None:
             if self.low > self.high:
                 raise ValueError(f"low={self.low} must be <= high={self.high}")
+            if self.guesses < 1:
+                raise ValueError(f"guesses={self.guesses} must be >= 1")
 
     required_fields = ("secret",)
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.low, self.high = (int(prompt.get("low", self.options.low)),
                                int(prompt.get("high", self.options.high)))
-        self.secret = int(prompt["secret"])
+        self.secret, self.left = int(prompt["secret"]), self.options.guesses
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
         return [{"role": "user", "content": f"Guess my number from {self.low} to {self.high}."}]
@@ -42,11 +48,16 @@ class GuessNumber(Environment):
     async def step(self, action_text: str) -> StepResult:
         m = _INT.search(action_text)
         guess = int(m.group()) if m else None
-        if guess is None or not self.low <= guess <= self.high:
-            return StepResult(f"A number from {self.low} to {self.high}.", reward=-0.1)
+        self.left -= 1
         if guess == self.secret:
             return StepResult(None, done=True, final_reward=1.0, info={"guess": guess})
-        return StepResult("higher" if guess < self.secret else "lower", reward=-0.05, info={"guess": guess})
+        valid = guess is not None and self.low <= guess <= self.high
+        reward, info = (-0.05, {"guess": guess}) if valid else (-0.1, {})
+        if not self.left:  # the game is lost
+            return StepResult(None, reward=reward, done=True, final_reward=0.0, info=info)
+        if not valid:
+            return StepResult(f"A number from {self.low} to {self.high}.", reward=reward)
+        return StepResult("higher" if guess < self.secret else "lower", reward=reward, info=info)
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:
