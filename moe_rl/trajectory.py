@@ -104,14 +104,16 @@ class Outcome(str, enum.Enum):
     TRUNCATED_BUDGET = "truncated_budget"  # the episode's token budget ran out (bootstrap)
     TRUNCATED_CONTEXT = "truncated_context"  # the model's context limit was reached (bootstrap)
     TRUNCATED_TURNS = "truncated_turns"  # environment.max_turns turns taken, the task not over (bootstrap)
-    REPETITION = "repetition"  # the model repeated itself and was cut off (bootstrap)
+    REPETITION = "repetition"  # the model repeated itself and was cut off: a failed end, no bootstrap
     TOOL_ERROR = "tool_error"  # too many failed tool calls; the environment ended the episode
     ENV_ERROR = "env_error"  # the environment itself failed: reward unreliable, not trained on
 
     @property
     def terminated(self) -> bool:
-        """True termination (bootstrap 0) vs truncation (bootstrap from the boundary state)."""
-        return self in (Outcome.COMPLETED, Outcome.TOOL_ERROR, Outcome.ENV_ERROR)
+        """True termination (bootstrap 0) vs truncation (bootstrap from the boundary state). A repetition
+        cut ends the episode as it stands: the policy triggers it at will, so bootstrapping it would pay
+        the critic's value of going on to a policy that loops instead of playing."""
+        return self in (Outcome.COMPLETED, Outcome.TOOL_ERROR, Outcome.ENV_ERROR, Outcome.REPETITION)
 
 
 @dataclass

@@ -9,11 +9,11 @@ is sampled by the engine from the exact token prefix (the model's own tokens are
 re-encoded); the decoded text of the turn goes to the environment; its observation is tokenised as the
 next chat message plus the assistant header and appended with response mask 0. The episode ends when
 the environment says so (completed), the environment's `max_tool_errors` steps report a failed tool
-call (tool_error), the token budget or context limit is reached
-(truncated_budget / truncated_context, bootstrapped from the boundary state), the turns run out
-(truncated_turns, bootstrapped too), the model repeats itself
-(repetition), or the environment fails (env_error; counted, not trained on). A machine that cannot run
-the tool sandbox (SandboxUnavailable) is no episode's outcome: it stops the rollout.
+call (tool_error), the token budget or context limit is reached (truncated_budget / truncated_context,
+bootstrapped from the boundary state), the turns run out (truncated_turns, bootstrapped too), the model
+repeats itself (repetition: a failed end, not bootstrapped), or the environment fails (env_error;
+counted, not trained on). A machine that cannot run the tool sandbox (SandboxUnavailable) is no
+episode's outcome: it stops the rollout.
 """
 
 from __future__ import annotations

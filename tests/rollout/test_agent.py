@@ -111,6 +111,9 @@ def test_repetition_outcome(tok):
                   agent_settings(max_turns=5, token_budget=500, repetition_limit=3))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.REPETITION and len(t.spans) == 3 and t.turn_rewards == [-0.1] * 3
+    # a cut the policy can trigger at will ends the episode as it stands: no bootstrap from the critic's
+    # value of going on (a policy that loops would otherwise collect it instead of playing)
+    assert t.terminated and t.terminal_reward == 0.0
 
 
 class Exploding(Environment):
