@@ -77,22 +77,24 @@ def expert_load_image(loads: dict[str, np.ndarray]) -> np.ndarray:
     layers, experts = next(iter(loads.values())).shape
     top = max(max(float(x.max()) for x in loads.values()), 1.0 / experts)
     norm = Normalize(0.0, top)
-    fig = _figure(1.2 + (0.45 * experts + 1.0) * len(loads), 1.1 + 0.4 * layers)
+    # large type: TensorBoard shows the image fitted to a card about 450 pixels wide
+    fig = _figure(1.6 + (min(0.6 * experts, 8.0) + 1.0) * len(loads), 1.6 + 0.55 * layers)
     axes = np.atleast_1d(fig.subplots(1, len(loads)))
     for ax, (name, x) in zip(axes, loads.items(), strict=True):
         im = ax.imshow(x, cmap="viridis", norm=norm, aspect="auto")
-        for (i, j), v in np.ndenumerate(x):
-            ax.text(j, i, f"{100 * v:.0f}%", ha="center", va="center", fontsize=7,
-                    color="black" if norm(v) > 0.6 else "white")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("expert", fontsize=8)
-        ax.set_xticks(range(experts))
-        ax.set_yticks(range(layers))
-        ax.set_ylabel("MoE layer", fontsize=8)
-        ax.tick_params(labelsize=7)
+        if experts <= 16:  # each cell's share, where the cells are wide enough to hold it
+            for (i, j), v in np.ndenumerate(x):
+                ax.text(j, i, f"{100 * v:.0f}%", ha="center", va="center", fontsize=13,
+                        color="black" if norm(v) > 0.6 else "white")
+        ax.set_title(name, fontsize=15)
+        ax.set_xlabel("expert", fontsize=13)
+        ax.set_xticks(range(0, experts, max(1, experts // 16)))
+        ax.set_yticks(range(0, layers, max(1, layers // 16)))
+        ax.set_ylabel("MoE layer", fontsize=13)
+        ax.tick_params(labelsize=12)
     bar = fig.colorbar(im, ax=list(axes), fraction=0.05)
-    bar.set_label(f"share of a layer's expert choices\n(red: the even share, 1/{experts})", fontsize=7)
-    bar.ax.axhline(1.0 / experts, color="red", linewidth=3)
-    bar.ax.tick_params(labelsize=7)
+    bar.set_label(f"share of choices\n(red: even, 1/{experts})", fontsize=12)
+    bar.ax.axhline(1.0 / experts, color="red", linewidth=4)
+    bar.ax.tick_params(labelsize=11)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
