@@ -7,7 +7,8 @@ true termination: nothing is bootstrapped past it (environment.max_turns, the fr
 a truncation, bootstrapped from the critic's value of a game that could go on). A random policy already
 wins sometimes (1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns
 to use the observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for
-each wrong guess and -0.1 for a turn without a number in range.
+each wrong guess (and `ruled_out_penalty` more for one the feedback had already ruled out) and -0.1 for
+a turn without a number in range. env/ruled_out counts a game's ruled-out guesses.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ class GuessNumber(Environment):
         low: int = 1  # the secret's range, for prompts that do not carry one
         high: int = 9
         guesses: int = 4  # turns per game: the last one without the number loses it (a true end)
+        # added to a wrong guess's -0.05 when the feedback so far already ruled it out (a number outside
+        # the range the "higher"/"lower" answers leave, a repeated one): a turn-level signal for using
+        # the observations (0: off; success is unchanged either way)
+        ruled_out_penalty: float = 0.0
 
         def check(self) -> None:
             if self.low > self.high:
                 raise ValueError(f"low={self.low} must be <= high={self.high}")
             if self.guesses < 1:
                 raise ValueError(f"guesses={self.guesses} must be >= 1")
+            if not self.ruled_out_penalty >= 0:
+                raise ValueError(f"ruled_out_penalty={self.ruled_out_penalty} must be >= 0 (a cost)")
 
     required_fields = ("secret",)
 
@@ -41,6 +48,7 @@ class GuessNumber(Environment):
         self.low, self.high = (int(prompt.get("low", self.options.low)),
                                int(prompt.get("high", self.options.high)))
         self.secret, self.left = int(prompt["secret"]), self.options.guesses
+        self.open, self.ruled_out = (self.low, self.high), 0  # the range the feedback so far leaves
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
         return [{"role": "user", "content": f"Guess my number from {self.low} to {self.high}."}]
@@ -50,9 +58,17 @@ class GuessNumber(Environment):
         guess = int(m.group()) if m else None
         self.left -= 1
         if guess == self.secret:
-            return StepResult(None, done=True, final_reward=1.0, info={"guess": guess})
+            return StepResult(None, done=True, final_reward=1.0,
+                              info={"guess": guess, "ruled_out": self.ruled_out})
         valid = guess is not None and self.low <= guess <= self.high
         reward, info = (-0.05, {"guess": guess}) if valid else (-0.1, {})
+        if valid:
+            lo, hi = self.open
+            if not lo <= guess <= hi:
+                self.ruled_out += 1
+                reward -= self.options.ruled_out_penalty
+            self.open = (max(lo, guess + 1), hi) if guess < self.secret else (lo, min(hi, guess - 1))
+        info["ruled_out"] = self.ruled_out  # guesses the feedback had ruled out, this game so far
         if not self.left:  # the game is lost
             return StepResult(None, reward=reward, done=True, final_reward=0.0, info=info)
         if not valid:
