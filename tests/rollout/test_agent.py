@@ -96,17 +96,19 @@ def test_the_guessing_game_ends_after_its_guesses_a_true_termination(tok):
 
 
 def test_a_guess_the_feedback_ruled_out_costs_the_ruled_out_penalty(tok):
-    """Secret 6: 5 (higher: 6..9 left), 3 (ruled out), 8 (lower: 6..7 left), 8 again (ruled out), then
-    6 wins: two ruled-out guesses, each -0.05 - 0.25; the others -0.05. Without the option only the
-    count differs."""
-    turns = ["5", "3", "8", "8", "6"]
-    for penalty, cost in ((0.25, -0.3), (0.0, -0.05)):
-        env = EnvSpec("guess_number", {"guesses": 5, "ruled_out_penalty": penalty})
-        settings = agent_settings(max_turns=5, token_budget=300)
+    """Secret 6: 5 (higher: 6..9 left), 3 (ruled out), 8 (lower: 6..7 left), 8 again (ruled out), no
+    number (ruled out by the range itself), then 6 wins: three ruled-out turns, each 0.25 more than a
+    wrong guess's -0.05 or a number-less turn's -0.1 (which so stays the costliest turn). Without the
+    option only the count differs."""
+    turns = ["5", "3", "8", "8", "x", "6"]
+    for penalty in (0.25, 0.0):
+        env = EnvSpec("guess_number", {"guesses": 6, "ruled_out_penalty": penalty})
+        settings = agent_settings(max_turns=6, token_budget=300)
         agent = Agent(ScriptedPolicy(tok, list(turns)), tok, env, settings)
         t = run(agent.run_episode({"secret": 6}))
-        assert t.turn_rewards == pytest.approx([-0.05, cost, -0.05, cost, 0.0]) and t.terminal_reward == 1.0
-        assert t.info["figures"] == {"guess": 6.0, "ruled_out": 2.0}
+        expect = [-0.05, -0.05 - penalty, -0.05, -0.05 - penalty, -0.1 - penalty, 0.0]
+        assert t.turn_rewards == pytest.approx(expect) and t.terminal_reward == 1.0
+        assert t.info["figures"] == {"guess": 6.0, "ruled_out": 3.0}
 
 
 def test_budget_and_context_limits(tok):

@@ -7,8 +7,9 @@ true termination: nothing is bootstrapped past it (environment.max_turns, the fr
 a truncation, bootstrapped from the critic's value of a game that could go on). A random policy already
 wins sometimes (1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns
 to use the observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for
-each wrong guess (and `ruled_out_penalty` more for one the feedback had already ruled out) and -0.1 for
-a turn without a number in range. env/ruled_out counts a game's ruled-out guesses.
+each wrong guess and -0.1 for a turn without a number in range, each `ruled_out_penalty` more where the
+feedback had already ruled the answer out (so a turn without a number always costs the most).
+env/ruled_out counts a game's ruled-out turns.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ class GuessNumber(Environment):
         low: int = 1  # the secret's range, for prompts that do not carry one
         high: int = 9
         guesses: int = 4  # turns per game: the last one without the number loses it (a true end)
-        # added to a wrong guess's -0.05 when the feedback so far already ruled it out (a number outside
-        # the range the "higher"/"lower" answers leave, a repeated one): a turn-level signal for using
-        # the observations (0: off; success is unchanged either way)
+        # added to a turn's cost when the feedback so far already ruled its answer out (a number outside
+        # the range the "higher"/"lower" answers leave, a repeated one, or no number in range at all):
+        # a turn-level signal for using the observations (0: off; success is unchanged either way)
         ruled_out_penalty: float = 0.0
 
         def check(self) -> None:
@@ -62,11 +63,11 @@ class GuessNumber(Environment):
                               info={"guess": guess, "ruled_out": self.ruled_out})
         valid = guess is not None and self.low <= guess <= self.high
         reward, info = (-0.05, {"guess": guess}) if valid else (-0.1, {})
+        lo, hi = self.open
+        if not (valid and lo <= guess <= hi):  # no number the feedback (or the range) leaves open
+            self.ruled_out += 1
+            reward -= self.options.ruled_out_penalty
         if valid:
-            lo, hi = self.open
-            if not lo <= guess <= hi:
-                self.ruled_out += 1
-                reward -= self.options.ruled_out_penalty
             self.open = (max(lo, guess + 1), hi) if guess < self.secret else (lo, min(hi, guess - 1))
         info["ruled_out"] = self.ruled_out  # guesses the feedback had ruled out, this game so far
         if not self.left:  # the game is lost
