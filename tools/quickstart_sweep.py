@@ -1,0 +1,109 @@
+"""Runs the quickstart for several settings and seeds, one run after another, and prints a results table.
+
+    .venv/bin/python tools/quickstart_sweep.py                      # the config as it is, seeds 1234 1 2
+    .venv/bin/python tools/quickstart_sweep.py --variant config --variant batch64 --seeds 1 2
+    .venv/bin/python tools/quickstart_sweep.py --list               # the variants and their overrides
+    .venv/bin/python tools/quickstart_sweep.py --set run.steps=100  # extra overrides for every run
+
+Each run is `moe-rl train CONFIG run.seed=S run.output_dir=OUT/VARIANT/seed_S checkpoint.every=0
+OVERRIDES...`, as `make quickstart` runs it (the machine's thread counts, no OMP_NUM_THREADS set by this
+script); its wall clock is measured here, start-up included. The table: held-out success rate before RL
+(after the warm start) and after the last step, the best evaluation, the reference policies on the same
+held-out prompts (summary.json's baselines) and the wall clock; then one JSON line with every run.
+Runs share the machine with nothing else of this script's: never run two sweeps (or a sweep and the
+tests) at once on a 2-core box, the timings would mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+
+# the settings tried while tuning the quickstart (README: "The quickstart"); `config` is the file as it is
+VARIANTS: dict[str, list[str]] = {
+    "config": [],
+}
+
+
+def run_one(config: Path, variant: str, overrides: list[str], seed: int, out: Path) -> dict:
+    """One training run; its figures (summary.json) and wall clock. A failed run gives its exit code and
+    the tail of its output instead."""
+    run_dir = out / variant / f"seed_{seed}"
+    cmd = [str(Path(sys.executable).parent / "moe-rl"), "train", str(config), f"run.seed={seed}",
+           f"run.output_dir={run_dir}", "checkpoint.every=0", "checkpoint.resume=never", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    row = {"variant": variant, "seed": seed, "overrides": overrides, "wall_s": round(wall, 1),
+           "rc": proc.returncode}
+    (out / variant).mkdir(parents=True, exist_ok=True)
+    (out / variant / f"seed_{seed}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return row | {"error": (proc.stdout + proc.stderr)[-1500:]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = {int(k): v for k, v in summary.get("evaluations", {}).items()}
+    success = {k: v["eval/success_rate"] for k, v in sorted(evals.items())}
+    last = max(success)
+    return row | {"success_before": success.get(0), "success_after": success[last], "steps": last,
+                  "success_best": max((v for k, v in success.items() if k > 0), default=None),
+                  "success_by_step": success,
+                  "baselines": {n: b["eval/success_rate"] for n, b in summary.get("baselines", {}).items()}}
+
+
+def table(rows: list[dict]) -> str:
+    names = sorted({n for r in rows for n in r.get("baselines", {})})
+    head = ["variant", "seed", "held-out success: before RL -> after", "best evaluation", *names,
+            "wall clock"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        if r["rc"] != 0:
+            failed = f"| {r['variant']} | {r['seed']} | failed (exit {r['rc']}) |"
+            lines.append(failed + " |" * (len(head) - 3))
+            continue
+        best = "" if r["success_best"] is None else f"{r['success_best']:.3f}"
+        cells = [r["variant"], str(r["seed"]), f"{r['success_before']:.3f} -> {r['success_after']:.3f}", best,
+                 *(f"{r['baselines'][n]:.3f}" if n in r["baselines"] else "" for n in names),
+                 f"{int(r['wall_s'] // 60)} min {int(r['wall_s'] % 60)} s"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=CONFIG, help="the config every run starts from")
+    p.add_argument("--variant", action="append", choices=sorted(VARIANTS), help="repeatable; default: config")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every run")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "sweep", help="where the runs write")
+    p.add_argument("--list", action="store_true", help="print the variants and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, overrides in VARIANTS.items():
+            print(f"{name}: {' '.join(overrides) or '(the config as it is)'}")
+        return 0
+    rows = []
+    runs = [(v, s) for v in args.variant or ["config"] for s in args.seeds]
+    for i, (variant, seed) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] {variant}, seed {seed} ...", flush=True)
+        row = run_one(args.config, variant, VARIANTS[variant] + args.set, seed, args.out)
+        rows.append(row)
+        done = (f"failed (exit {row['rc']}; log in {args.out / variant})" if row["rc"] else
+                f"success {row['success_before']:.3f} -> {row['success_after']:.3f}")
+        print(f"    {done}, {row['wall_s']:.0f} s", flush=True)
+    print(table(rows))
+    print(json.dumps(rows))
+    return 1 if any(r["rc"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
