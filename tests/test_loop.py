@@ -305,10 +305,10 @@ def test_ewma_anchor_in_the_loop_and_across_resume(tmp_path):
     then lags behind it; a resumed run restores the anchor (each rank its own shards) and reproduces
     the uninterrupted step 3.
 
-    The anchor moves after every update (4 per step here: 2 epochs x 2 minibatches), and each update
+    The anchor moves after every update (2 per step here: 2 epochs x 1 minibatch), and each update
     scores its minibatch under the anchor as it is then. At step 1 the first update's anchor is the
-    behaviour policy itself (w = pi_anchor / mu = 1), the later ones are not: the step's token ESS is
-    below 1. Scoring the anchor once per step would give w = 1 for all four (ESS fraction 1)."""
+    behaviour policy itself (w = pi_anchor / mu = 1), the second's is not: the step's token ESS is
+    below 1. Scoring the anchor once per step would give w = 1 for both (ESS fraction 1)."""
     # two tensor-parallel ranks: each holds its own shards of the anchor, saved and restored per rank
     ewma = ["algorithm.anchor=ewma", "algorithm.ewma_decay=0.5", "algorithm.correction=tis_token",
             "parallel.tp=2", "parallel.world_size=2", *NO_CRITIC]  # the policy's anchor: no critic
