@@ -69,11 +69,11 @@ class GuessNumber(Environment):
             reward -= self.options.ruled_out_penalty
         if valid:
             self.open = (max(lo, guess + 1), hi) if guess < self.secret else (lo, min(hi, guess - 1))
-        info["ruled_out"] = self.ruled_out  # guesses the feedback had ruled out, this game so far
+        info["ruled_out"] = self.ruled_out  # turns the feedback had ruled out, this game so far
         if not self.left:  # the game is lost
             return StepResult(None, reward=reward, done=True, final_reward=0.0, info=info)
         if not valid:
-            return StepResult(f"A number from {self.low} to {self.high}.", reward=reward)
+            return StepResult(f"A number from {self.low} to {self.high}.", reward=reward, info=info)
         return StepResult("higher" if guess < self.secret else "lower", reward=reward, info=info)
 
     @classmethod
