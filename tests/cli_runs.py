@@ -11,7 +11,8 @@ from pathlib import Path
 from conftest import ROOT
 
 SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4",
-         "trainer.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+         "trainer.eval_prompts=0", "trainer.eval_every=0",
+         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
          "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=3",
          "logging.heatmap_every=3"]
 

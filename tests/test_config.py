@@ -20,7 +20,7 @@ def _err(overrides, data=None, cuda=False) -> str:
 def test_quickstart_loads_and_is_frozen():
     cfg = load_config(QUICKSTART, cuda_available=False)
     assert isinstance(cfg, RunConfig)
-    assert cfg.environment.options == {"low": 1, "high": 9}
+    assert cfg.environment.options == {"low": 1, "high": 9, "guesses": 4, "ruled_out_penalty": 0.25}
     assert cfg.critic_enabled  # GAE needs a critic
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run.steps = 3

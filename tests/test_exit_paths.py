@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = ["run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
-           "trainer.eval_prompts=0", "logging.progress_bar=false", "cluster.num_cpus=2",
+           "trainer.eval_prompts=0", "trainer.eval_every=0",
+           "logging.progress_bar=false", "cluster.num_cpus=2",
            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=1"]
 
 

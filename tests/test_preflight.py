@@ -287,7 +287,7 @@ def test_a_run_directory_of_another_config_is_not_resumed_silently(tmp_path, cap
         f"{changes}" in capsys.readouterr().out
     preflight(QUICK, f"run.output_dir={out}", "run.steps=400", "logging.log_every=5",
               "cluster.call_timeout_s=60")
-    assert "run.steps: 300 -> 400; logging.log_every: 1 -> 5; cluster.call_timeout_s: 3600.0 -> 60.0" \
+    assert "run.steps: 480 -> 400; logging.log_every: 1 -> 5; cluster.call_timeout_s: 3600.0 -> 60.0" \
         in capsys.readouterr().out
     # nothing resumed: a fresh start
     preflight(QUICK, f"run.output_dir={out}", *grpo, "checkpoint.resume=never")

@@ -17,7 +17,8 @@ from moe_rl.train.parallel import free_port
 pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "launch" / "slurm_ray.sbatch"
-SHORT = ["run.steps=3", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4", "trainer.eval_prompts=0",
+SHORT = ["run.steps=3", "trainer.warm_start_steps=2", "trainer.warm_start_batch=4",
+         "trainer.eval_prompts=0", "trainer.eval_every=0",
          "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "logging.progress_bar=false",
          "checkpoint.every=0", "cluster.placement=spread", "parallel.world_size=2"]
 

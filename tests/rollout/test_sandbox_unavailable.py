@@ -112,7 +112,8 @@ def test_a_run_whose_tool_finds_no_sandbox_stops_with_one_line(tmp_path):
     (tmp_path / "envs.py").write_text(UNDECLARED)
     out = run(*moe_rl_cli(), "train", "configs/quickstart.yaml",
               f"environment.name={tmp_path / 'envs.py'}:Runner", "environment.options={}", "run.steps=1",
-              "trainer.warm_start_steps=0", "trainer.warm_start_lr=0.001", "trainer.eval_prompts=0",
+              "trainer.warm_start_steps=0", "trainer.warm_start_lr=0.001",
+              "trainer.eval_prompts=0", "trainer.eval_every=0",
               "rollout.prompts_per_step=2", f"run.output_dir={tmp_path / 'run'}",
               "logging.progress_bar=false", "cluster.num_cpus=2", denied=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]

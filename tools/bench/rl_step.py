@@ -51,7 +51,8 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="moe_rl_bench_rl_step_")
     cfg = config.load_config("configs/quickstart.yaml", [f"run.steps={args.steps}", f"run.output_dir={out}",
                                                          "trainer.warm_start_steps=2",
-                                                         "trainer.eval_prompts=0", "checkpoint.every=0",
+                                                         "trainer.eval_prompts=0", "trainer.eval_every=0",
+                                                         "checkpoint.every=0",
                                                          "logging.progress_bar=false",
                                                          *(["cluster.offload=true"] if args.colocated
                                                            else []),

@@ -71,7 +71,8 @@ def main() -> None:
            f"run.steps={args.steps}", "environment.name=calculator", "environment.options={}",
            # the calculator's expert teaches the tool's format first, so that RL episodes call it
            "environment.token_budget=192", "rollout.max_new_tokens=24", "trainer.warm_start_steps=60",
-           "trainer.eval_prompts=0", "rollout.async_mode=true", "rollout.num_engines=2",
+           "trainer.eval_prompts=0", "trainer.eval_every=0",
+           "rollout.async_mode=true", "rollout.num_engines=2",
            "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
