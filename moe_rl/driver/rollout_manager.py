@@ -386,25 +386,29 @@ class Rollouts:
                                                 "evaluation"))])[0]
         return evaluation_figures(trajs, len(self.eval_prompts), n)
 
+    def scripted_agent(self, turn):
+        """The agent loop with a scripted player in the engine's place (ExpertPolicy playing
+        `turn(conversation, rng)`: the warm start's expert or a reference policy), run in this process."""
+        from transformers import AutoTokenizer
+
+        from moe_rl.rollout.agent import Agent
+        from moe_rl.rollout.demos import ExpertPolicy
+
+        tok = AutoTokenizer.from_pretrained(self.model_path)
+        expert = ExpertPolicy(tok, turn, self.cfg.run.seed, self.cfg.rollout.max_new_tokens)
+        return Agent(expert, tok, self.env, self.agent_settings)
+
     def baselines(self) -> dict[str, dict[str, float]]:
         """The environment's reference policies (Environment.reference_policies: chance, optimal, ...) on
         the held-out prompts, trainer.eval_samples episodes each as the evaluation plays them, through the
         same agent loop, in this process: their evaluation figures (`evaluation_figures`) by name."""
         import asyncio
 
-        from transformers import AutoTokenizer
-
-        from moe_rl.rollout.agent import Agent
-        from moe_rl.rollout.demos import ExpertPolicy
-
         if not self.eval_prompts:
             return {}
-        tok, n = AutoTokenizer.from_pretrained(self.model_path), self.cfg.trainer.eval_samples
-        out = {}
+        n, out = self.cfg.trainer.eval_samples, {}
         for name, turn in self.env.env_cls.reference_policies().items():
-            expert = ExpertPolicy(tok, turn, self.cfg.run.seed, self.cfg.rollout.max_new_tokens)
-            agent = Agent(expert, tok, self.env, self.agent_settings)
-            groups = asyncio.run(agent.run_groups(self.eval_prompts, n))
+            groups = asyncio.run(self.scripted_agent(turn).run_groups(self.eval_prompts, n))
             out[name] = evaluation_figures([t for g in groups for t in g], len(self.eval_prompts), n)
         return out
 
@@ -415,15 +419,8 @@ class Rollouts:
         import asyncio
         import random
 
-        from transformers import AutoTokenizer
-
-        from moe_rl.rollout.agent import Agent
-        from moe_rl.rollout.demos import ExpertPolicy
-
         cfg = self.cfg
-        tok = AutoTokenizer.from_pretrained(self.model_path)
-        expert = ExpertPolicy(tok, self.env.env_cls.expert_turn, cfg.run.seed, cfg.rollout.max_new_tokens)
-        agent = Agent(expert, tok, self.env, self.agent_settings)
+        agent = self.scripted_agent(self.env.env_cls.expert_turn)
         if self.env.env_cls.generates_prompts():
             prompts = generated_prompts(cfg, steps * rows, cfg.run.seed + 31337)
         else:
