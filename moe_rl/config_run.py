@@ -24,8 +24,8 @@ class RunSection:
     """Seeds everything the run draws: the model built at tiny size, the trainers' initialisation, the prompts
     an environment generates, each step's sampling (per-group seeds), the minibatch order and evaluation."""
     output_dir: str = "runs/default"
-    """Where the run writes: config.yaml, checkpoints/, tensorboard/, summary.json, history.pt (and the tiny
-    model it builds)."""
+    """Where the run writes: config.yaml, checkpoints/, tensorboard/, summary.json, history.pt,
+    learning_curve.png, timeline.json (the driver's timeline) and the tiny model it builds."""
     steps: int = 10
     """RL steps: each a rollout, an update on its batch and a weight sync."""
 

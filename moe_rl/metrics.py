@@ -9,6 +9,7 @@ mismatch); they meet in `StepLog.step`.
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -203,20 +204,74 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
     return out
 
 
+class Timeline:
+    """What the driver did, in order, with its wall-clock times: spans (`span`: an offload, a wait for a
+    rollout, a step's update, a checkpoint) and instants (`mark`: a rollout submitted to the engines), each
+    with the step it belongs to. `names()` is the order ("wait 2", ...); `write` saves it as a Chrome trace
+    (timeline.json: open it in https://ui.perfetto.dev or chrome://tracing), the driver on one track and
+    each rollout, from its submission to its batch in hand, on another."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        # [name, step, start, end]: end is the start for an instant, None for a span not ended; by start
+        self.events: list[list] = []
+
+    @contextmanager
+    def span(self, name: str, step: int | None = None):
+        event = [name, step, time.perf_counter(), None]
+        self.events.append(event)
+        try:
+            yield
+        finally:
+            event[3] = time.perf_counter()
+
+    def mark(self, name: str, step: int | None = None) -> None:
+        t = time.perf_counter()
+        self.events.append([name, step, t, t])
+
+    def names(self) -> list[str]:
+        """The events by their start, each as "name" or "name step"."""
+        return [name if step is None else f"{name} {step}" for name, step, _, _ in self.events]
+
+    def write(self, path: Path) -> Path:
+        def us(t: float) -> float:
+            return round((t - self.t0) * 1e6, 1)
+
+        trace = []
+        for name, step, start, end in self.events:  # a span not ended (the run stopped in it): "B", open
+            ph = "B" if end is None else "i" if end == start else "X"
+            trace.append({"name": name, "ph": ph, "ts": us(start), "pid": 0, "tid": 0,
+                          "args": {} if step is None else {"step": step},
+                          **({"dur": us(end) - us(start)} if ph == "X" else {})})
+        submitted = {step: start for name, step, start, _ in self.events if name == "generate"}
+        for name, step, _, end in self.events:  # each rollout: submitted -> its batch in hand
+            if name == "wait" and step in submitted and end is not None:
+                trace.append({"name": f"rollout {step}", "ph": "X", "ts": us(submitted[step]), "pid": 0,
+                              "tid": 1, "dur": us(end) - us(submitted[step]), "args": {"step": step}})
+        trace += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}}
+                  for tid, label in ((0, "driver"), (1, "rollouts"))]
+        path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+        return path
+
+
 class StepLog:
-    """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history."""
+    """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history; the
+    driver's timeline."""
 
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, every: int,
                  heatmap_every: int = 0):
         self.metrics = Metrics(log_dir, enabled, total_steps, progress, every, heatmap_every)
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = {}
+        self.timeline = Timeline()
 
     @contextmanager
-    def timer(self, name: str):
+    def timer(self, name: str, step: int | None = None):
+        """Times the block as timing/{name}_s (logged with the next step) and a span of the timeline."""
         t = time.perf_counter()
         try:
-            yield
+            with self.timeline.span(name, step):
+                yield
         finally:
             self.timings[f"timing/{name}_s"] = time.perf_counter() - t
 

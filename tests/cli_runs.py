@@ -88,3 +88,35 @@ def train_on_kept_ray(*args: str, expect: int | None = None) -> subprocess.Compl
 def run_train(out: Path, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
     """The quickstart with the small settings on the kept Ray."""
     return train_on_kept_ray(*train_args(out, *extra), expect=expect)
+
+
+# The driver's order in test_loop's small runs (SMALL: 3 steps, a checkpoint after each, no evaluation), as
+# timeline.json records it (`schedule_order`): the real runs and tests/test_schedule.py's in-process
+# schedule over recorders must both match these.
+SMALL_ORDER = {
+    "sync": ["offload 0", "generate 0", "wait 0", "onload 0", "update 0", "save 1",
+             "offload 1", "generate 1", "wait 1", "onload 1", "update 1", "save 2",
+             "offload 2", "generate 2", "wait 2", "onload 2", "update 2", "save 3"],
+    # the next rollout is submitted before the step trains; a checkpoint finishes it first and holds it
+    "async": ["offload 0", "generate 0", "wait 0", "onload 0", "generate 1", "update 0", "finish 1", "save 1",
+              "wait 1", "onload 1", "generate 2", "update 1", "finish 2", "save 2",
+              "wait 2", "onload 2", "update 2", "save 3"],
+    # resumed from the step-2 checkpoint of "async": step 2 trains on the rollout it held
+    "async resumed at 2": ["wait 2", "onload 2", "update 2", "save 3"],
+}
+ORDER_EVENTS = ("offload", "evaluate", "generate", "wait", "finish", "onload", "update", "save")
+
+
+def schedule_order(names: list[str]) -> list[str]:
+    """A timeline's events ("name step", in order) that say when rollouts, updates, evaluations and
+    checkpoints happened (ORDER_EVENTS), without the update's parts and the step spans."""
+    return [n for n in names if n.split()[0] in ORDER_EVENTS]
+
+
+def timeline_names(out: Path) -> list[str]:
+    """The driver's events in a run directory's timeline.json, by their start: "name step"."""
+    import json
+
+    events = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    driver = sorted((e for e in events if e["tid"] == 0 and e["ph"] in "XiB"), key=lambda e: e["ts"])
+    return [f"{e['name']} {e['args']['step']}" if "step" in e["args"] else e["name"] for e in driver]

@@ -20,7 +20,17 @@ import time
 
 import pytest
 import torch
-from cli_runs import NO_CRITIC, NO_WARM_START, SMALL, run_cli, run_train, train_cmd
+from cli_runs import (
+    NO_CRITIC,
+    NO_WARM_START,
+    SMALL,
+    SMALL_ORDER,
+    run_cli,
+    run_train,
+    schedule_order,
+    timeline_names,
+    train_cmd,
+)
 from conftest import ROOT
 from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
 
@@ -42,6 +52,9 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert "run finished: 3 steps" in proc.stdout
     curve = out / "learning_curve.png"
     assert f"learning curve: {curve}" in proc.stdout and curve.stat().st_size > 10_000
+    # the driver's timeline: the order tests/test_schedule.py shows in seconds for the same settings
+    assert f"driver timeline: {out / 'timeline.json'}" in proc.stdout
+    assert schedule_order(timeline_names(out)) == SMALL_ORDER["sync"]
     # where the start-up's time went, phase by phase (the ranks and engines side by side)
     assert re.search(r"start-up: [\d.]+ s \(model [\d.]+ s, GAE kernel [\d.]+ s, Ray [\d.]+ s, trainer ranks "
                      r"[\d.]+ s, engines \(beyond the ranks\) [\d.]+ s, weight-sync connect [\d.]+ s\)",
@@ -236,6 +249,8 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     out = tmp_path / "async"
     async_run = ["rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3"]
     run_train(out, *async_run)
+    # the next rollout submitted before each step trains, held finished by each checkpoint
+    assert schedule_order(timeline_names(out)) == SMALL_ORDER["async"]
     hist = torch.load(out / "history.pt", weights_only=False)
     lags = [h["correction/staleness_mean"] for h in hist]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
@@ -248,6 +263,7 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     resumed_out = tmp_path / "resumed"
     shutil.copytree(step2, resumed_out / "checkpoints" / "step_000002")
     run_train(resumed_out, *async_run)
+    assert schedule_order(timeline_names(resumed_out)) == SMALL_ORDER["async resumed at 2"]
     resumed = torch.load(resumed_out / "history.pt", weights_only=False)
     assert len(resumed) == 1
     for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",

@@ -162,3 +162,46 @@ def test_the_closing_lines_and_the_summary_hold_the_baselines(tmp_path, capsys):
         in out
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["baselines"] == baselines and saved["eval/success_rate_after"] == 0.9
+
+
+def test_the_timeline_is_a_chrome_trace_with_each_rollout_on_a_track_of_its_own(tmp_path):
+    import json
+
+    from moe_rl.metrics import Timeline
+
+    tl = Timeline()
+    tl.mark("generate", 0)
+    with tl.span("wait", 0):
+        pass
+    with tl.span("update", 0), tl.span("score", 0):
+        pass
+    with pytest.raises(KeyboardInterrupt), tl.span("save", 1):  # the run stopped inside it
+        raise KeyboardInterrupt
+    span_ends = [e[3] for e in tl.events]
+    assert tl.names() == ["generate 0", "wait 0", "update 0", "score 0", "save 1"]
+    trace = json.loads(tl.write(tmp_path / "timeline.json").read_text())["traceEvents"]
+    driver = [e for e in trace if e["tid"] == 0 and e["ph"] != "M"]
+    assert [(e["name"], e["ph"], e["args"]) for e in driver] == [
+        ("generate", "i", {"step": 0}), ("wait", "X", {"step": 0}), ("update", "X", {"step": 0}),
+        ("score", "X", {"step": 0}), ("save", "X", {"step": 1})]
+    assert all(end is not None for end in span_ends)  # ended even by the interrupt
+    update, score = driver[2], driver[3]  # nested: the score inside the update
+    assert update["ts"] <= score["ts"] and score["ts"] + score["dur"] <= update["ts"] + update["dur"]
+    (rollout,) = [e for e in trace if e["tid"] == 1 and e["ph"] != "M"]  # submitted at the mark, in hand at the wait's end
+    wait = driver[1]
+    assert rollout["name"] == "rollout 0" and rollout["ts"] == driver[0]["ts"]
+    assert rollout["ts"] + rollout["dur"] == pytest.approx(wait["ts"] + wait["dur"], abs=0.2)
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"driver", "rollouts"}
+
+
+def test_a_span_the_run_never_left_is_written_open(tmp_path):
+    import json
+
+    from moe_rl.metrics import Timeline
+
+    tl = Timeline()
+    cm = tl.span("wait", 3)
+    cm.__enter__()  # a hang: the timeline is written (loop.run's finally) while the wait has not ended
+    trace = json.loads(tl.write(tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert [(e["name"], e["ph"]) for e in trace if e["tid"] == 0 and e["ph"] != "M"] == [("wait", "B")]
+    assert not [e for e in trace if e["tid"] == 1 and e["ph"] != "M"]  # no rollout span without its end

@@ -1,11 +1,13 @@
 """The driver's ordering rules, in seconds: loop.steps with the real RolloutSchedule, Evaluation and StepLog
 over recorders of what they ask of the trainer groups, the engines and the checkpoints (the calls the
-schedule makes, in order). What those calls do is tests/test_loop.py's: full runs on real Ray, vLLM and
-Megatron, in each mode."""
+schedule makes, in order), and the timeline the driver writes of them. What those calls do is
+tests/test_loop.py's: full runs on real Ray, vLLM and Megatron, in each mode, whose timeline.json must show
+the order these tests show for the same settings (cli_runs.SMALL_ORDER)."""
 
 from pathlib import Path
 
 import pytest
+from cli_runs import SMALL, SMALL_ORDER, schedule_order
 from conftest import ROOT
 
 from moe_rl.config import load_config
@@ -71,25 +73,37 @@ class Recorder:
         self.events.append(f"save {step}{held}")
 
 
+class Saves(Recorder):
+    """The recorders, with the run's own checkpoint rule (checkpoint.every, checkpoint.at_end)."""
+
+    def __init__(self, cfg):
+        super().__init__(set())
+        self.cfg = cfg
+
+    def due(self, step: int) -> bool:
+        from moe_rl.driver.run_checkpoints import Checkpoints
+
+        return Checkpoints.due(self, step)
+
+
 def run_steps(tmp_path: Path, *overrides: str, first: int = 0, resumed: Collected | None = None,
-              evals: dict | None = None, saves=frozenset()):
+              evals: dict | None = None, saves=None, base=("trainer.eval_prompts=4", "trainer.eval_every=2")):
     """What run does from the first rollout to the last evaluation, on recorders: (events, evaluated
-    steps)."""
+    steps, the timeline's order). `saves`: the steps checkpointed (None: the config's rule)."""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml",
-                      [f"run.output_dir={tmp_path}", "run.steps=3", "trainer.eval_prompts=4",
-                       "trainer.eval_every=2", *overrides])
-    rec = Recorder(set(saves))
+                      [f"run.output_dir={tmp_path}", "run.steps=3", *base, *overrides])
+    rec = Saves(cfg) if saves is None else Recorder(set(saves))
     log = StepLog(tmp_path / "tb", False, cfg.run.steps, False, 1)
     evaluation = Evaluation(cfg, tmp_path, rec, log, {}, dict(evals or {}))
     schedule = RolloutSchedule(cfg, rec, rec, log, evaluation, first, resumed)
     steps(first, cfg.run.steps, schedule, rec.update, rec, log)
     evaluation.final(cfg.run.steps)
     log.close()
-    return rec.events, sorted(evaluation.results)
+    return rec.events, sorted(evaluation.results), schedule_order(log.timeline.names())
 
 
 def test_synchronous_each_rollout_starts_after_the_step_before_and_evaluates_first(tmp_path):
-    events, evaluated = run_steps(tmp_path, saves={2})
+    events, evaluated, order = run_steps(tmp_path, saves={2})
     assert events == [
         "offload", "wake", "evaluate", "generate 0",  # before RL: the evaluation on the rollout's weights
         "wait 0", "sleep", "onload", "train 0",
@@ -99,10 +113,13 @@ def test_synchronous_each_rollout_starts_after_the_step_before_and_evaluates_fir
         "wait 2", "sleep", "onload", "train 2",
         "wake", "evaluate"]  # after RL
     assert evaluated == [0, 2, 3]
+    assert order == ["offload 0", "evaluate 0", "generate 0", "wait 0", "onload 0", "update 0",
+                     "offload 1", "generate 1", "wait 1", "onload 1", "update 1", "save 2",
+                     "offload 2", "evaluate 2", "generate 2", "wait 2", "onload 2", "update 2", "evaluate 3"]
 
 
 def test_asynchronous_the_next_rollout_runs_while_a_step_trains_and_a_checkpoint_holds_it(tmp_path):
-    events, evaluated = run_steps(tmp_path, "rollout.async_mode=true", saves={2})
+    events, evaluated, order = run_steps(tmp_path, "rollout.async_mode=true", saves={2})
     assert events == [
         "offload", "wake", "evaluate", "generate 0",
         "wait 0", "sleep", "onload", "generate 1", "train 0",  # step 1's rollout runs while step 0 trains
@@ -112,24 +129,28 @@ def test_asynchronous_the_next_rollout_runs_while_a_step_trains_and_a_checkpoint
         "wait 2", "sleep", "onload", "train 2",  # the last step starts no rollout
         "wake", "evaluate"]
     assert evaluated == [0, 2, 3]
+    assert order == ["offload 0", "evaluate 0", "generate 0", "wait 0", "onload 0", "generate 1", "update 0",
+                     "wait 1", "onload 1", "generate 2", "update 1", "finish 2", "save 2", "evaluate 2",
+                     "wait 2", "onload 2", "update 2", "evaluate 3"]
 
 
 def test_a_resumed_asynchronous_run_trains_first_on_the_rollout_its_checkpoint_held(tmp_path):
-    events, evaluated = run_steps(tmp_path, "rollout.async_mode=true", first=2, resumed=Collected([]),
-                                  evals={0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}})
+    events, evaluated, _ = run_steps(tmp_path, "rollout.async_mode=true", first=2, resumed=Collected([]),
+                                     evals={0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}},
+                                     saves={})
     assert events == ["wait 2", "sleep", "onload", "train 2", "wake", "evaluate"]
     assert evaluated == [0, 2, 3]
 
 
 def test_a_resumed_synchronous_run_does_not_evaluate_a_step_the_earlier_try_evaluated(tmp_path):
     evals = {0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}}
-    events, _ = run_steps(tmp_path, first=2, evals=evals)
+    events, _, _ = run_steps(tmp_path, first=2, evals=evals, saves={})
     assert events == ["offload", "wake", "generate 2", "wait 2", "sleep", "onload", "train 2",
                       "wake", "evaluate"]
 
 
 def test_without_held_out_prompts_nothing_is_evaluated(tmp_path):
-    events, evaluated = run_steps(tmp_path, "trainer.eval_prompts=0", "trainer.eval_every=0")
+    events, evaluated, _ = run_steps(tmp_path, "trainer.eval_prompts=0", "trainer.eval_every=0", saves={})
     assert "evaluate" not in events and evaluated == []
 
 
@@ -140,3 +161,12 @@ def test_a_step_asked_for_another_steps_rollout_is_refused(tmp_path):
     schedule = RolloutSchedule(cfg, rec, rec, log, Evaluation(cfg, tmp_path, rec, log, {}, {}), 0, None)
     with pytest.raises(RuntimeError, match=r"step 1: the rollout in flight is InFlight\(step=0, 0 calls\)"):
         schedule.next_batch(1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async resumed at 2"])
+def test_the_small_runs_order_is_the_one_their_real_runs_show(tmp_path, mode):
+    """test_loop's small runs (cli_runs.SMALL) check their timeline.json against the same order."""
+    overrides = [*SMALL, *(["rollout.async_mode=true"] if "async" in mode else [])]
+    resumed = dict(first=2, resumed=Collected([])) if "resumed" in mode else {}
+    _, evaluated, order = run_steps(tmp_path, *overrides, base=(), **resumed)
+    assert order == SMALL_ORDER[mode] and evaluated == []

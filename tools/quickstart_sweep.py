@@ -30,6 +30,9 @@ CONFIG = ROOT / "configs" / "quickstart.yaml"
 # the settings tried while tuning the quickstart (README: "The quickstart"); `config` is the file as it is
 VARIANTS: dict[str, list[str]] = {
     "config": [],
+    "entropy": ["algorithm.entropy_coef=0.01"],
+    "lam1": ["algorithm.lam=1.0"],
+    "lam1_entropy": ["algorithm.lam=1.0", "algorithm.entropy_coef=0.01"],
 }
 
 

@@ -18,7 +18,7 @@ from moe_rl.algos.targets import TargetParams, targets
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.preflight import preflight
-from moe_rl.driver.report import CONFIG_FILE, earlier_summary, report, say
+from moe_rl.driver.report import CONFIG_FILE, TIMELINE_FILE, earlier_summary, report, say
 from moe_rl.driver.run_checkpoints import Checkpoints
 from moe_rl.driver.schedule import Evaluation, RolloutSchedule
 from moe_rl.driver.startup import start
@@ -76,6 +76,7 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         evaluation.final(last)
     finally:
         log.close()
+        log.timeline.write(out / TIMELINE_FILE)
     torch.save(log.history, out / "history.pt")
     report(out, summary, evals, log.history, last, baselines)
     return 0
@@ -92,13 +93,16 @@ def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, 
 
     for step in range(first, end):
         check_interrupted()  # a signal whose KeyboardInterrupt was swallowed stops the run here
-        with log.timer("step"):
+        with log.timer("step", step):
             batch, rollout_figures = schedule.next_batch(step)
-            figures = update(batch, step)
+            with log.timeline.span("update", step):
+                figures = update(batch, step)
         trips, before = round_trips(), trips
         log.step(step + 1, rollout_figures, *figures, {"timing/round_trips": trips - before})
         if checkpoints.due(step + 1):  # asynchronous: with the next rollout, finished
-            checkpoints.save(step + 1, schedule.in_flight())
+            in_flight = schedule.in_flight()
+            with log.timeline.span("save", step + 1):
+                checkpoints.save(step + 1, in_flight)
         schedule.step_done(step)
 
 
@@ -107,13 +111,13 @@ def train_step(models, rollouts, batch: Batch, step: int, params: TargetParams, 
     """One update on step's batch: score it (routes replayed; `diagnostics`: free routing too), its
     targets (the pre-update checklist, advantages, corrections), fit the critic then the policy, and
     sync the new weights into the engines as version step + 1. The step's figures, in logging order."""
-    with log.timer("score"):
+    with log.timer("score", step):
         scores = models.score(batch, diagnostics=diagnostics)
-    with log.timer("advantages"):
+    with log.timer("advantages", step):
         tgt = targets(batch, scores, params)
     fit_figures, logp_policy = models.fit(batch, tgt, step)
     scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
-    with log.timer("sync"):
+    with log.timer("sync", step):
         log.add(rollouts.sync(models.policy, step + 1))
     return [step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
 

@@ -15,6 +15,7 @@ def say(msg: str) -> None:
 
 SUMMARY_FILE = "summary.json"
 CURVE_FILE = "learning_curve.png"
+TIMELINE_FILE = "timeline.json"  # the driver's timeline of this try (metrics.Timeline)
 
 
 def write_summary(out: Path, summary: dict, evals: dict[int, dict]) -> dict:
@@ -72,6 +73,7 @@ def report(out: Path, summary: dict, evals: dict[int, dict], history: list[dict]
             f"{name} {figures['eval/success_rate']:.3f}" for name, figures in baselines.items()))
     if history or evals:
         lines.append(f"learning curve: {learning_curve(history, evals, baselines or {}, out / CURVE_FILE)}")
+    lines.append(f"driver timeline: {out / TIMELINE_FILE} (https://ui.perfetto.dev or chrome://tracing)")
     if history:
         lines.append(f"training reward: first step {history[0].get('reward/mean', float('nan')):.3f}, "
                      f"last step {history[-1].get('reward/mean', float('nan')):.3f}")

@@ -44,7 +44,8 @@ class Evaluation:
     def run(self, step: int) -> None:
         prompts = len(self.rollouts.eval_prompts)
         say(f"evaluating on {prompts} held-out prompts x {self.samples} (step {step})")
-        self.results[step] = self.rollouts.evaluate()
+        with self.log.timeline.span("evaluate", step):
+            self.results[step] = self.rollouts.evaluate()
         self.log.metrics.log(step, self.results[step], advance=False)
         write_summary(self.out, self.summary, self.results)
 
@@ -68,11 +69,15 @@ class RolloutSchedule:
 
     def _start(self, step: int) -> InFlight:
         """Step's rollout, after the trainer has stepped aside and the evaluation due on these weights."""
-        with self.log.timer("offload"):
+        with self.log.timer("offload", step):
             self.log.add(self.models.offload())
             self.rollouts.wake()
         if self.evaluation.due(step):
             self.evaluation.run(step)
+        return self._generate(step)
+
+    def _generate(self, step: int) -> InFlight:
+        self.log.timeline.mark("generate", step)
         return self.rollouts.generate(step)
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -80,17 +85,19 @@ class RolloutSchedule:
         the next rollout started, to generate while this batch trains."""
         if self.rollout is None or self.rollout.step != step:
             raise RuntimeError(f"step {step}: the rollout in flight is {self.rollout}")
-        batch, figures = self.rollouts.wait(self.rollout)
-        with self.log.timer("onload"):
+        with self.log.timeline.span("wait", step):
+            batch, figures = self.rollouts.wait(self.rollout)
+        with self.log.timer("onload", step):
             self.rollouts.sleep()
             self.models.onload()
-        self.rollout = self.rollouts.generate(step + 1) if self.overlap and step + 1 < self.steps else None
+        self.rollout = self._generate(step + 1) if self.overlap and step + 1 < self.steps else None
         return batch, figures
 
     def in_flight(self) -> InFlight | None:
         """The rollout started for a later step, finished (a checkpoint keeps it), or None."""
         if self.rollout is not None:
-            self.rollouts.finish(self.rollout)
+            with self.log.timeline.span("finish", self.rollout.step):
+                self.rollouts.finish(self.rollout)
         return self.rollout
 
     def step_done(self, step: int) -> None:
