@@ -54,7 +54,8 @@ def env_spec(cfg: RunConfig):
     from moe_rl.rollout.envs import EnvContext, EnvSpec, absolute_name
 
     e = cfg.environment
-    return EnvSpec(absolute_name(e.name), dict(e.options),
+    name = absolute_name(e.name)
+    return EnvSpec(name, EnvSpec(name).env_cls.portable_options(dict(e.options)),
                    EnvContext(e.tool_timeout_s, absolute_name(e.reward_fn) if e.reward_fn else ""))
 
 

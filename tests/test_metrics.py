@@ -187,7 +187,8 @@ def test_the_timeline_is_a_chrome_trace_with_each_rollout_on_a_track_of_its_own(
     assert all(end is not None for end in span_ends)  # ended even by the interrupt
     update, score = driver[2], driver[3]  # nested: the score inside the update
     assert update["ts"] <= score["ts"] and score["ts"] + score["dur"] <= update["ts"] + update["dur"]
-    (rollout,) = [e for e in trace if e["tid"] == 1 and e["ph"] != "M"]  # submitted at the mark, in hand at the wait's end
+    # submitted at the mark, in hand at the wait's end
+    (rollout,) = [e for e in trace if e["tid"] == 1 and e["ph"] != "M"]
     wait = driver[1]
     assert rollout["name"] == "rollout 0" and rollout["ts"] == driver[0]["ts"]
     assert rollout["ts"] + rollout["dur"] == pytest.approx(wait["ts"] + wait["dur"], abs=0.2)

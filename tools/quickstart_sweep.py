@@ -33,6 +33,10 @@ VARIANTS: dict[str, list[str]] = {
     "entropy": ["algorithm.entropy_coef=0.01"],
     "lam1": ["algorithm.lam=1.0"],
     "lam1_entropy": ["algorithm.lam=1.0", "algorithm.entropy_coef=0.01"],
+    # one update a step (pi_old from the update's own forward pass): more, cheaper steps in the same time
+    "one_epoch": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200"],
+    "one_epoch_lr": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200",
+                     "trainer.lr=2.5e-3"],
 }
 
 

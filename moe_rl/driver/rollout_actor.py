@@ -75,7 +75,8 @@ class RolloutActor:
             self.refused = vllm_refusal(err)
             return
         tok = AutoTokenizer.from_pretrained(settings.model_path)
-        self.agent = Agent(self.engine, tok, env, agent_settings)  # env: rollout.envs.EnvSpec
+        # env: rollout.envs.EnvSpec; a gateway (environment.name gateway) serves on this node's address
+        self.agent = Agent(self.engine, tok, env, agent_settings, ray.util.get_node_ip_address())
         self.top_k = self.engine.top_k
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,

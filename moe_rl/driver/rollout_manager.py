@@ -135,20 +135,22 @@ def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[s
     """eval/ figures of `samples` samples for each of `prompts` held-out prompts (group g, sample k):
     the mean reward of the scored samples, the success rate over all of them (mean@samples; a sample
     lost to an environment error counts as a failure, eval/rejected counts them) and pass@k for k = 1,
-    2, 4, ... up to `samples` (and `samples` itself)."""
+    2, 4, ... up to `samples` (and `samples` itself). An episode a gateway harness split at prefix breaks
+    (several trajectories of one group and sample, one reward) counts once."""
     from moe_rl.algos.stats import pass_at_k
     from moe_rl.trajectory import trajectory_success
 
     success = torch.zeros(prompts, samples, dtype=torch.bool)
-    for t in trajectories:
-        success[t.group_id, t.sample_index] = trajectory_success(t)
-    rewards = torch.tensor([t.total_reward for t in trajectories], dtype=torch.float64)
+    episodes = {(t.group_id, t.sample_index): t for t in trajectories}
+    for (g, k), t in episodes.items():
+        success[g, k] = trajectory_success(t)
+    rewards = torch.tensor([t.total_reward for t in episodes.values()], dtype=torch.float64)
     ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
     return {"eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
             "eval/success_rate": float(success.double().mean()),
             f"eval/mean@{samples}": float(success.double().mean()),
-            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}, "eval/samples": len(trajectories),
-            "eval/prompts": prompts, "eval/rejected": prompts * samples - len(trajectories)}
+            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}, "eval/samples": len(episodes),
+            "eval/prompts": prompts, "eval/rejected": prompts * samples - len(episodes)}
 
 
 @dataclass
@@ -296,6 +298,7 @@ class Rollouts:
             st.overlong_filtered += s.overlong_filtered
             st.tool_errors += s.tool_errors
             st.first_error = st.first_error or s.first_error
+            st.counts.update(s.counts)
             for k, v in s.memory.items():  # the largest engine
                 st.memory[k] = max(v, st.memory.get(k, 0.0))
         wait_s = done.wait_s
@@ -335,6 +338,7 @@ class Rollouts:
             # every outcome every step (0 when absent): charts never join distant points
             **{f"rollout/outcome_{k.value}": st.outcomes.get(k.value, 0) / total for k in Outcome},
             **{f"rollout/rejected_{reason}": n for reason, n in st.rejected.items()},
+            **{f"rollout/{name}": n for name, n in st.counts.items()},
             **{f"memory/engine_{k.removeprefix('memory_')}": v for k, v in st.memory.items()},
         }
 

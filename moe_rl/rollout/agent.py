@@ -23,6 +23,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from moe_rl.rollout.chat import ChatTokens
 from moe_rl.rollout.engine import Sampling
 from moe_rl.rollout.envs import EnvSpec, error_text
 from moe_rl.rollout.sandbox import SandboxUnavailable
@@ -67,49 +68,58 @@ class RolloutStats:
     # the first environment failure (an env_error episode) of these episodes: "reset|step: Type: message
     # (file:line)"
     first_error: str = ""
+    counts: Counter = field(default_factory=Counter)  # named counts, logged as rollout/NAME (the gateway's)
 
 
 class Agent:
-    def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSettings):
+    def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSettings,
+                 gateway_host: str = "127.0.0.1"):
+        """`gateway_host`: where the gateway serves (environment.name gateway: rollout/gateway.py)."""
         self.engine, self.tok, self.env, self.s = engine, tokenizer, env, settings
+        self.gateway_host = gateway_host
+        self.shared: dict = {}  # what copies of this agent share (RolloutActor.collect): the gateway
         self.env_options = env.built_options()  # checked once; every episode's environment shares them
         env.env_cls.check_context(env.context)  # e.g. the reward function imports here too: fails at start
         self.eos = end_of_turn_id(tokenizer)
+        self.chat = ChatTokens(tokenizer, self.eos)
         self.stats = RolloutStats()
         # a template that cannot render turns fails here
-        self._observation_text(env.env_cls.role_for_observations, "")
+        self.chat.after_turn_text([{"role": env.env_cls.role_for_observations, "content": ""}])
 
     # -- tokenisation of non-model content ------------------------------------------------------
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def _observation_text(self, role: str, text: str) -> str:
-        """What follows a model turn's content, as the tokenizer's chat template renders it for an
-        observation message: the end of the assistant turn, the message, the next assistant header.
-        Read off the template's output for a stand-in conversation (a template may render an earlier
-        assistant turn differently, e.g. Qwen3's empty thinking block: only what follows the stand-in
-        content is taken). The episode's own tokens are never rendered again."""
-        probe = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
-        after = self.tok.apply_chat_template(probe + [{"role": role, "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        if after.count("\x00a") != 1 or after.count("\x00u") != 1:
-            raise ValueError(f"the tokenizer's chat template does not render a '{role}' message after an "
-                             "assistant turn (a stand-in conversation came out wrong); observations cannot "
-                             "be appended")
-        return after[after.index("\x00a") + 2:]
+        return self.chat.prompt_ids(messages)
 
     def _observation_ids(self, role: str, text: str, closed: bool) -> list[int]:
-        """Tokens after a model turn: the end of the turn (its end-of-turn token only if the model did
-        not sample it), then the observation message and the next assistant header, as the chat
-        template renders them (all template/environment tokens, response mask 0)."""
-        tail, end = self._observation_text(role, text), self.tok.decode([self.eos])
-        if closed and tail.startswith(end):
-            tail = tail[len(end):]
-        return self.tok.encode(tail, add_special_tokens=False)
+        """Tokens after a model turn: the end of the turn, the observation message and the next assistant
+        header (rollout/chat.py)."""
+        return self.chat.after_turn_ids([{"role": role, "content": text}], closed)
 
     # -- one episode ----------------------------------------------------------------------------
+
+    async def run_harness_episode(self, row: dict, group_id: int = 0, sample_index: int = 0,
+                                  seed: int | None = None) -> list[Trajectory]:
+        """An episode a harness of the user's runs through the gateway (started on first use): its
+        trajectories, one per prefix break plus one, or one env_error."""
+        trajectories, failure, counts = await (await self.gateway()).run_episode(row, group_id, sample_index,
+                                                                                 seed)
+        self.stats.counts.update(counts)
+        return [self._failed(row, group_id, sample_index, failure)] if failure else trajectories
+
+    async def gateway(self):
+        """The gateway of this engine process, started on first use and shared by this agent's copies."""
+        if "gateway" not in self.shared:  # the first episode starts it; the others wait for the start
+            from moe_rl.rollout.envs.harness import harness_function
+            from moe_rl.rollout.gateway import Gateway, GatewayOptions
+
+            o = self.env_options
+            options = GatewayOptions(harness_function(o.harness), o.max_concurrent, o.episode_timeout_s,
+                                     o.max_request_bytes, o.tool_parser)
+            gateway = Gateway(self.engine, self.chat, self.tok, self.eos, self.s, options, self.gateway_host)
+            self.shared["gateway"] = asyncio.ensure_future(gateway.start())
+        await self.shared["gateway"]
+        return self.shared["gateway"].result()
 
     async def run_episode(self, prompt: dict, group_id: int = 0, sample_index: int = 0,
                           seed: int | None = None) -> Trajectory:
@@ -239,12 +249,14 @@ class Agent:
     async def run_groups(self, prompts: list[dict], samples_per_prompt: int, seed: int | None = None,
                          first_group_id: int = 0) -> list[list[Trajectory]]:
         """n samples per prompt, all conversations in flight together. Returns validated groups."""
-        tasks = [self.run_episode(p, first_group_id + g, k,
-                                  None if seed is None
-                                  else sample_seed(seed, "sample", first_group_id + g, k))
+        episode = self.run_harness_episode if self.env.env_cls.drives_itself else self.run_episode
+        tasks = [episode(p, first_group_id + g, k,
+                         None if seed is None else sample_seed(seed, "sample", first_group_id + g, k))
                  for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
-        done = await asyncio.gather(*tasks)
-        kept = self.accept(list(done))
+        done = [t for ts in await asyncio.gather(*tasks) for t in (ts if isinstance(ts, list) else [ts])]
+        if "gateway" in self.shared:
+            self.stats.counts.update((await self.gateway()).drain_counts())
+        kept = self.accept(done)
         if self.s.overlong_filter:
             self.overlong_filter(kept)
         groups: dict[int, list[Trajectory]] = {}

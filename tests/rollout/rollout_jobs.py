@@ -365,3 +365,56 @@ def vllm_tp_job(rank, world, model_path, tp, bucket_dir):
     model_bytes = sum(t.numel() * t.element_size() for p in paths for _, t in read_bucket(p, delete=False))
     return {"before": before, "after": after, "loaded": loaded, "workers": workers, "present": present,
             "reads": reads, "model_bytes": model_bytes, "buckets": len(paths), "left": directory.exists()}
+
+
+GATEWAY_HARNESSES = ("single_turn", "multi_turn", "streaming", "rewrites_history", "completions_tokens",
+                     "raises", "hangs", "misbehaves", "returns_text", "no_request", "plain_function",
+                     "over_budget")
+
+
+def gateway_job(rank, world, model_path):
+    """Each harness of tests/rollout/harnesses.py through a gateway on the real engine: two rows, one
+    sample each. {harness: (trajectories, stats, SEEN of its rows)}, the tokenizer's opening ids of the
+    prompt "hi", the engine's layer count."""
+    import asyncio
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from moe_rl.rollout.agent import Agent
+    from moe_rl.rollout.engine import RolloutEngine
+    from moe_rl.rollout.envs import EnvSpec, import_object
+
+    engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    path = Path(__file__).with_name("harnesses.py")
+    seen = import_object(f"{path}:SEEN")
+    prompt_ids = list(tok.encode("hi there", add_special_tokens=False))
+
+    async def run_all():
+        out = {}
+        for name in GATEWAY_HARNESSES:
+            options = {"harness": f"{path}:{name}", "episode_timeout_s": 5.0 if name == "hangs" else 60.0,
+                       "max_request_bytes": 1 << 16}
+            agent = Agent(engine, tok, EnvSpec("gateway", options),
+                          agent_settings(token_budget=40 if name == "over_budget" else 200,
+                                         max_tokens_per_turn=8))
+            rows = [{"id": f"{name}-{i}", "prompt": "hi there", "prompt_ids": prompt_ids} for i in range(2)]
+            groups = await agent.run_groups(rows, samples_per_prompt=1, seed=5)
+            await (await agent.gateway()).close()
+            out[name] = ([t for g in groups for t in g], agent.stats,
+                         {r["id"]: seen.get(r["id"]) for r in rows})
+        return out
+
+    results = asyncio.run(run_all())
+    chat = Agent(engine, tok, EnvSpec("guess_number"), agent_settings()).chat
+    def turns(t):
+        return [tok.decode(t.token_ids[b: e + 1], skip_special_tokens=True) for b, e in t.spans]
+
+    decoded = {name: {t.group_id: turns(t) for t in trajs} for name, (trajs, _, _) in results.items()}
+    return {"results": results, "opening": chat.prompt_ids([{"role": "user", "content": "hi there"}]),
+            "decoded": decoded, "eos": chat.eos,
+            "after_turn": {(t, closed): chat.after_turn_ids([{"role": "user", "content": f"turn {t} seen"}],
+                                                            closed)
+                           for t in range(3) for closed in (True, False)},
+            "layers": engine.num_moe_layers, "prompt_ids": prompt_ids}

@@ -83,6 +83,9 @@ class Environment:
         loads. This one takes none."""
 
     role_for_observations = "user"  # chat role under which observations are appended
+    # the episode is run by a harness of the user's through the gateway (envs/harness.py), not by
+    # reset / step
+    drives_itself: ClassVar[bool] = False
     # after this many steps with tool_error=True the agent loop ends the episode (outcome tool_error);
     # None: no limit. An instance may set its own (e.g. from its options) in reset
     max_tool_errors: int | None = 3
@@ -124,6 +127,12 @@ class Environment:
     def has_expert(cls) -> bool:
         """Whether the class has a scripted expert (overrides `expert_turn`) for supervised warm starts."""
         return getattr(cls.expert_turn, "__func__", None) is not Environment.expert_turn.__func__
+
+    @classmethod
+    def portable_options(cls, options: dict) -> dict:
+        """`environment.options` as another process (a Ray worker, any working directory) can build them,
+        e.g. file paths made absolute. Default: as they are."""
+        return options
 
     @classmethod
     def generates_prompts(cls) -> bool:
@@ -367,4 +376,4 @@ class EnvSpec:
 
 
 def _load_builtins() -> None:
-    from moe_rl.rollout.envs import arithmetic, calculator, guess, math_answer, single_turn, stated  # noqa: F401
+    from moe_rl.rollout.envs import arithmetic, calculator, guess, harness, math_answer, single_turn, stated  # noqa: F401
