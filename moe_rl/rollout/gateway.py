@@ -359,13 +359,14 @@ class Gateway:
                            "are taken")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise RequestError(400, f"max_tokens={max_tokens!r} must be a positive integer")
-        ep.requests += 1
-        ep.counts["gateway_requests"] += 1
         most = self.s.max_tokens_per_turn
+        # the k-th request samples with the agent loop's seed for turn k: the same game, the same tokens
         sampling = Sampling(max_tokens=min(most, max_tokens or most, budget_left, context_left - 1),
                             temperature=self.s.temperature, top_p=self.s.top_p, stop_token_ids=(self.eos,),
                             seed=None if ep.seed is None else sample_seed(ep.seed, "turn", ep.requests),
                             routes_from=0 if seg.routes is None else seg.routes.num_positions)
+        ep.requests += 1
+        ep.counts["gateway_requests"] += 1
         res = await self.engine.agenerate(seg.ids, sampling)
         if not res.token_ids:
             self._truncate(ep, Outcome.TRUNCATED_CONTEXT, "the engine sampled nothing")

@@ -383,7 +383,7 @@ def gateway_job(rank, world, model_path):
 
     from moe_rl.rollout.agent import Agent
     from moe_rl.rollout.engine import RolloutEngine
-    from moe_rl.rollout.envs import EnvSpec, import_object
+    from moe_rl.rollout.envs import EnvSpec, get_env, import_object
 
     engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -406,14 +406,30 @@ def gateway_job(rank, world, model_path):
                          {r["id"]: seen.get(r["id"]) for r in rows})
         return out
 
+    async def same_game():
+        """The guessing game, 8 games, through the agent loop and through the gateway's reference harness
+        that plays it over HTTP (moe_rl.rollout.envs.harness:guess_number), with the same seeds."""
+        game = agent_settings(max_turns=4, token_budget=160, max_tokens_per_turn=4)
+        env = get_env("guess_number")
+        prompts = env.generate_prompts(8, seed=1, options=env.Options())
+        out = {}
+        over_http = {"harness": "moe_rl.rollout.envs.harness:guess_number"}
+        for name, spec in (("agent", EnvSpec("guess_number")), ("gateway", EnvSpec("gateway", over_http))):
+            agent = Agent(engine, tok, spec, game)
+            out[name] = [t for g in await agent.run_groups(prompts, samples_per_prompt=1, seed=9) for t in g]
+            if name == "gateway":
+                await (await agent.gateway()).close()
+        return out
+
     results = asyncio.run(run_all())
+    games = asyncio.run(same_game())
     chat = Agent(engine, tok, EnvSpec("guess_number"), agent_settings()).chat
     def turns(t):
         return [tok.decode(t.token_ids[b: e + 1], skip_special_tokens=True) for b, e in t.spans]
 
     decoded = {name: {t.group_id: turns(t) for t in trajs} for name, (trajs, _, _) in results.items()}
     return {"results": results, "opening": chat.prompt_ids([{"role": "user", "content": "hi there"}]),
-            "decoded": decoded, "eos": chat.eos,
+            "decoded": decoded, "eos": chat.eos, "games": games,
             "after_turn": {(t, closed): chat.after_turn_ids([{"role": "user", "content": f"turn {t} seen"}],
                                                             closed)
                            for t in range(3) for closed in (True, False)},

@@ -115,3 +115,22 @@ def test_past_the_token_budget_a_request_is_refused_and_the_episode_ends_truncat
         status, message = seen[f"over_budget-{t.group_id}"]
         assert status == 400 and "environment.token_budget=40 is spent" in message
         assert len(t.token_ids) - t.prompt_len >= 40 - 8 and t.terminal_reward == 0.0
+
+
+def test_a_game_played_over_http_is_the_agent_loops_game_token_for_token(gateway):
+    """The same guessing games, seeds and engine: through the agent loop, and through the gateway by the
+    reference harness that plays the environment with the openai client. Every game the loop did not cut
+    for repetition (a rule of the loop's own) is the same trajectory: tokens, masks, log-probs, versions."""
+    agent, http = ({t.group_id: t for t in gateway["games"][k]} for k in ("agent", "gateway"))
+    assert sorted(http) == list(range(8))
+    compared = 0
+    for g, a in agent.items():
+        if a.outcome is Outcome.REPETITION:
+            continue
+        h = http[g]
+        assert h.token_ids == a.token_ids and h.response_mask == a.response_mask and h.spans == a.spans, g
+        assert h.logprobs == pytest.approx(a.logprobs, abs=1e-5) and h.versions == a.versions
+        assert h.outcome is a.outcome and h.terminal_reward == a.terminal_reward
+        assert h.routes.experts_PLK.tolist() == a.routes.experts_PLK.tolist()
+        compared += 1
+    assert compared >= 4

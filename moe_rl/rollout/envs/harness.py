@@ -73,3 +73,35 @@ def harness_function(spec: str):
     if not callable(fn) or inspect.isclass(fn):
         raise ValueError(f"harness {spec} is a {type(fn).__name__}, not a function run(base_url, row)")
     return fn
+
+
+def environment_harness(name: str, options: dict | None = None):
+    """A harness that plays a registered environment through the gateway: its `reset` messages open the
+    chat, each reply goes to `step`, each observation comes back as the next message, until the episode
+    is done (or the gateway refuses a turn past the run's limits). An observation of None (the model goes
+    on) has no chat form: it is sent as an empty message. The same game as the agent loop plays,
+    token for token with the same seeds, but over HTTP: what tools/bench/gateway.py and the gateway's
+    tests compare."""
+    from moe_rl.rollout.envs import EnvSpec
+
+    spec = EnvSpec(name, dict(options or {}))
+
+    async def play(base_url: str, row: dict) -> float:
+        import openai
+
+        env, client = spec.make(), openai.AsyncOpenAI(base_url=base_url, max_retries=0)
+        messages = await env.reset(row)
+        while True:
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            text = reply.choices[0].message.content or ""
+            step = await env.step(text)
+            if step.done:
+                return float(step.final_reward or 0.0)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": env.role_for_observations, "content": step.observation or ""}]
+
+    return play
+
+
+# the guessing game over HTTP: environment.options.harness: moe_rl.rollout.envs.harness:guess_number
+guess_number = environment_harness("guess_number")

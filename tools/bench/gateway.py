@@ -1,0 +1,99 @@
+"""Benchmark: the same multi-turn task through the built-in agent loop and through the gateway (an
+`openai`-client harness playing it over HTTP), side by side on one vLLM engine in this process.
+
+The task is the quickstart's guessing game at the quickstart's size (the tiny model, 4 new tokens a turn,
+four guesses). The built-in arm runs the game as an Environment (Agent.run_groups); the gateway arm runs
+`moe_rl.rollout.envs.harness:guess_number`, a harness that makes the same environment itself and plays it
+through chat requests (the game's observations sent back as user messages): with the same seeds, the
+same games token for token. The arms alternate round by round so machine noise hits both alike.
+
+  tokens_per_s_agent / tokens_per_s_gateway   model tokens sampled per second of the round
+  overhead_per_request_ms   (gateway round time - agent round time) / gateway requests, the medians
+  overhead_frac             that overhead's share of the gateway round: (t_gateway - t_agent) / t_gateway
+                            (goal <= 0.10)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, default=32, help="games per round (the quickstart's step)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from moe_rl import settings
+    from moe_rl.config import RunConfig, RunSection, TinyModel
+    from moe_rl.rollout.agent import Agent
+    from moe_rl.rollout.engine import RolloutEngine
+    from moe_rl.rollout.envs import EnvSpec, get_env
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(Path(tempfile.gettempdir()) / "moe_rl_bench_gateway", TinyModel(), seed=0)
+    turns = 4
+    cfg = RunConfig(run=RunSection(seed=0))
+    engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
+    tok = AutoTokenizer.from_pretrained(path)
+    agent_s = settings.agent_settings(cfg)
+    import dataclasses
+
+    agent_s = dataclasses.replace(agent_s, max_turns=turns, max_tokens_per_turn=4, token_budget=160)
+    env = get_env("guess_number")
+    prompts = env.generate_prompts(args.episodes, seed=0, options=env.Options())
+    harness = {"harness": "moe_rl.rollout.envs.harness:guess_number"}
+    arms = {"agent": Agent(engine, tok, EnvSpec("guess_number"), agent_s),
+            "gateway": Agent(engine, tok, EnvSpec("gateway", harness), agent_s)}
+
+    async def bench():
+        times, tokens, requests = {k: [] for k in arms}, {k: 0 for k in arms}, 0
+        for arm in arms.values():  # warm-up (and the gateway's start)
+            await arm.run_groups(prompts[:4], 1, seed=1)
+        for i in range(args.rounds):
+            for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+                arm = arms[name]
+                arm.stats.counts.clear()
+                t0 = time.perf_counter()
+                groups = await arm.run_groups(prompts, 1, seed=100 + i)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name] += sum(sum(t.response_mask) for g in groups for t in g)
+                if name == "gateway":
+                    requests += arm.stats.counts["gateway_requests"]
+            print(f"round {i + 1}/{args.rounds}: agent {times['agent'][-1]:.2f} s, "
+                  f"gateway {times['gateway'][-1]:.2f} s", flush=True)
+        await (await arms["gateway"].gateway()).close()
+        return times, tokens, requests
+
+    times, tokens, requests = asyncio.run(bench())
+    t_agent, t_gateway = statistics.median(times["agent"]), statistics.median(times["gateway"])
+    per_round_requests = requests / args.rounds
+    overhead_ms = 1000 * (t_gateway - t_agent) / max(per_round_requests, 1)
+    figures = {"bench": "gateway", "episodes": args.episodes, "rounds": args.rounds,
+               "tokens_per_s_agent": round(tokens["agent"] / sum(times["agent"]), 1),
+               "tokens_per_s_gateway": round(tokens["gateway"] / sum(times["gateway"]), 1),
+               "round_s_agent": round(t_agent, 3), "round_s_gateway": round(t_gateway, 3),
+               "requests_per_round": per_round_requests,
+               "overhead_per_request_ms": round(overhead_ms, 2),
+               "overhead_frac": round((t_gateway - t_agent) / t_gateway, 4)}
+    print(f"built-in agent loop {figures['tokens_per_s_agent']:8.1f} model tokens/s  "
+          f"(round {t_agent:.2f} s)")
+    print(f"gateway harness     {figures['tokens_per_s_gateway']:8.1f} model tokens/s  "
+          f"(round {t_gateway:.2f} s, {per_round_requests:.0f} requests)")
+    print(f"gateway overhead: {overhead_ms:.1f} ms per request, {100 * figures['overhead_frac']:.1f}% of the "
+          "gateway round (goal <= 10%)")
+    print(json.dumps(figures))
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
