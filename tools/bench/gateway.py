@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=int, default=32, help="games per round (the quickstart's step)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=4, help="a turn's tokens (the quickstart's: 4)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -48,7 +49,8 @@ def main() -> None:
     agent_s = settings.agent_settings(cfg)
     import dataclasses
 
-    agent_s = dataclasses.replace(agent_s, max_turns=turns, max_tokens_per_turn=4, token_budget=160)
+    agent_s = dataclasses.replace(agent_s, max_turns=turns, max_tokens_per_turn=args.max_new_tokens,
+                                  token_budget=turns * (args.max_new_tokens + 16))
     env = get_env("guess_number")
     prompts = env.generate_prompts(args.episodes, seed=0, options=env.Options())
     harness = {"harness": "moe_rl.rollout.envs.harness:guess_number"}
@@ -79,6 +81,7 @@ def main() -> None:
     per_round_requests = requests / args.rounds
     overhead_ms = 1000 * (t_gateway - t_agent) / max(per_round_requests, 1)
     figures = {"bench": "gateway", "episodes": args.episodes, "rounds": args.rounds,
+               "max_new_tokens": args.max_new_tokens,
                "tokens_per_s_agent": round(tokens["agent"] / sum(times["agent"]), 1),
                "tokens_per_s_gateway": round(tokens["gateway"] / sum(times["gateway"]), 1),
                "round_s_agent": round(t_agent, 3), "round_s_gateway": round(t_gateway, 3),

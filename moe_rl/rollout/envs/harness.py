@@ -85,11 +85,21 @@ def environment_harness(name: str, options: dict | None = None):
     from moe_rl.rollout.envs import EnvSpec
 
     spec = EnvSpec(name, dict(options or {}))
+    # one HTTP client per event loop for every episode: an openai client's own costs ~10 ms to make (its TLS
+    # context), more than a quickstart-sized turn
+    http: dict = {}
 
     async def play(base_url: str, row: dict) -> float:
+        import asyncio
+
+        import httpx
         import openai
 
-        env, client = spec.make(), openai.AsyncOpenAI(base_url=base_url, max_retries=0)
+        loop = asyncio.get_running_loop()
+        if loop not in http:
+            http[loop] = httpx.AsyncClient(timeout=None)
+        client = openai.AsyncOpenAI(base_url=base_url, max_retries=0, http_client=http[loop])
+        env = spec.make()
         messages = await env.reset(row)
         while True:
             reply = await client.chat.completions.create(model="policy", messages=messages)
