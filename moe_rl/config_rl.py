@@ -298,6 +298,9 @@ class TrainerSection:
     """also every this many steps (0: before and after only)"""
     eval_samples: int = 1
     """samples per prompt: pass@k for k = 1, 2, 4, ... up to it, and mean@eval_samples"""
+    eval_greedy: bool = False
+    """the held-out evaluation decodes greedily (temperature 0): the policy's most likely answers rather than
+    samples at rollout.temperature (one sample per prompt: trainer.eval_samples=1)"""
     proximal_pass: Literal["auto", "separate"] = "auto"
     """pi_old, the PPO ratio's anchor, is the policy before the step's updates. "auto": when a step makes one
     update (epochs=1, minibatches=1, algorithm.anchor=old, a correction that does not weight by pi_old / mu:

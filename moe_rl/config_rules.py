@@ -173,6 +173,9 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) "
                           f"needs held-out rows: environment '{cfg.environment.name}' makes no prompts of "
                           "its own")
+    if tr.eval_greedy and tr.eval_samples > 1:
+        raise ConfigError("trainer.eval_samples", f"{tr.eval_samples} greedy samples of a prompt are one "
+                          "answer repeated (trainer.eval_greedy=true): use 1")
     if cfg.reward_model.path and cfg.environment.dynamic_sampling:
         raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all "
                           "equal, before the reward model scores them (reward_model.path): use one or the "
@@ -239,7 +242,7 @@ SWITCHES = (
     Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
            ("trainer.warm_start_lr", "trainer.warm_start_batch")),
     Switch("evaluation (trainer.eval_prompts > 0)", lambda c: c.trainer.eval_prompts > 0,
-           ("trainer.eval_every", "trainer.eval_dataset", "trainer.eval_samples")),
+           ("trainer.eval_every", "trainer.eval_dataset", "trainer.eval_samples", "trainer.eval_greedy")),
     # packing is for variable-length rows of one CP rank: CP splits rows into chunks, and megatron-core's
     # allgather dispatcher under expert parallelism needs equal-shaped microbatches
     Switch("parallel.cp=1 without model.moe_dispatcher=allgather under parallel.ep > 1",

@@ -353,6 +353,7 @@ def test_environment_option_declarations(monkeypatch):
       "critic.warmup_steps=3"], "critic.warmup_steps"),
     (["critic.init_from=/nonexistent/reward_model"], "critic.init_from"),
     (["run.name=../elsewhere"], "run.name"),
+    (["trainer.eval_greedy=true", "trainer.eval_samples=2"], "trainer.eval_samples"),
 ])
 def test_more_refused_combinations(overrides, field):
     with pytest.raises(ConfigError, match=f"^{re.escape(field)}: "):

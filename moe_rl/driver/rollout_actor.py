@@ -80,13 +80,17 @@ class RolloutActor:
         self.top_k = self.engine.top_k
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,
-                      first_group_id: int = 0):
+                      first_group_id: int = 0, greedy: bool = False):
+        """`greedy`: decode at temperature 0 (trainer.eval_greedy's evaluation)."""
         import copy
+        import dataclasses
 
         from moe_rl.rollout.agent import RolloutStats
 
         agent = copy.copy(self.agent)  # statistics of this call only: an evaluation may run beside a rollout
         agent.stats = RolloutStats()
+        if greedy:
+            agent.s = dataclasses.replace(agent.s, temperature=0.0)
         if dynamic:
             pool = list(prompts)
 

@@ -386,7 +386,8 @@ class Rollouts:
         engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
         # the same at every evaluation
         n, seed = self.cfg.trainer.eval_samples, sample_seed(self.cfg.run.seed, "eval")
-        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0),
+        greedy = self.cfg.trainer.eval_greedy
+        trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0, 0, greedy),
                                                 "evaluation"))])[0]
         return evaluation_figures(trajs, len(self.eval_prompts), n)
 

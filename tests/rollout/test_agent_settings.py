@@ -37,3 +37,26 @@ def test_non_finite_rewards_are_rejected_and_counted(tiny_qwen):
     groups = asyncio.run(agent.run_groups([{}], 3))
     assert [t.terminal_reward for g in groups for t in g] == [1.0, 1.0]
     assert agent.stats.rejected == {"rewards": 1}
+
+
+def test_a_greedy_evaluation_samples_at_temperature_zero(tiny_qwen):
+    """trainer.eval_greedy: the engine actor's collect (the function Rollouts.evaluate calls remotely) asks
+    the engine for temperature 0; a rollout's collect for rollout.temperature."""
+    from types import SimpleNamespace
+
+    from moe_rl.driver.rollout_actor import RolloutActor
+
+    class Temperatures(ScriptedPolicy):
+        async def agenerate(self, ids, sampling):
+            self.seen.append(sampling.temperature)
+            return await super().agenerate(ids, sampling)
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    collect = RolloutActor.__ray_actor_class__.collect
+    for greedy, expected in ((True, 0.0), (False, 0.7)):
+        engine = Temperatures(tok, ["5"] * 2)
+        engine.seen = []
+        actor = SimpleNamespace(agent=Agent(engine, tok, EnvSpec("guess_number"),
+                                            agent_settings(temperature=0.7, max_turns=1)))
+        trajs, _ = asyncio.run(collect(actor, [{"secret": 5, "low": 1, "high": 9}] * 2, 1, 0, greedy=greedy))
+        assert engine.seen == [expected, expected] and len(trajs) == 2
