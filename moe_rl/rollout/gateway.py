@@ -17,9 +17,10 @@ run on an event loop of their own, in a thread beside the engine's: a harness th
 other harnesses, never the engine.
 
 Exact tokens. A chat request's messages (and tools) are compared with what its episode has been served:
-the messages it sent and the replies it got, as returned. When they extend it, only the new messages are
-rendered, as the chat template renders them after an assistant turn (rollout/chat.py), and appended with
-response mask 0 after the model's own tokens, which are never re-encoded from text. When they do not (the
+the messages it sent and the replies it got, as returned. When they extend it (or repeat it: the model's
+next turn follows its last), only the new messages are rendered, as the chat template renders them after
+an assistant turn (rollout/chat.py), and appended with response mask 0 after the model's own tokens,
+which are never re-encoded from text. When they do not (the
 harness dropped, edited or re-ordered messages, or changed its tools), the episode's tokens so far become
 a trajectory of their own and the request starts another, rendered whole: the episode's reward goes to
 each, and rollout/gateway_prefix_breaks counts the splits. `completions` requests compare token ids (a
@@ -314,7 +315,7 @@ class Gateway:
         seg = ep.segments[-1] if ep.segments else None
         asked = [served_message(m) for m in messages]
         if seg is not None and seg.served is not None and seg.tools == tools_key \
-                and asked[:len(seg.served)] == seg.served and len(asked) > len(seg.served):
+                and asked[:len(seg.served)] == seg.served:  # no new message: the model's next turn
             self._extend(ep, seg, self.chat.after_turn_ids(messages[len(seg.served):], seg.closed, tools))
             return seg
         return self._new_segment(ep, self.chat.prompt_ids(messages, tools), asked, tools_key)

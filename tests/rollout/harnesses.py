@@ -3,6 +3,7 @@ gateway's base URL. Each records what it was served in SEEN (this module, in the
 by the row's "id", so the test can compare it with the trajectories."""
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -132,3 +133,22 @@ async def over_budget(base_url: str, row: dict) -> float:
         SEEN[row["id"]] = [err.status_code, str(err)]
         raise
     return 1.0
+
+
+async def tool_calling(base_url: str, row: dict) -> float:
+    """A tool-calling loop: the model's tool call (parsed by the gateway's tool parser) is run here and its
+    result sent back as a tool message; then the model answers."""
+    c = client(base_url)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await c.chat.completions.create(model="policy", messages=messages, tools=row["tools"],
+                                            max_tokens=96)
+    message = first.choices[0].message
+    calls = message.tool_calls or []
+    messages.append(message.model_dump(exclude_none=True))  # the assistant turn as the client got it
+    for call in calls:
+        word = json.loads(call.function.arguments)["q"]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"a {word} is a big cat"})
+    await c.chat.completions.create(model="policy", messages=messages, tools=row["tools"], max_tokens=8)
+    parsed = [(x.function.name, x.function.arguments) for x in calls]
+    SEEN[row["id"]] = [parsed, first.choices[0].finish_reason]
+    return 1.0 if calls else 0.0
