@@ -33,7 +33,8 @@ rollout.max_new_tokens. Past environment.token_budget, rollout.max_model_len or 
 model turns (requests) a request is refused (400) and the episode ends truncated (bootstrapped), whatever
 the harness does next. A harness that raises,
 outlasts its timeout or returns no reward ends its episode as env_error (counted and logged, not trained
-on); so does one that made no request. Requests for an unknown or ended episode get 404, malformed ones
+on); so does one that made no request. A request for more than one choice (n > 1) is refused: an episode
+is one conversation. Requests for an unknown or ended episode get 404, malformed ones
 400, ones without the token 401, bodies over `max_request_bytes` 413.
 """
 
@@ -252,6 +253,8 @@ class Gateway:
         except ValidationError as err:
             raise RequestError(400, f"not a chat completion request: {err.errors()[0]['msg']} at "
                                     f"{'.'.join(map(str, err.errors()[0]['loc']))}") from err
+        if (req.n or 1) != 1:
+            raise RequestError(400, f"n={req.n}: one choice per request (an episode is one conversation)")
         messages, tools = body["messages"], body.get("tools") or None
         async with ep.lock:
             seg = self._chat_segment(ep, messages, tools)
@@ -267,8 +270,9 @@ class Gateway:
         if body.get("stream"):
             return await self._stream(request, "chat.completion.chunk", [
                 {"index": 0, "delta": {"role": "assistant", "content": message.get("content") or ""}},
-                {"index": 0, "delta": {k: v for k, v in message.items() if k == "tool_calls"},
-                 "finish_reason": finish}])
+                {"index": 0, "delta": {"tool_calls": [{"index": i, **call} for i, call in
+                                                      enumerate(message["tool_calls"])]}
+                 if message.get("tool_calls") else {}, "finish_reason": finish}])
         from aiohttp import web
 
         return web.json_response({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

@@ -55,7 +55,7 @@ def gateway_tool_job(rank, world, model_path, out_dir):
     options = {"harness": f"{path}:tool_calling", "tool_parser": "hermes"}
     agent = Agent(engine, tok, EnvSpec("gateway", options),
                   agent_settings(token_budget=200, max_tokens_per_turn=96))
-    rows = [{"id": f"tool-{i}", "prompt": PROMPT, "tools": TOOLS} for i in range(4)]
+    rows = [{"id": f"tool-{i}", "prompt": PROMPT, "tools": TOOLS, "stream": i % 2 == 1} for i in range(4)]
 
     async def go():
         groups = await agent.run_groups(rows, samples_per_prompt=1, seed=2)

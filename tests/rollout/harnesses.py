@@ -140,15 +140,29 @@ async def tool_calling(base_url: str, row: dict) -> float:
     result sent back as a tool message; then the model answers."""
     c = client(base_url)
     messages = [{"role": "user", "content": row["prompt"]}]
-    first = await c.chat.completions.create(model="policy", messages=messages, tools=row["tools"],
-                                            max_tokens=96)
-    message = first.choices[0].message
-    calls = message.tool_calls or []
-    messages.append(message.model_dump(exclude_none=True))  # the assistant turn as the client got it
+    kw = {"model": "policy", "tools": row["tools"], "max_tokens": 96}
+    if row["stream"]:  # the call assembled from the stream's deltas, as agent frameworks do
+        content, calls, finish = "", {}, None
+        async for chunk in await c.chat.completions.create(messages=messages, stream=True, **kw):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                calls.setdefault(d.index, {"id": d.id, "type": "function", "function": {"name": "",
+                                                                                        "arguments": ""}})
+                calls[d.index]["function"]["name"] += d.function.name or ""
+                calls[d.index]["function"]["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        calls = list(calls.values())
+        messages.append({"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls
+                                                                             else {})})
+    else:
+        first = await c.chat.completions.create(messages=messages, **kw)
+        message, finish = first.choices[0].message, first.choices[0].finish_reason
+        calls = [call.model_dump() for call in message.tool_calls or []]
+        messages.append(message.model_dump(exclude_none=True))  # the assistant turn as the client got it
     for call in calls:
-        word = json.loads(call.function.arguments)["q"]
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"a {word} is a big cat"})
-    await c.chat.completions.create(model="policy", messages=messages, tools=row["tools"], max_tokens=8)
-    parsed = [(x.function.name, x.function.arguments) for x in calls]
-    SEEN[row["id"]] = [parsed, first.choices[0].finish_reason]
+        word = json.loads(call["function"]["arguments"])["q"]
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"a {word} is a big cat"})
+    await c.chat.completions.create(messages=messages, **(kw | {"max_tokens": 8}))
+    SEEN[row["id"]] = [[(x["function"]["name"], x["function"]["arguments"]) for x in calls], finish]
     return 1.0 if calls else 0.0
