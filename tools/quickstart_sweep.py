@@ -36,6 +36,8 @@ VARIANTS: dict[str, list[str]] = {
     # one update a step (pi_old from the update's own forward pass): more, cheaper steps in the same time
     "one_epoch": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200"],
     "lam1_greedy": ["algorithm.lam=1.0", "trainer.eval_greedy=true"],  # evaluated on the most likely answers
+    # the game's feedback also tells the range the answers so far leave: the state in the last message
+    "range_feedback": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "environment.options.feedback=range"],
     "one_epoch_lr": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200",
                      "trainer.lr=2.5e-3"],
 }

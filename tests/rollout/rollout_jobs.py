@@ -374,7 +374,8 @@ GATEWAY_HARNESSES = ("single_turn", "multi_turn", "streaming", "rewrites_history
 
 def gateway_job(rank, world, model_path):
     """Each harness of tests/rollout/harnesses.py through a gateway on the real engine: two rows, one
-    sample each. {harness: (trajectories, stats, SEEN of its rows)}, the tokenizer's opening ids of the
+    sample each (during multi_turn's, a weight sync of the same weights, as version 1, after the third
+    engine call). {harness: (trajectories, stats, SEEN of its rows)}, the tokenizer's opening ids of the
     prompt "hi", the engine's layer count."""
     import asyncio
     from pathlib import Path
@@ -390,10 +391,21 @@ def gateway_job(rank, world, model_path):
     path = Path(__file__).with_name("harnesses.py")
     seen = import_object(f"{path}:SEEN")
     prompt_ids = list(tok.encode("hi there", add_special_tokens=False))
+    from moe_rl.weights.hf import HFReader
+
+    reader, real, calls = HFReader(model_path), engine.agenerate, []
+
+    async def syncing(ids, sampling):  # a weight sync lands between two turns of a conversation
+        res = await real(ids, sampling)
+        calls.append(len(ids))
+        if len(calls) == 3:
+            engine.update_weights([(k, reader.get(k)) for k in sorted(reader.names())], version=1)
+        return res
 
     async def run_all():
         out = {}
         for name in GATEWAY_HARNESSES:
+            engine.agenerate = syncing if name == "multi_turn" else real
             options = {"harness": f"{path}:{name}", "episode_timeout_s": 5.0 if name == "hangs" else 60.0,
                        "max_request_bytes": 1 << 16}
             agent = Agent(engine, tok, EnvSpec("gateway", options),

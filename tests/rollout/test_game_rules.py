@@ -92,3 +92,25 @@ def test_the_guessing_games_reference_policies_are_chance_and_optimal(tok):
     assert won["binary search"] == 1.0
     chance = 1 - (8 / 9) ** 4
     assert abs(won["random guesses"] - chance) < 4 * math.sqrt(chance * (1 - chance) / len(prompts))
+
+
+def test_range_feedback_tells_the_range_the_answers_leave_and_binary_search_still_reads_it(tok):
+    """feedback: range. Secret 6: 5 -> "higher: 6 to 9", 8 -> "lower: 6 to 7", then 6 wins; binary search
+    reads the same conversation as under "higher" / "lower" alone and wins every game within 4 guesses."""
+    from moe_rl.rollout.demos import ExpertPolicy
+
+    env = EnvSpec("guess_number", {"feedback": "range"})
+    agent = Agent(ScriptedPolicy(tok, ["5", "8", "6"]), tok, env,
+                  agent_settings(max_turns=4, token_budget=200))
+    t = run(agent.run_episode({"secret": 6}))
+    text = tok.decode(t.token_ids)
+    assert "user\nhigher: 6 to 9<|im_end|>" in text and "user\nlower: 6 to 7<|im_end|>" in text
+    assert t.terminal_reward == 1.0
+    cls = get_env("guess_number")
+    prompts = cls.generate_prompts(60, seed=3, options=cls.Options())
+    search = Agent(ExpertPolicy(tok, cls.binary_search_turn, 1), tok, env,
+                   agent_settings(max_turns=4, token_budget=128))
+    trajs = [t for g in run(search.run_groups(prompts, 1)) for t in g]
+    assert all(t.terminal_reward == 1.0 and len(t.spans) <= 4 for t in trajs)
+    with pytest.raises(ValueError, match="feedback='loud' must be 'direction' or 'range'"):
+        cls.Options(feedback="loud").check()

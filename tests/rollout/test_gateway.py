@@ -54,6 +54,9 @@ def test_multi_turn_messages_extend_the_episode_with_the_model_tokens_never_re_e
         assert len(t.token_ids) == e2 + 1  # nothing was sent after the last turn
         assert t.info["figures"] == {"turns": 3.0, "success": 1.0} and t.terminal_reward == 1.0
         assert len(t.versions) == len(t.token_ids) and validate_trajectory(t, 256) == []
+        # per-token weight versions: the sync after the third engine call shows in the tokens after it
+        assert t.versions == sorted(t.versions) and t.weight_version == min(t.versions) == 0
+    assert any(len({v for v, m in zip(t.versions, t.response_mask, strict=True) if m}) == 2 for t in trajs)
 
 
 def test_streaming_gives_the_same_turn_as_chunks(gateway):

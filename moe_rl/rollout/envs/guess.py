@@ -5,11 +5,12 @@ the environment answers "higher", "lower" or ends the episode: on the right numb
 `guesses` are used up (a turn without a number in range uses one too). That end is the game's rule, a
 true termination: nothing is bootstrapped past it (environment.max_turns, the framework's cut, would be
 a truncation, bootstrapped from the critic's value of a game that could go on). A random policy already
-wins sometimes (1 / (high-low+1) per guess), so reward rises from a non-zero level as the policy learns
-to use the observations. Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for
-each wrong guess and -0.1 for a turn without a number in range, each `ruled_out_penalty` more where the
-feedback had already ruled the answer out (so a turn without a number always costs the most).
-env/ruled_out counts a game's ruled-out turns.
+wins sometimes (1 / (high - low + 1) per guess), so reward rises from a non-zero level as the policy
+learns to use the observations (`feedback: range` also tells the range the answers so far leave).
+Rewards: terminal 1.0 for a correct guess, 0 otherwise; turn feedback -0.05 for each wrong guess and
+-0.1 for a turn without a number in range, each `ruled_out_penalty` more where the feedback had already
+ruled the answer out (so a turn without a number always costs the most). env/ruled_out counts a game's
+ruled-out turns.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ class GuessNumber(Environment):
         # the range the "higher"/"lower" answers leave, a repeated one, or no number in range at all):
         # a turn-level signal for using the observations (0: off; success is unchanged either way)
         ruled_out_penalty: float = 0.0
+        # what a wrong guess is told: "direction", "higher" or "lower"; "range", that and the range the
+        # answers so far leave ("higher: 6 to 9"), so the state is in the last message
+        feedback: str = "direction"
 
         def check(self) -> None:
+            if self.feedback not in ("direction", "range"):
+                raise ValueError(f"feedback={self.feedback!r} must be 'direction' or 'range'")
             if self.low > self.high:
                 raise ValueError(f"low={self.low} must be <= high={self.high}")
             if self.guesses < 1:
@@ -74,7 +80,10 @@ class GuessNumber(Environment):
             return StepResult(None, reward=reward, done=True, final_reward=0.0, info=info)
         if not valid:
             return StepResult(f"A number from {self.low} to {self.high}.", reward=reward, info=info)
-        return StepResult("higher" if guess < self.secret else "lower", reward=reward, info=info)
+        word = "higher" if guess < self.secret else "lower"
+        if self.options.feedback == "range":
+            word += f": {self.open[0]} to {self.open[1]}"
+        return StepResult(word, reward=reward, info=info)
 
     @classmethod
     def expert_turn(cls, conversation: str, rng) -> str:
