@@ -401,7 +401,8 @@ class Gateway:
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+        cid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         for choice in choices:
             chunk = {"id": cid, "object": kind, "created": created, "model": MODEL_NAME,
                      "choices": [{"finish_reason": None, **choice}]}
