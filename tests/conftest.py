@@ -38,6 +38,17 @@ def ray_of_the_module():
         ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_run_parts_left():
+    """A test leaves nothing on the process's list of run parts: a later run in the same worker would shut
+    down (and trip over) what it left there."""
+    yield
+    session = sys.modules.get("moe_rl.driver.session")
+    if session is not None:
+        left, session.RUN_PARTS[:] = list(session.RUN_PARTS), []
+        assert not left, f"the test left run parts on session.RUN_PARTS: {left}"
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     from moe_rl.config import TinyModel

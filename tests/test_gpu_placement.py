@@ -182,6 +182,8 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
                 events.append("connect")
 
         monkeypatch.setattr(session, "start_ray", lambda cfg: None)
+        # the stand-ins go on this test's list, not the process's (a later run would shut them down)
+        monkeypatch.setattr(session, "RUN_PARTS", [])
         monkeypatch.setattr(placement, "Placement",
                             lambda cfg, counts: types.SimpleNamespace(engines_first=first))
         monkeypatch.setattr(trainer_groups, "Models", Models)
