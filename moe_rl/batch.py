@@ -57,6 +57,8 @@ class Batch:
     logp_ref_BS: torch.Tensor | None = None  # the reference policy (KL)
     is_weight_BS: torch.Tensor | None = None  # off-policy weight of the policy-gradient term
     pg_mask_BS: torch.Tensor | None = None  # bool: tokens of the policy-gradient term (correction keeps)
+    # bool: the pg tokens a batch-scope policy mask (M2PO) keeps, decided per minibatch; None: no such mask
+    policy_keep_BS: torch.Tensor | None = None
     returns_BS: torch.Tensor | None = None  # critic targets
     values_old_BS: torch.Tensor | None = None  # pre-update V(s_t) (value clipping)
 

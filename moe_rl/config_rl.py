@@ -211,11 +211,23 @@ class AlgorithmSection:
     """IcePop: tokens whose pi_old/mu is below this are masked out of the policy gradient."""
     icepop_max: float = 2.0
     """IcePop: tokens whose pi_old/mu is above this are masked out of the policy gradient."""
+    geo_min: float = 0.99
+    """geo_mask: sequences whose geometric-mean ratio pi_old/mu is below this leave the policy gradient."""
+    geo_max: float = 1.01
+    """geo_mask: sequences whose geometric-mean ratio pi_old/mu is above this leave the policy gradient;
+    geo_tis: the sequence weight (that geometric mean) is truncated at this."""
+    policy_mask: str = "none"
+    """A trust mask of the policy-gradient term, by registered name: none, opsm (DeepSeek-V3.2's off-policy
+    sequence masking), m2po (second-moment trust region over the optimizer batch)."""
+    opsm_delta: float = 0.1
+    """OPSM: a negative-advantage sequence whose mean log(mu/pi_theta) exceeds this is masked."""
+    m2po_tau: float = 0.04
+    """M2PO: the bound on the optimizer batch's mean (log pi_theta/pi_old)^2 the mask enforces."""
     self_normalize: bool = False
     """Divide the weighted policy-gradient term by the sum of its kept weights rather than the token count."""
     anchor: Literal["old", "ewma"] = "old"
     """pi_old of the PPO ratio: the pre-update policy, or an EWMA of past policies (PPO-EWMA; needs a
-    correction that reweights by pi_old/mu: tis_token, tis_seq or icepop)"""
+    correction that reweights by pi_old/mu: tis_token, tis_seq, icepop, geo_tis or geo_mask)"""
     ewma_decay: float = 0.9
     """PPO-EWMA: the anchor theta_bar moves as theta_bar <- decay * theta_bar + (1 - decay) * theta after each
     update."""
@@ -247,6 +259,12 @@ class AlgorithmSection:
         if self.icepop_max < self.icepop_min:
             raise ConfigError("algorithm.icepop_max",
                               f"{self.icepop_max} is below algorithm.icepop_min={self.icepop_min}")
+        in_range("algorithm.geo_min", self.geo_min, 0.0, None, lo_open=True)
+        if self.geo_max < self.geo_min:
+            raise ConfigError("algorithm.geo_max",
+                              f"{self.geo_max} is below algorithm.geo_min={self.geo_min}")
+        in_range("algorithm.opsm_delta", self.opsm_delta, 0.0, None)
+        in_range("algorithm.m2po_tau", self.m2po_tau, 0.0, None)
         in_range("algorithm.ewma_decay", self.ewma_decay, 0.0, 1.0, hi_open=True)
         in_range("algorithm.overlong_buffer", self.overlong_buffer, 0, None)
 

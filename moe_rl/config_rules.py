@@ -20,11 +20,19 @@ def _meta(kind: str, name: str):
     return registry.meta(kind, name)
 
 
-def check_registered(alg) -> None:
-    """algorithm.advantage, policy_loss and correction name registered methods (moe_rl.algos.registry)."""
+def _reweighting() -> list[str]:
+    """The corrections that weight or mask by pi_old / mu."""
     from moe_rl.algos import registry
 
-    for kind in ("advantage", "policy_loss", "correction"):
+    return [n for n in registry.names("correction") if registry.meta("correction", n).reweights]
+
+
+def check_registered(alg) -> None:
+    """algorithm.advantage, policy_loss, correction and policy_mask name registered methods
+    (moe_rl.algos.registry)."""
+    from moe_rl.algos import registry
+
+    for kind in registry.KINDS:
         name, names = getattr(alg, kind), registry.names(kind)
         if name not in names:
             raise ConfigError(f"algorithm.{kind}", f"unknown {kind} '{name}'{did_you_mean(name, names)}; "
@@ -153,7 +161,19 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                if _meta("correction", alg.correction).old_is_behaviour
                else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
         raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); "
-                          "ewma needs a correction that reweights by pi_old/mu: tis_token, tis_seq or icepop")
+                          "ewma needs a correction that reweights by pi_old/mu: " + ", ".join(_reweighting()))
+    mask = _meta("policy_mask", alg.policy_mask)
+    if mask.scope == "batch" and _meta("policy_loss", alg.policy_loss).sequence_level:
+        raise ConfigError("algorithm.policy_mask", f"'{alg.policy_mask}' masks tokens, and "
+                          f"'{alg.policy_loss}' has one ratio per sequence (a token mask would change it); "
+                          "use opsm, or a token-level policy loss (ppo, cispo)")
+    one_update = cfg.trainer.epochs * cfg.trainer.minibatches == 1
+    if mask.reads_old and one_update and alg.anchor == "old" \
+            and not _meta("correction", alg.correction).old_is_behaviour:
+        raise ConfigError("algorithm.policy_mask", f"'{alg.policy_mask}' bounds log(pi_theta/pi_old), which "
+                          "is 0 on every token with one update a step (trainer.epochs=1, "
+                          "trainer.minibatches=1) and pi_old the policy before it; use "
+                          "algorithm.correction=bypass (the paper's pi_theta/mu), or more updates a step")
     if cfg.environment.token_budget < cfg.rollout.max_new_tokens:
         raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, whose excess could then "

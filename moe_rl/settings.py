@@ -69,7 +69,14 @@ def policy_loss(cfg: RunConfig):
     from_forward = cfg.proximal_from_update and not registry.meta("correction", a.correction).old_is_behaviour
     return PolicyLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.aggregation, a.kl_loss_coef,
                       a.kl_loss_estimator, a.entropy_coef, old_from_forward=from_forward,
-                      check_sync=from_forward and not cfg.rollout.async_mode)
+                      check_sync=from_forward and not cfg.rollout.async_mode, policy_mask=a.policy_mask,
+                      mask_params=mask_params(cfg))
+
+
+def mask_params(cfg: RunConfig):
+    from moe_rl.algos.masking import PolicyMaskParams
+
+    return PolicyMaskParams(cfg.algorithm.opsm_delta, cfg.algorithm.m2po_tau)
 
 
 def value_loss(cfg: RunConfig):
@@ -90,7 +97,8 @@ def target_params(cfg: RunConfig):
         needs_reference=cfg.uses_reference, overlong_buffer=a.overlong_buffer,
         overlong_penalty=a.overlong_penalty, token_budget=cfg.environment.token_budget,
         correction=a.correction,
-        correction_params=CorrectionParams(a.is_cap, a.seq_is_cap, a.icepop_min, a.icepop_max),
+        correction_params=CorrectionParams(a.is_cap, a.seq_is_cap, a.icepop_min, a.icepop_max, a.geo_min,
+                                           a.geo_max),
         ewma_anchor=a.anchor == "ewma", aggregation=a.aggregation,
         loss_constant=a.loss_constant or float(cfg.environment.token_budget), self_normalize=a.self_normalize,
         synchronous=not cfg.rollout.async_mode, reward_model_weight=cfg.reward_model.weight,

@@ -71,6 +71,8 @@ def test_list_registered_methods():
     out = run_main("check-config", "--list")
     assert out.returncode == 0
     assert "gspo" in out.stdout and "tis_seq" in out.stdout and "rloo" in out.stdout
+    listed = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert listed["policy_mask"] == "m2po, none, opsm" and "geo_mask, geo_tis" in listed["correction"]
 
 
 def test_unknown_benchmark_is_a_user_error():

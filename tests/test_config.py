@@ -210,7 +210,6 @@ def test_resume_accepts_keywords_and_paths():
      "critic.enabled: true with advantage 'reward_to_go'"),
     (["algorithm.kl_loss_estimator=full"],
      "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
-    (["algorithm.anchor=ewma"], "algorithm.anchor: 'ewma' with algorithm.correction=none"),
     (["algorithm.anchor=ewma", "algorithm.correction=bypass"],
      "algorithm.anchor: 'ewma' with algorithm.correction=bypass"),
     (["algorithm.overlong_buffer=128"],
@@ -227,6 +226,22 @@ def test_resume_accepts_keywords_and_paths():
     (["rollout.engine_tp=2", "rollout.engine_ep=true"],
      "rollout.engine_ep: vLLM's expert parallelism is a GPU feature"),
     (["rollout.engine_ep=true"], "rollout.engine_ep: true with rollout.engine_tp=1"),
+    # M2PO masks tokens: not in a loss with one ratio per sequence; and log(pi_theta/pi_old) is 0 with one
+    # update a step from the policy as it is (defaults: one epoch, one minibatch)
+    (["algorithm.policy_mask=m2po", "algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean",
+      "trainer.epochs=2"],
+     "algorithm.policy_mask: 'm2po' masks tokens, and 'gspo' has one ratio per sequence"),
+    (["algorithm.policy_mask=m2po"], "algorithm.policy_mask: 'm2po' bounds log(pi_theta/pi_old), which is 0"),
+    (["algorithm.policy_mask=m2po", "algorithm.correction=tis_token"],
+     "algorithm.policy_mask: 'm2po' bounds log(pi_theta/pi_old)"),
+    (["algorithm.policy_mask=opsm", "algorithm.m2po_tau=0.1"],
+     "algorithm.m2po_tau: 0.1 has no effect in this run: only algorithm.policy_mask=m2po reads it"),
+    (["algorithm.correction=geo_tis", "algorithm.geo_min=0.9"],
+     "algorithm.geo_min: 0.9 has no effect in this run: only algorithm.correction=geo_mask reads it"),
+    (["algorithm.correction=geo_mask", "algorithm.geo_max=0.9"], "algorithm.geo_max: 0.9 is below"),
+    (["algorithm.anchor=ewma"], "algorithm.anchor: 'ewma' with algorithm.correction=none (drops the "
+     "pi_anchor/mu behaviour weight of the decoupled objective); ewma needs a correction that reweights by "
+     "pi_old/mu: geo_mask, geo_tis, icepop, tis_seq, tis_token"),
 ])
 def test_refused_settings(overrides, start):
     assert _err(overrides).startswith(start)
@@ -241,6 +256,13 @@ def test_accepted_neighbours_of_refused_settings():
           ["algorithm.anchor=ewma", "algorithm.correction=tis_token"],
           ["algorithm.anchor=ewma", "algorithm.correction=icepop"],
           ["algorithm.anchor=old", "algorithm.correction=bypass"],
+          ["algorithm.anchor=ewma", "algorithm.correction=geo_mask"],
+          # M2PO: with pi_old := mu (the paper's setting), with more updates a step, under an EWMA anchor
+          ["algorithm.policy_mask=m2po", "algorithm.correction=bypass", "algorithm.m2po_tau=0.1"],
+          ["algorithm.policy_mask=m2po", "trainer.epochs=2"],
+          ["algorithm.policy_mask=m2po", "algorithm.anchor=ewma", "algorithm.correction=tis_seq"],
+          ["algorithm.policy_mask=opsm", "algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean",
+           "algorithm.opsm_delta=0.05", "algorithm.correction=geo_tis", "algorithm.geo_max=1.05"],
           # the overlong buffer is measured against the episode budget, not the per-turn cap
           ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
           ["environment.name=calculator", "trainer.warm_start_steps=2"],

@@ -2,7 +2,8 @@
 
 Modules: gae (masked model-token GAE), advantages (registered estimators, whitening), rewards
 (placement, KL shaping, overlong penalty), losses (registered policy losses, value, KL, entropy),
-correction (registered off-policy corrections, ESS, staleness), aggregate (loss numerators and global
+correction (registered off-policy corrections, ESS, staleness), masking (registered trust masks of
+the policy-gradient term: OPSM, M2PO), aggregate (loss numerators and global
 denominators), anchor (PPO-EWMA), checks (the pre-update checklist, finite-sample filter), stats
 (diagnostics).
 
@@ -13,4 +14,4 @@ corrections compute in float32 at least (bf16/fp16 inputs are upcast, float64 st
 Importing the package imports the method modules, whose @register calls fill `registry`.
 """
 
-from moe_rl.algos import advantages, correction, losses  # noqa: F401
+from moe_rl.algos import advantages, correction, losses, masking  # noqa: F401

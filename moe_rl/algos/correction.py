@@ -1,5 +1,6 @@
 """Off-policy correction between the behaviour policy mu and the proximal policy pi_old (guide 000
-section 6), registered by name (`algorithm.correction`).
+section 6), registered by name (`algorithm.correction`): token and sequence TIS, IcePop, and their
+length-invariant sequence forms on the geometric-mean ratio (geo_tis, geo_mask).
 
 Four roles: mu generated the tokens (rollout log-probs), pi_old anchors the PPO ratio, pi_theta is
 being optimised, pi_ref anchors KL. A correction reads log pi_old and log mu at the sampled tokens and
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_rl.algos.losses import compute_dtype
+from moe_rl.algos.masking import mean_log_ratio
 from moe_rl.algos.registry import register
 
 
@@ -29,6 +31,8 @@ class CorrectionParams:
     seq_is_cap: float = 10.0  # c_IS^seq: sequence weight bound
     icepop_min: float = 0.5  # c_min
     icepop_max: float = 2.0  # c_max
+    geo_min: float = 0.99  # the geometric-mean ratio's band: geo_mask keeps sequences within [min, max]
+    geo_max: float = 1.01  # ... and geo_tis truncates the weight at max
 
 
 @dataclass
@@ -145,6 +149,46 @@ def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction
     _report(metrics, "token_raw", log_r, m, log=True)
     _report(metrics, "token_post_rejection", keep.to(ratio.dtype), m)
     return Correction(keep.to(ratio.dtype), keep, metrics)
+
+
+def _geometric(logp_old_BT, logp_mu_BT, mask_BT):
+    """(m, g_B, has_B): the mask as bool, the log geometric-mean ratio pi_old / mu of each sequence
+    (masking.mean_log_ratio) in the log-ratio's dtype, and which sequences have valid tokens."""
+    m = mask_BT.bool()
+    dtype = compute_dtype(logp_old_BT, logp_mu_BT)
+    return m, mean_log_ratio(logp_old_BT, logp_mu_BT, m).to(dtype), m.any(1)
+
+
+@register("correction", "geo_tis", params=frozenset({"geo_max"}))
+def geometric_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """Geometric sequence TIS, the length-invariant sequence-level TIS: every token of sample i carries
+
+        w_i = min( exp( (1/J_i) sum_t m_t log(pi_old(a_t) / mu(a_t)) ), c_geo ),   c_geo = geo_max
+
+    the geometric mean of the token ratios (tis_seq's product, whose log grows with J_i, to the power
+    1/J_i), truncated. Metrics: geo_truncated_frac and the ESS of the sequence weights."""
+    m, g, has = _geometric(logp_old_BT, logp_mu_BT, mask_BT)
+    log_cap = torch.log(torch.tensor(hp.geo_max, dtype=g.dtype))
+    w_B = torch.exp(torch.minimum(g, log_cap))
+    metrics = {"geo_truncated_frac": ((g > log_cap) & has).sum() / has.sum().clamp(min=1)}
+    _report(metrics, "seq_truncated", w_B, has)
+    return Correction(torch.where(m, w_B.unsqueeze(1), 0.0), m, metrics)
+
+
+@register("correction", "geo_mask", params=frozenset({"geo_min", "geo_max"}))
+def geometric_mask(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+    """Geometric sequence masking: sample i stays (weight 1) only if its geometric-mean ratio is in band,
+
+        c_min <= exp( (1/J_i) sum_t m_t log(pi_old(a_t) / mu(a_t)) ) <= c_max      (geo_min, geo_max)
+
+    IcePop's band applied to the length-normalised sequence ratio. OPSM (masking.off_policy_sequence_mask)
+    is its one-sided special case against pi_theta on negative advantages. Metric: geo_rejected_frac."""
+    m, g, has = _geometric(logp_old_BT, logp_mu_BT, mask_BT)
+    lo, hi = (torch.log(torch.tensor(c, dtype=g.dtype)) for c in (hp.geo_min, hp.geo_max))
+    keep_B = has & (g >= lo) & (g <= hi)
+    metrics = {"geo_rejected_frac": (has & ~keep_B).sum() / has.sum().clamp(min=1)}
+    keep = m & keep_B.unsqueeze(1)
+    return Correction(keep.to(g.dtype), keep, metrics)
 
 
 def staleness(gen_version_B: torch.Tensor, train_version: int,

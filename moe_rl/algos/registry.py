@@ -10,11 +10,11 @@
 Configs select methods by these names; `names(kind)` lists what a config may choose and `meta` what a
 choice implies (for config checks and the driver), so no caller compares method names. Every kind's
 `params` names the fields of its hyperparameter dataclass (AdvantageParams, PolicyLossParams,
-CorrectionParams) that the method reads; the config refuses a setting of that name that the chosen
-method does not read (moe_rl.config_rules), and tests/algos/test_registry.py checks each declaration
-against what the function does. The method
-modules (advantages, correction, losses) register on import; the package moe_rl.algos imports them,
-and importing this module runs the package first, so the registries are complete for every caller.
+CorrectionParams, PolicyMaskParams) that the method reads; the config refuses a setting of that name
+that the chosen method does not read (moe_rl.config_rules), and tests/algos/test_registry.py checks
+each declaration against what the function does. The method modules (advantages, correction, losses,
+masking) register on import; the package moe_rl.algos imports them, and importing this module runs
+the package first, so the registries are complete for every caller.
 """
 
 from __future__ import annotations
@@ -54,7 +54,18 @@ class PolicyLossMeta:
     params: frozenset[str] = frozenset()  # the PolicyLossParams fields it reads
 
 
-META = {"advantage": AdvantageMeta, "policy_loss": PolicyLossMeta, "correction": CorrectionMeta}
+@dataclass(frozen=True)
+class PolicyMaskMeta:
+    # "sequence": each sequence decided from its own tokens (in the loss, per microbatch); "batch": a
+    # selection over the whole optimizer batch (on the driver, before the update)
+    scope: str = "sequence"
+    reads_behaviour: bool = True  # reads mu's log-probs (the rollout's)
+    reads_old: bool = False  # decides from pi_theta / pi_old: nothing to mask while they are equal
+    params: frozenset[str] = frozenset()  # the PolicyMaskParams fields it reads
+
+
+META = {"advantage": AdvantageMeta, "policy_loss": PolicyLossMeta, "correction": CorrectionMeta,
+        "policy_mask": PolicyMaskMeta}
 KINDS = tuple(META)
 _REGISTRY: dict[str, dict[str, tuple[Callable, object]]] = {kind: {} for kind in KINDS}
 
@@ -86,7 +97,7 @@ def get(kind: str, name: str) -> Callable:
     return _entry(kind, name)[0]
 
 
-def meta(kind: str, name: str) -> AdvantageMeta | PolicyLossMeta | CorrectionMeta:
+def meta(kind: str, name: str) -> AdvantageMeta | PolicyLossMeta | CorrectionMeta | PolicyMaskMeta:
     """What the method needs: an instance of META[kind]."""
     return _entry(kind, name)[1]
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from moe_rl import settings
-from moe_rl.algos import aggregate
+from moe_rl.algos import aggregate, registry
 from moe_rl.algos.targets import Scores, Targets, boundary_values, correct, policy_denominators
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
@@ -176,9 +176,9 @@ class PolicyGroup(TrainerGroup):
         update: it is scored, and the correction recomputed, per minibatch (guide 000 section 7.2)."""
         cfg, p, t0 = self.cfg, self.params, time.perf_counter()
         full = batch.with_targets(t)
-        updates, corrections, skipped, gap = [], [], 0, None
+        updates, corrections, masks, skipped, gap = [], [], [], 0, None
         logp = torch.zeros(batch.input_ids_BS.shape) if cfg.proximal_from_update else None
-        for rows in update_rows(cfg, batch.size, self.dp, step):
+        for n, rows in enumerate(update_rows(cfg, batch.size, self.dp, step)):
             mb = full.rows(rows)
             if p.ewma_anchor:
                 old = self.score(mb.model_inputs(), anchor=True).logp_BS
@@ -190,6 +190,10 @@ class PolicyGroup(TrainerGroup):
                 mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
                                          pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
             denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
+            if self.loss.mask_scope == "batch":  # decided over the whole minibatch, denominators unchanged
+                before = t.logp_policy_BS[rows] if n == 0 and t.logp_policy_BS is not None else None
+                mb, figures = self._batch_mask(mb, before)
+                masks.append(figures)
             trained = float(denominators["policy"]) > 0
             if trained:
                 updates.append(self.train(mb, self.loss, denominators, keep_logp=logp is not None))
@@ -202,10 +206,22 @@ class PolicyGroup(TrainerGroup):
         # a count, not a mean
         out["policy/skipped_nonfinite"] = sum(u.figures["skipped_nonfinite"] for u in updates)
         out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
+        out.update({f"policy/{k}": v for k, v in reduce_updates(masks).items()})
         out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
         if gap is not None:
             out["policy/anchor_logp_gap"] = gap
         return out, logp
+
+    def _batch_mask(self, mb: Batch, logp_BS: torch.Tensor | None) -> tuple[Batch, dict]:
+        """mb with the batch-scope policy mask (M2PO) decided over all of its rows, and its figures.
+        pi_theta is the policy about to be updated: `logp_BS` where the caller has it (the first update
+        of a step: the policy as scored before the step), else a forward pass of its own."""
+        if logp_BS is None:
+            logp_BS = self.score(mb.model_inputs()).logp_BS
+        fn = registry.get("policy_mask", self.loss.policy_mask)
+        keep, figures = fn(logp_BS[:, :mb.input_ids_BS.shape[1]], mb.logp_old_BS, mb.logp_mu_BS, mb.adv_BS,
+                           mb.pg_mask_BS, self.loss.mask_params)
+        return dataclasses.replace(mb, policy_keep_BS=keep), figures
 
     def warm_start(self, batches: list[Batch], lr: float) -> dict[str, float]:
         """Supervised steps on demonstration batches at learning rate `lr`; their figures (warm_start/:

@@ -12,9 +12,12 @@ train.results.ScoreResult); mb: a microbatch of moe_rl.batch.Batch carrying the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from moe_rl.algos import aggregate, checks, losses, registry
+from moe_rl.algos.masking import PolicyMaskParams
 from moe_rl.algos.targets import state_values
 
 
@@ -32,6 +35,10 @@ class PolicyLoss:
     forward's log pi_theta, detached: the same values a separate pass before the update computes, so
     the same loss and gradients. `check_sync` then checks mu = pi_old (the checklist's sync_roles, on
     the loss tokens) before the backward pass; mb then also carries logp_mu_BS.
+
+    `policy_mask` (algos/masking.py) zeroes the policy-gradient terms it leaves out, denominators
+    unchanged: a sequence-scope mask (OPSM) is decided here from this forward's pi_theta and mb's
+    logp_mu_BS; a batch-scope one (M2PO) arrives decided over the whole minibatch as mb.policy_keep_BS.
     """
 
     name: str
@@ -44,13 +51,27 @@ class PolicyLoss:
     entropy_coef: float
     old_from_forward: bool
     check_sync: bool
+    policy_mask: str = "none"
+    mask_params: PolicyMaskParams = field(default_factory=PolicyMaskParams)
+
+    @property
+    def mask_scope(self) -> str | None:
+        """Where the policy mask is decided ("sequence": here; "batch": on the driver), None without one."""
+        meta = registry.meta("policy_mask", self.policy_mask)
+        return None if self.policy_mask == "none" else meta.scope
 
     @property
     def fields(self) -> tuple[str, ...]:
         own = ("logp_mu_BS",) if self.check_sync else ()  # pi_old is this forward; mu to check it against
         if not self.old_from_forward:
             own = ("logp_old_BS",)
-        return ("pg_mask_BS", "loss_mask_BS", "adv_BS", "is_weight_BS", "logp_ref_BS", *own)
+        if self.mask_scope == "batch":
+            own += ("policy_keep_BS",)
+        elif self.mask_scope == "sequence" and registry.meta("policy_mask",
+                                                               self.policy_mask).reads_behaviour:
+            own += ("logp_mu_BS",)
+        base = ("pg_mask_BS", "loss_mask_BS", "adv_BS", "is_weight_BS", "logp_ref_BS")
+        return tuple(dict.fromkeys((*base, *own)))  # each once (mu may be read twice)
 
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
@@ -62,6 +83,12 @@ class PolicyLoss:
             if self.check_sync:
                 checks.check_sync_roles(mb.logp_mu_BS, logp_old, reg)
         loss_BT, metrics = fn(logp, logp_old, mb.adv_BS, pg, hp)
+        if self.mask_scope == "sequence":
+            keep, mask_metrics = registry.get("policy_mask", self.policy_mask)(
+                logp.detach(), logp_old, mb.logp_mu_BS, mb.adv_BS, pg, self.mask_params)
+            loss_BT, metrics = torch.where(keep, loss_BT, 0.0), metrics | mask_metrics
+        elif self.mask_scope == "batch":
+            loss_BT = torch.where(mb.policy_keep_BS, loss_BT, 0.0)
         numerators = {"policy": aggregate.loss_numerator(loss_BT, pg, self.aggregation, mb.is_weight_BS)}
         reg_BT = None
         if self.kl_coef:

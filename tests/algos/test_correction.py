@@ -61,12 +61,27 @@ def slow_correction(name, old, mu, mask, hp: CorrectionParams):
         metrics["ess_frac_token_raw"] = frac(metrics["ess_token_raw"])
         metrics["ess_token_post_rejection"] = _ess(list(weight.values()))
         metrics["ess_frac_token_post_rejection"] = frac(metrics["ess_token_post_rejection"])
+    elif name in ("geo_tis", "geo_mask"):  # g_i = (1/J_i) sum_t m_t log r_t, on each token of sample i
+        rows = sorted({b for b, _ in valid})
+        g = {b: sum(log_r[bt] for bt in valid if bt[0] == b) / sum(bt[0] == b for bt in valid) for b in rows}
+        per_row = (lambda x: x / len(rows)) if rows else (lambda x: 0.0)
+        if name == "geo_tis":  # w_i = min(exp(g_i), c_geo)
+            w_i = {b: min(math.exp(g[b]), hp.geo_max) for b in rows}
+            metrics["geo_truncated_frac"] = per_row(sum(math.exp(g[b]) > hp.geo_max for b in rows))
+            metrics["ess_seq_truncated"] = _ess(list(w_i.values()))
+            metrics["ess_frac_seq_truncated"] = per_row(metrics["ess_seq_truncated"])
+        else:  # keep sample i iff c_min <= exp(g_i) <= c_max, weight 1
+            w_i = {b: float(hp.geo_min <= math.exp(g[b]) <= hp.geo_max) for b in rows}
+            metrics["geo_rejected_frac"] = per_row(sum(w == 0.0 for w in w_i.values()))
+        weight = {bt: w_i[bt[0]] for bt in valid}
+        keep = {bt: name == "geo_tis" or w_i[bt[0]] == 1.0 for bt in valid}
     else:
         raise AssertionError(f"no slow reference for correction {name!r}")
     return weight, keep, metrics
 
 
-RATES = {"tis_truncated_frac", "seq_is_truncated_frac", "rejection_rate"}
+RATES = {"tis_truncated_frac", "seq_is_truncated_frac", "rejection_rate", "geo_truncated_frac",
+         "geo_rejected_frac"}
 
 
 def assert_matches_slow_reference(name, old, mu, mask, rel=1e-5, **kw):
@@ -166,14 +181,14 @@ def test_ess_from_log_weights_by_hand():
     assert float(e) == 0.0 and float(f) == 0.0
 
 
-@pytest.mark.parametrize("name", ["none", "bypass", "tis_token", "tis_seq", "icepop"])
+@pytest.mark.parametrize("name", registry.names("correction"))
 def test_corrections_compute_half_precision_inputs_in_float32(name):
     assert name in registry.names("correction")
     g = torch.Generator().manual_seed(3)
     mu = -torch.rand(3, 7, generator=g) * 2
     old = mu + 0.7 * torch.randn(3, 7, generator=g)
     mask = torch.rand(3, 7, generator=g) < 0.7
-    kw = dict(is_cap=1.5, seq_is_cap=2.0, icepop_min=0.6, icepop_max=1.6)
+    kw = dict(is_cap=1.5, seq_is_cap=2.0, icepop_min=0.6, icepop_max=1.6, geo_min=0.8, geo_max=1.25)
     for dtype in (torch.bfloat16, torch.float16):
         lo = corr(name, old.to(dtype), mu.to(dtype), mask, **kw)
         hi = corr(name, old.to(dtype).float(), mu.to(dtype).float(), mask, **kw)
@@ -187,12 +202,12 @@ def test_corrections_compute_half_precision_inputs_in_float32(name):
     assert corr(name, old.double(), mu.double(), mask, **kw).weight_BT.dtype == torch.float64
 
 
-@pytest.mark.parametrize("name", ["none", "bypass", "tis_token", "tis_seq", "icepop"])
+@pytest.mark.parametrize("name", registry.names("correction"))
 def test_corrections_equal_their_equations_computed_slowly(name):
     """Random log-probs, ratios on both sides of every bound, empty rows, one all-padding batch: the fast
     path equals a Python loop over the docstring's equation (float32 to rel 1e-5, float64 to 1e-12)."""
     g = torch.Generator().manual_seed(11)
-    kw = dict(is_cap=1.5, seq_is_cap=3.0, icepop_min=0.6, icepop_max=1.6)
+    kw = dict(is_cap=1.5, seq_is_cap=3.0, icepop_min=0.6, icepop_max=1.6, geo_min=0.8, geo_max=1.25)
     for B, T in ((5, 9), (3, 1), (8, 40)):
         mu = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
         old = mu + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)

@@ -12,7 +12,8 @@ from moe_rl.algos import registry
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams
 from moe_rl.algos.correction import CorrectionParams
 from moe_rl.algos.losses import PolicyLossParams
-from moe_rl.algos.registry import AdvantageMeta, CorrectionMeta, PolicyLossMeta
+from moe_rl.algos.masking import PolicyMaskParams
+from moe_rl.algos.registry import AdvantageMeta, CorrectionMeta, PolicyLossMeta, PolicyMaskMeta
 
 GAE_PARAMS = frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"})
 CLIP = frozenset({"clip_low", "clip_high"})
@@ -32,12 +33,21 @@ EXPECTED = {
         "tis_token": CorrectionMeta(params=frozenset({"is_cap"})),
         "tis_seq": CorrectionMeta(params=frozenset({"seq_is_cap"})),
         "icepop": CorrectionMeta(params=frozenset({"icepop_min", "icepop_max"})),
+        "geo_tis": CorrectionMeta(params=frozenset({"geo_max"})),  # truncates the geometric mean at geo_max
+        "geo_mask": CorrectionMeta(params=frozenset({"geo_min", "geo_max"})),
     },
     "policy_loss": {
         "ppo": PolicyLossMeta(params=CLIP | {"dual_clip"}),
         "gspo": PolicyLossMeta(sequence_level=True, params=CLIP),  # one length-normalised ratio per sequence
         "gmpo": PolicyLossMeta(sequence_level=True, params=CLIP),  # geometric mean over a sequence's tokens
         "cispo": PolicyLossMeta(params=CLIP),  # clips the detached weight
+    },
+    "policy_mask": {
+        "none": PolicyMaskMeta(reads_behaviour=False),
+        "opsm": PolicyMaskMeta(params=frozenset({"opsm_delta"})),  # mean log(mu / pi_theta) per sequence
+        # one selection over the optimizer batch, from log(pi_theta / pi_old)
+        "m2po": PolicyMaskMeta(scope="batch", reads_behaviour=False, reads_old=True,
+                               params=frozenset({"m2po_tau"})),
     },
 }
 
@@ -51,7 +61,7 @@ def test_every_method_has_the_metadata_worked_out_by_hand():
     assert [n for n in registry.names("advantage") if registry.meta("advantage", n).needs_groups] == \
         ["drgrpo", "grpo", "reinforce_pp_baseline", "rloo"]
     assert [n for n in registry.names("correction") if registry.meta("correction", n).reweights] == \
-        ["icepop", "tis_seq", "tis_token"]
+        ["geo_mask", "geo_tis", "icepop", "tis_seq", "tis_token"]
 
 
 def test_metadata_is_frozen_and_checked_at_registration():
@@ -61,7 +71,7 @@ def test_metadata_is_frozen_and_checked_at_registration():
         registry.register("advantage", "x", needs_values=True)  # not an AdvantageMeta field
     with pytest.raises(KeyError, match="unknown registry kind"):
         registry.register("value_loss", "x")
-    with pytest.raises(KeyError, match="unknown correction 'tis'; registered: bypass, icepop"):
+    with pytest.raises(KeyError, match="unknown correction 'tis'; registered: bypass, geo_mask, geo_tis"):
         registry.meta("correction", "tis")
 
 
@@ -125,12 +135,14 @@ def test_correction_metadata_matches_what_the_correction_reads(name):
     a, b = fn(old, mu, mask, hp), fn(old, old, mask, hp)  # mu != pi_old, mu = pi_old
     differs = not (torch.equal(a.weight_BT, b.weight_BT) and torch.equal(a.keep_BT, b.keep_BT))
     assert differs == meta.reweights  # bypass reads mu as pi_old, not as a weight
-    # params: exactly the declared hyperparameters change the weights or the kept tokens (caps and band
+    # params: exactly the declared hyperparameters change the weights or the kept tokens (caps and bands
     # chosen so that every bound binds on this batch: token weights pi_old/mu from 1/3 to 4, the first
-    # sequence's product 2)
-    hp = CorrectionParams(is_cap=1.5, seq_is_cap=1.5, icepop_min=0.6, icepop_max=1.6)
+    # sequence's product 2, the geometric means 2^(1/3) = 1.26 and 1)
+    hp = CorrectionParams(is_cap=1.5, seq_is_cap=1.5, icepop_min=0.6, icepop_max=1.6, geo_min=0.99,
+                          geo_max=1.2)
     base = fn(old, mu, mask, hp)
-    other = {"is_cap": 3.0, "seq_is_cap": 30.0, "icepop_min": 0.3, "icepop_max": 3.0}
+    other = {"is_cap": 3.0, "seq_is_cap": 30.0, "icepop_min": 0.3, "icepop_max": 3.0, "geo_min": 1.1,
+             "geo_max": 3.0}
     for field in dataclasses.fields(CorrectionParams):
         c = fn(old, mu, mask, dataclasses.replace(hp, **{field.name: other[field.name]}))
         same = torch.equal(c.weight_BT, base.weight_BT) and torch.equal(c.keep_BT, base.keep_BT)
@@ -162,3 +174,31 @@ def test_sequence_level_losses_give_each_token_its_sequence_value(name):
     per_sequence = all(torch.allclose(row[m], row[m][0].expand(int(m.sum())))
                        for row, m in zip(loss, mask, strict=True))
     assert per_sequence == meta.sequence_level
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED["policy_mask"]))
+def test_policy_mask_metadata_matches_what_the_mask_reads(name):
+    """reads_behaviour: mu changes the mask; reads_old: pi_old does, and a mask reading it keeps everything
+    when pi_theta = pi_old; params: exactly the declared ones change it (the first sequence has a negative
+    advantage and drifted from mu by 0.5 a token; log(pi_theta / pi_old) is 0.5 on an active-quadrant
+    token)."""
+    fn, meta = registry.get("policy_mask", name), registry.meta("policy_mask", name)
+    logp = torch.log(torch.tensor([[0.3, 0.3, 0.3, 0.1], [0.5, 0.5, 0.5, 0.5]]))
+    mu, old = logp + torch.tensor([[0.5], [0.0]]), logp - torch.tensor([[0.0], [0.5]])
+    adv = torch.tensor([[-1.0], [1.0]]).expand(2, 4)
+    hp = PolicyMaskParams(opsm_delta=0.1, m2po_tau=0.01)
+
+    def keep(**kw):
+        args = {"logp_BT": logp, "logp_old_BT": old, "logp_mu_BT": mu, "adv_BT": adv, "mask_BT": MASK,
+                "hp": hp} | kw
+        return fn(*args.values())[0]
+
+    base = keep()
+    assert (not keep(logp_mu_BT=logp).equal(base)) == meta.reads_behaviour
+    assert (not keep(logp_old_BT=logp).equal(base)) == meta.reads_old
+    if meta.reads_old:
+        assert keep(logp_old_BT=logp).equal(MASK)
+    other = {"opsm_delta": 1.0, "m2po_tau": 1.0}
+    for field in dataclasses.fields(PolicyMaskParams):
+        changed = keep(hp=dataclasses.replace(hp, **{field.name: other[field.name]}))
+        assert (not changed.equal(base)) == (field.name in meta.params), field.name
