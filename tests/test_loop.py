@@ -243,11 +243,18 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     and keeps it: a run resumed from the step-2 checkpoint (checkpoint.resume: auto, as after a kill
     right after that save: the killed-and-retried runs of test_a_rank_dies_mid_sync_then_the_driver_...
     take the same path) trains step 3 on exactly the batch the uninterrupted run trained on, and
-    reproduces its step (nothing regenerated with other weights)."""
+    reproduces its step (nothing regenerated with other weights).
+
+    The stale batches go through the off-policy masks: OPSM (delta 0: a negative-advantage sequence
+    whose mean log(mu / pi_theta) is positive leaves the policy gradient) and geometric sequence
+    masking (pi_old / mu's geometric mean outside [0.95, 1.05]); both decide per sequence and resume
+    with the run."""
     import shutil
 
     out = tmp_path / "async"
-    async_run = ["rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3"]
+    async_run = ["rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3",
+                 "algorithm.policy_mask=opsm", "algorithm.opsm_delta=0", "algorithm.correction=geo_mask",
+                 "algorithm.geo_min=0.95", "algorithm.geo_max=1.05"]
     run_train(out, *async_run)
     # the next rollout submitted before each step trains, held finished by each checkpoint
     assert schedule_order(timeline_names(out)) == SMALL_ORDER["async"]
@@ -255,6 +262,12 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     lags = [h["correction/staleness_mean"] for h in hist]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
     assert all(h["correction/stale_dropped"] == 0 for h in hist)
+    # the masks act: OPSM drops some negative sequences (with delta 0, at the second update of a step
+    # pi_theta has moved from mu), geo_mask rejects sequences of the stale batches and none of the first
+    assert max(h["policy/opsm_masked_frac"] for h in hist) > 0
+    assert all(0 <= h["policy/opsm_masked_of_negative"] <= 1 for h in hist)
+    rejected = [h["correction/geo_rejected_frac"] for h in hist]
+    assert rejected[0] < 1 and max(rejected[1:]) > 0, rejected
     step2, step3 = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000003"
     # last: none
     assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()
@@ -267,7 +280,8 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     resumed = torch.load(resumed_out / "history.pt", weights_only=False)
     assert len(resumed) == 1
     for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",
-                "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean"):
+                "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean",
+                "policy/opsm_masked_frac", "correction/geo_rejected_frac"):
         assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-5), key
 
 
