@@ -297,6 +297,10 @@ class TrainerSection:
     micro_batch_tokens: int = 8192
     """tokens of one microbatch (a forward and backward pass; its activations are what a rank holds at once):
     fewer, larger microbatches make larger matrix products (a small step is one microbatch)"""
+    dp_balance: Literal["cost", "count"] = "cost"
+    """How a batch's rows are cut into data-parallel shards: "cost" balances their estimated compute (tokens
+    plus attention's term quadratic in length; long-tailed episodes spread over the replicas), "count" gives
+    each replica a run of consecutive rows of about equal number; timing/dp_imbalance reports the result"""
     pack_sequences: bool = True
     """THD packing: each microbatch's sequences end to end in one row (no compute on padding); not with
     model.moe_dispatcher=allgather under expert parallelism, which needs equal-shaped microbatches, nor with

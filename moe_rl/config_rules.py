@@ -268,6 +268,7 @@ SWITCHES = (
     Switch("parallel.cp=1 without model.moe_dispatcher=allgather under parallel.ep > 1",
            lambda c: c.parallel.cp == 1 and not (c.model.moe_dispatcher == "allgather" and c.parallel.ep > 1),
            ("trainer.pack_sequences",)),
+    Switch("parallel.dp > 1", lambda c: c.parallel.dp > 1, ("trainer.dp_balance",)),
     Switch("reward_model.path", lambda c: bool(c.reward_model.path),
            ("reward_model.weight", "reward_model.rule_weight")),
 )

@@ -41,6 +41,7 @@ SWITCH_CASES = {
         [], [["parallel.cp=2", "parallel.world_size=2"],
              ["model.moe_dispatcher=allgather", "parallel.ep=2", "parallel.world_size=2"]]),
     "reward_model.path": (["reward_model.path=/checkpoints/rm"], [[]]),
+    "parallel.dp > 1": (["parallel.world_size=2"], [[], ["parallel.tp=2", "parallel.world_size=2"]]),
 }
 
 # a valid value other than the default, where the type alone does not give one

@@ -376,6 +376,8 @@ def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
         keys += ["policy/ratio_mean", "policy/entropy"]
     for key in keys:
         assert hist[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
+    if tp == 1:  # DP2: the shards' estimated and measured balance (trainer.dp_balance=cost)
+        assert 1.0 <= hist[0]["timing/dp_imbalance"] < 4 / 3 and hist[0]["timing/dp_imbalance_measured"] >= 1
 
 
 def test_pi_old_from_the_update_equals_a_separate_pass_step_for_step(tmp_path):

@@ -119,7 +119,8 @@ def train_step(models, rollouts, batch: Batch, step: int, params: TargetParams, 
     scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
     with log.timer("sync", step):
         log.add(rollouts.sync(models.policy, step + 1))
-    return [step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures()]
+    return [step_figures(batch, scores, tgt, rollouts.num_experts), fit_figures, models.route_figures(),
+            models.balance_figures()]
 
 
 def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:

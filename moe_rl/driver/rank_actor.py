@@ -4,6 +4,7 @@ and the checkpoint I/O of that rank."""
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 import torch
@@ -43,10 +44,15 @@ class RankActor:
         return ray.util.get_node_ip_address(), torch.get_num_threads()
 
     def score(self, batch, record_routes: bool = False, anchor: bool = False):
-        """train.results.ScoreResult of this rank's shard; `anchor`: with the EWMA anchor's weights."""
+        """train.results.ScoreResult of this rank's shard (with its wall time); `anchor`: with the EWMA
+        anchor's weights."""
+        t0 = time.perf_counter()
         if anchor and self.anchor is not None:
-            return self.worker.score_with(self.anchor.params, batch)
-        return self.worker.score(batch, record_routes=record_routes)
+            out = self.worker.score_with(self.anchor.params, batch)
+        else:
+            out = self.worker.score(batch, record_routes=record_routes)
+        out.seconds = time.perf_counter() - t0
+        return out
 
     def train(self, batch, loss, denominator, keep_logp: bool = False):
         """One optimizer update with `loss` (a train.objectives type) on this rank's shard: its

@@ -47,6 +47,9 @@ class TrainerGroup:
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
+        # data-parallel shards by estimated compute (train.parallel.row_cost: attention_span = 6 h)
+        self.balance, self.attention_span = cfg.trainer.dp_balance, 6.0 * hidden_size(spec.hf_path)
+        self.imbalance: dict[str, list[float]] = {"estimated": [], "measured": []}
         self._placed = [a.placed.remote() for a in self.actors]  # answered once each rank has built its model
         self.nodes: list[str] = []
         self.threads: list[int] = []  # each rank's CPU threads
@@ -79,13 +82,17 @@ class TrainerGroup:
 
         return dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
 
-    def _shard(self, batch, rank: int):
-        """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
-        from moe_rl.train.parallel import dp_rows
+    def _parts(self, batch) -> list[torch.Tensor]:
+        """The rows of each data-parallel replica (train.parallel.dp_partition, trainer.dp_balance)."""
+        from moe_rl.train.parallel import dp_partition, row_cost
 
+        return dp_partition(row_cost(batch.lengths_B, self.attention_span), self.dp, self.balance)
+
+    def _shard(self, batch, rank: int, parts: list[torch.Tensor] | None = None):
+        """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
         if self.dp == 1:
             return batch
-        return batch.rows(dp_rows(batch.size, self._dp_rank(rank), self.dp))
+        return batch.rows((parts or self._parts(batch))[self._dp_rank(rank)])
 
     @staticmethod
     def new_route_counters() -> dict[str, dict[str, int]]:
@@ -96,7 +103,13 @@ class TrainerGroup:
 
     def _send(self, batch, kind: str) -> list:
         """This batch's shard for each rank, counting the route bytes it carries."""
-        shards = [self._shard(batch, r) for r in range(self.world)]
+        from moe_rl.train.parallel import imbalance, row_cost
+
+        parts = self._parts(batch)
+        shards = [self._shard(batch, r, parts) for r in range(self.world)]
+        if self.dp > 1:
+            cost = row_cost(batch.lengths_B, self.attention_span)
+            self.imbalance["estimated"].append(imbalance(cost, parts))
         if batch.routes_BSLK is not None:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
@@ -111,17 +124,21 @@ class TrainerGroup:
         outs = self._gather("score",
                             [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
                                                                              strict=True)])
+        if self.dp > 1:  # each replica's slowest rank (replicas do not wait for each other while scoring)
+            per_replica = [0.0] * self.dp
+            for rank, out in enumerate(outs):
+                d = self._dp_rank(rank)
+                per_replica[d] = max(per_replica[d], out.seconds)
+            self.imbalance["measured"].append(max(per_replica) / max(sum(per_replica) / self.dp, 1e-9))
         return self._whole(batch, outs)
 
     def _whole(self, batch, outs: list[ScoreResult]) -> ScoreResult:
         """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]."""
-        from moe_rl.train.parallel import dp_rows
-
         if self.dp == 1:
             return outs[0]
-        (B, S), full = batch.input_ids_BS.shape, {}
+        (B, S), full, parts = batch.input_ids_BS.shape, {}, self._parts(batch)
         for rank in range(0, self.tp_cp * self.dp, self.tp_cp):  # one rank per replica (its ranks all agree)
-            rows = dp_rows(B, self._dp_rank(rank), self.dp)
+            rows = parts[self._dp_rank(rank)]
             for name, x in outs[rank].tensors().items():
                 full.setdefault(name, torch.zeros((B, S, *x.shape[2:]), dtype=x.dtype))[rows, :x.shape[1]] = x
         return ScoreResult(**full)
@@ -150,6 +167,14 @@ class TrainerGroup:
         return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)],
                       self.timeout_s)
 
+
+
+def hidden_size(model_path: str) -> int:
+    """The model's hidden size, from its Hugging Face config.json."""
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(model_path) / "config.json").read_text())["hidden_size"])
 
 
 def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
@@ -352,6 +377,17 @@ class Models:
         if self.cfg.cluster.offload:
             for group in self.groups().values():
                 group.call("onload")
+
+    def balance_figures(self) -> dict[str, float]:
+        """How evenly the policy's data-parallel shards shared the work since the last call (steps with
+        parallel.dp > 1): timing/dp_imbalance, max / mean of the replicas' estimated cost per call
+        (train.parallel.row_cost), averaged over the calls; timing/dp_imbalance_measured, max / mean of the
+        replicas' wall time of the scoring passes (forward only: with expert parallelism the replicas
+        meet in its all-to-alls, which hides the imbalance)."""
+        got = self.policy.imbalance
+        self.policy.imbalance = {"estimated": [], "measured": []}
+        return {f"timing/dp_imbalance{'' if k == 'estimated' else '_measured'}": sum(v) / len(v)
+                for k, v in got.items() if v}
 
     def route_figures(self) -> dict[str, float]:
         """Bytes of routes each policy rank received since the last call, for scoring and in all, and

@@ -20,11 +20,12 @@ class ScoreResult:
     entropy_BS: torch.Tensor | None = None
     critic_out_BS: torch.Tensor | None = None
     routes_BSLK: torch.Tensor | None = None
+    seconds: float = 0.0  # the rank's wall time of the forward passes
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields this result holds, by name."""
+        """The per-token fields this result holds, by name."""
         held = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: x for name, x in held.items() if x is not None}
+        return {name: x for name, x in held.items() if isinstance(x, torch.Tensor)}
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.train import parallel
-from moe_rl.train.parallel import dp_rank_of, dp_rows
+from moe_rl.train.parallel import dp_partition, dp_rank_of, dp_rows, imbalance, row_cost
 
 
 def megatron_dp_ranks(tp, cp, dp, pp):
@@ -55,7 +55,7 @@ def test_trainer_group_shard_gives_each_replica_its_rows():
 
     tp, cp, dp, pp = 2, 1, 3, 2
     group = object.__new__(TrainerGroup)  # no Ray actors: _shard only reads the sizes
-    group.tp_cp, group.dp = tp * cp, dp
+    group.tp_cp, group.dp, group.balance, group.attention_span = tp * cp, dp, "count", 6.0
     B, S = 7, 5
     ids = torch.arange(B * S).reshape(B, S)
     batch = Batch(ids, torch.full((B,), S), mask_BS=torch.ones(B, S))
@@ -65,8 +65,46 @@ def test_trainer_group_shard_gives_each_replica_its_rows():
         want = ids[dp_rows(B, dp_of[rank], dp)]
         assert torch.equal(shard.input_ids_BS, want), rank
         assert shard.mask_BS.shape == want.shape
+    # by cost: one row five times as long as the others goes alone, every rank of a replica gets the same
+    group.balance = "cost"
+    lengths = torch.tensor([1, 1, 5, 1, 1, 1, 1])
+    batch = Batch(ids, lengths, mask_BS=torch.ones(B, S))
+    by_replica: dict[int, list[int]] = {}
+    for rank in range(tp * cp * dp * pp):
+        rows = group._shard(batch, rank).input_ids_BS[:, 0].div(S, rounding_mode="floor").tolist()
+        assert by_replica.setdefault(dp_of[rank], rows) == rows, rank
+    assert sorted(sum(by_replica.values(), [])) == list(range(B)) and [2] in by_replica.values()
     group.dp = 1
     assert group._shard(batch, 3) is batch
+
+
+def test_row_cost_and_the_cost_partition_by_hand():
+    # c = L + L^2 / span: span 6 (a hidden size of 1), L = 2 and 6
+    assert row_cost(torch.tensor([2, 6]), 6.0).tolist() == pytest.approx([2 + 4 / 6, 12.0])
+    # costs 10, 1, 1, 1, 1, 6: largest first, each to the lighter replica: 10 | 6, then the ones on 6
+    cost = torch.tensor([10.0, 1, 1, 1, 1, 6])
+    parts = dp_partition(cost, 2)
+    assert [p.tolist() for p in parts] == [[0], [1, 2, 3, 4, 5]] and imbalance(cost, parts) == 1.0
+    count = dp_partition(cost, 2, "count")
+    assert [p.tolist() for p in count] == [[0, 1, 2], [3, 4, 5]]
+    assert imbalance(cost, count) == pytest.approx(1.2)
+    with pytest.raises(ValueError):
+        dp_partition(cost, 2, "tokens")
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_the_cost_partition_of_long_tailed_lengths(dp):
+    """Long-tailed lengths (a few episodes ten times the rest): every row once, the same partition every
+    time, and never less balanced than consecutive runs of equal count (here far better)."""
+    g = torch.Generator().manual_seed(dp)
+    lengths = (torch.distributions.Pareto(20.0, 1.2).sample((64,)).clamp(max=4000)).long()
+    lengths[torch.randperm(64, generator=g)[:3]] = 4000
+    cost = row_cost(lengths, 6.0 * 256)
+    parts = dp_partition(cost, dp)
+    assert sorted(torch.cat(parts).tolist()) == list(range(64))
+    assert all(torch.equal(a, b) for a, b in zip(parts, dp_partition(cost, dp), strict=True))
+    balanced, counted = imbalance(cost, parts), imbalance(cost, dp_partition(cost, dp, "count"))
+    assert 1.0 <= balanced <= counted and balanced < 4 / 3
 
 
 def test_a_rank_0_port_is_outside_the_range_outgoing_connections_take():
