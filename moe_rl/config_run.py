@@ -107,9 +107,12 @@ class ModelSection:
     allgather."""
     moe_aux_loss_coeff: float = 0.0
     """MoE router losses in the trainers' updates (megatron-core's): the switch load-balancing loss and the
-    router z-loss, by their coefficients. Off by default: with routing replay the trainer scores the rollout's
-    routes, and a balancing term only moves the router toward other choices than those the engine will make;
-    policy/moe_aux_loss and policy/moe_z_loss log them where on."""
+    router z-loss, by their coefficients. Under routing replay the balancing loss is computed on each router's
+    own top-k of its logits (what the current weights choose), not on the replayed experts; the z-loss on
+    the same logits; a checkpoint's aux-loss-free expert bias stays frozen. Off by
+    default: the trainer scores the rollout's routes, and a balancing term moves the router toward other
+    choices than those the engine made; policy/moe_aux_loss and policy/moe_z_loss (and per layer,
+    policy/moe_aux_loss_layerNN) log them where on."""
     moe_z_loss_coeff: float = 0.0
     """The router z-loss's coefficient in the trainers' updates (0: off; see moe_aux_loss_coeff)."""
 

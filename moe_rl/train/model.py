@@ -152,6 +152,11 @@ def make_bridge(spec: ModelSpec):
         deallocate_pipeline_outputs=False,
         **kernel_settings(spec.layer_spec, fused_wgrad=fused_wgrad_available()),
     )
+    if spec.routing_replay:
+        # aux-loss-free balancing (DeepSeek-V3's expert bias, from the checkpoint's config) stays frozen
+        # under replay: megatron counts the replayed assignment, padding included, and the bias would move
+        # the engines' routing after every update with no loss accounting for it
+        extra["moe_router_bias_update_rate"] = 0.0
     if spec.recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec.fp8 != "none":

@@ -454,7 +454,13 @@ class TrainWorker:
 def router_losses(microbatches: int) -> dict[str, float]:
     """The MoE router losses of the update just run (megatron-core records each MoE layer's per
     microbatch while its coefficient is on): their mean over this rank's MoE layers and the
-    microbatches, as moe_aux_loss / moe_z_loss; the record is cleared."""
+    microbatches, as moe_aux_loss / moe_z_loss, and each layer's mean over the microbatches as
+    moe_aux_loss_layerNN / moe_z_loss_layerNN (NN: the layer's index in the model); the record is cleared.
+
+    Under routing replay megatron-core computes each layer's load-balancing loss from that router's own
+    top-k of its logits (what the current weights choose for the layer's input, which went through the
+    replayed experts of the layers before), not from the replayed experts, with the gradient through the
+    router's probabilities; the z-loss reads the same logits."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -464,6 +470,8 @@ def router_losses(microbatches: int) -> dict[str, float]:
     for name, key in (("load_balancing_loss", "moe_aux_loss"), ("z_loss", "moe_z_loss")):
         values = get_moe_layer_wise_logging_tracker().get(name, {}).get("values")
         if values is not None and bool((values != 0).any()):
-            out[key] = float(values.sum()) / (int((values != 0).sum()) * max(1, microbatches))
+            per = max(1, microbatches)
+            out[key] = float(values.sum()) / (int((values != 0).sum()) * per)
+            out |= {f"{key}_layer{i:02d}": float(v) / per for i, v in enumerate(values.tolist()) if v != 0}
     clear_aux_losses_tracker()
     return out

@@ -20,3 +20,24 @@ def test_router_losses_are_off_by_default_and_change_the_update_when_on(tiny_qwe
     assert 0.9 < on["figures"]["moe_aux_loss"] < 2.0 and on["figures"]["moe_z_loss"] > 0
     assert on["figures"]["loss"] == off["figures"]["loss"]  # the policy loss itself is the same
     assert any(not torch.equal(on["routers"][n], off["routers"][n]) for n in off["routers"])
+    # per layer: both MoE layers, their mean the total
+    layers = [on["figures"][f"moe_aux_loss_layer{i:02d}"] for i in range(2)]
+    assert sum(layers) / 2 == pytest.approx(on["figures"]["moe_aux_loss"])
+
+
+def test_under_replay_the_balancing_loss_reads_the_routers_own_choice_and_the_bias_is_frozen(tiny_qwen):
+    """Routes replayed as experts 0 and 1 for every token (nothing like the router's choice): the
+    log-probs change (other experts computed); the first MoE layer's load-balancing and z losses do not
+    (megatron-core computes them from that router's own top-k and logits, and its input does not depend on
+    any routing), the second layer's do (its input went through the replayed experts of the first); the
+    aux-loss-free expert bias does not move under replay (update rate 0)."""
+    import torch
+    from train_jobs import router_loss_job
+
+    free = run_ranks(router_loss_job, 1, (str(tiny_qwen), 0.1, 0.01))[0]
+    replayed = run_ranks(router_loss_job, 1, (str(tiny_qwen), 0.1, 0.01, True))[0]
+    assert not torch.allclose(replayed["logp"], free["logp"])
+    for key in ("moe_aux_loss_layer00", "moe_z_loss_layer00"):
+        assert replayed["figures"][key] == pytest.approx(free["figures"][key], rel=1e-6), key
+    assert replayed["figures"]["moe_aux_loss_layer01"] != free["figures"]["moe_aux_loss_layer01"]
+    assert replayed["bias_rate"] == free["bias_rate"] == 0.0

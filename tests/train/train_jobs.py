@@ -273,9 +273,10 @@ def nonfinite_job(rank, world, hf_path):
     return {"bad": bad, "untouched": untouched, "good": good, "finite": finite, "moved": moved}
 
 
-def router_loss_job(rank, world, hf_path, aux, z):
+def router_loss_job(rank, world, hf_path, aux, z, replay_first_experts=False):
     """One policy update with the MoE router losses at the given coefficients, from the same weights
-    and batch: the step's figures and the routers' weights after it."""
+    and batch: the step's figures, the routers' weights after it and the expert bias's update rate.
+    replay_first_experts: every token's routes replayed as experts 0..K-1 (not the router's choice)."""
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
@@ -283,11 +284,16 @@ def router_loss_job(rank, world, hf_path, aux, z):
     w = TrainWorker(model_spec(hf_path, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z),
                     optim=optim_settings(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
-    logp = w.score(Batch(ids, lengths)).logp_BS
-    figures = w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
+    routes = None
+    if replay_first_experts:
+        free = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+        routes = torch.arange(free.shape[-1], dtype=free.dtype).expand_as(free).clone()
+    logp = w.score(Batch(ids, lengths, routes)).logp_BS
+    figures = w.train_step(Batch(ids, lengths, routes, **policy_tensors(logp, mask, adv)), policy_loss(),
                            Denominator(mask)).figures
     routers = {n: p.detach().clone() for n, p in w.module.named_parameters() if "router" in n}
-    return {"figures": figures, "routers": routers}
+    return {"figures": figures, "routers": routers, "bias_rate": w.config.moe_router_bias_update_rate,
+            "logp": logp}
 
 
 def reward_model_job(rank, world, hf_path, layout):
