@@ -11,6 +11,12 @@ same games token for token. The arms alternate round by round so machine noise h
   overhead_per_request_ms   (gateway round time - agent round time) / gateway requests, the medians
   overhead_frac             that overhead's share of the gateway round: (t_gateway - t_agent) / t_gateway
                             (goal <= 0.10)
+  http_floor_ms             the same `openai` client against a bare aiohttp server in one process that
+                            answers every chat request with a fixed completion (no engine, no template,
+                            no episode), as many requests as a round's, as concurrent: the cost of the
+                            HTTP round trip alone in Python, per request
+  floor_frac                that floor's share of a round made of the agent loop's work plus it: what
+                            any Python HTTP gateway would cost at least, whatever it does inside
 """
 
 from __future__ import annotations
@@ -23,6 +29,45 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+
+async def http_floor(requests: int, concurrency: int) -> float:
+    """Seconds per request of `requests` chat completions from `concurrency` concurrent `openai` clients'
+    loops against a bare aiohttp server in this event loop answering each with a fixed completion."""
+    from aiohttp import web
+    from openai import AsyncOpenAI
+
+    body = {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "5"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    async def answer(request):
+        await request.json()
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench")
+    each = max(1, requests // concurrency)
+
+    async def player():
+        for _ in range(each):
+            await client.chat.completions.create(model="m", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "Guess."}])
+
+    await player()  # warm-up
+    t0 = time.perf_counter()
+    await asyncio.gather(*(player() for _ in range(concurrency)))
+    seconds = (time.perf_counter() - t0) / (each * concurrency)
+    await client.close()
+    await runner.cleanup()
+    return seconds
 
 
 def main() -> None:
@@ -74,9 +119,10 @@ def main() -> None:
             print(f"round {i + 1}/{args.rounds}: agent {times['agent'][-1]:.2f} s, "
                   f"gateway {times['gateway'][-1]:.2f} s", flush=True)
         await (await arms["gateway"].gateway()).close()
-        return times, tokens, requests
+        floor = await http_floor(requests // args.rounds, args.episodes)
+        return times, tokens, requests, floor
 
-    times, tokens, requests = asyncio.run(bench())
+    times, tokens, requests, floor = asyncio.run(bench())
     t_agent, t_gateway = statistics.median(times["agent"]), statistics.median(times["gateway"])
     per_round_requests = requests / args.rounds
     overhead_ms = 1000 * (t_gateway - t_agent) / max(per_round_requests, 1)
@@ -87,13 +133,17 @@ def main() -> None:
                "round_s_agent": round(t_agent, 3), "round_s_gateway": round(t_gateway, 3),
                "requests_per_round": per_round_requests,
                "overhead_per_request_ms": round(overhead_ms, 2),
-               "overhead_frac": round((t_gateway - t_agent) / t_gateway, 4)}
+               "overhead_frac": round((t_gateway - t_agent) / t_gateway, 4),
+               "http_floor_ms": round(1000 * floor, 2),
+               "floor_frac": round(floor * per_round_requests / (t_agent + floor * per_round_requests), 4)}
     print(f"built-in agent loop {figures['tokens_per_s_agent']:8.1f} model tokens/s  "
           f"(round {t_agent:.2f} s)")
     print(f"gateway harness     {figures['tokens_per_s_gateway']:8.1f} model tokens/s  "
           f"(round {t_gateway:.2f} s, {per_round_requests:.0f} requests)")
     print(f"gateway overhead: {overhead_ms:.1f} ms per request, {100 * figures['overhead_frac']:.1f}% of the "
           "gateway round (goal <= 10%)")
+    print(f"the HTTP round trip alone (openai client, bare aiohttp server): {1000 * floor:.1f} ms per "
+          f"request, {100 * figures['floor_frac']:.1f}% of a round of the agent loop's work plus it")
     print(json.dumps(figures))
     engine.shutdown()
 
