@@ -39,6 +39,8 @@ VARIANTS: dict[str, list[str]] = {
     # the game's feedback also tells the range the answers so far leave: the state in the last message
     "range_feedback": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "environment.options.feedback=range"],
     "lam1_greedy_lr2": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "trainer.lr=2e-3"],
+    # eight numbers instead of nine, four guesses still: random guesses win 0.414, binary search always
+    "lam1_greedy_high8": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "environment.options.high=8"],
     "one_epoch_lr": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200",
                      "trainer.lr=2.5e-3"],
 }
