@@ -165,7 +165,11 @@ def test_a_batch_mask_arrives_with_the_minibatch_and_any_microbatch_cut_sums_to_
     whole, _ = loss({"logp_BS": logp, "entropy_BS": torch.zeros(2, 3)}, _mb(OLD2, ADV2, MASK2, OLD2, keep))
     whole["policy"].backward()
     grad_whole = logp.grad.clone()
-    assert grad_whole[~keep].eq(0).all() and grad_whole[keep].ne(0).any()
+    # by hand: PPO at pi_old = 1 (log r = LOGR), d l / d log pi = -A r on the kept tokens inside the clip
+    # range or on its active side (row 0: r = e^-0.3 < 0.8 with A > 0 stays unclipped, r = e^0.1; row 1,
+    # A < 0: r = e^0.2 > 1.2 and r = 1); the masked ones (log r 0.5 and -0.4) get nothing
+    e = math.exp
+    torch.testing.assert_close(grad_whole, torch.tensor([[0.0, -e(-0.3), -e(0.1)], [0.0, e(0.2), 1.0]]))
     parts, grads = 0.0, []
     for i in range(2):
         part = LOGR[i:i + 1].clone().requires_grad_(True)
