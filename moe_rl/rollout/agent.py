@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from moe_rl.rollout.chat import ChatTokens
 from moe_rl.rollout.engine import Sampling
 from moe_rl.rollout.envs import EnvSpec, error_text
+from moe_rl.rollout.record import TokenRecord
 from moe_rl.rollout.sandbox import SandboxUnavailable
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.trajectory import Outcome, Trajectory, validate_trajectory
@@ -131,17 +132,14 @@ class Agent:
             raise  # the machine's failure, not the episode's: the run stops
         except Exception as err:
             return self._failed(prompt, group_id, sample_index, f"reset: {error_text(err)}")
-        ids = self._prompt_ids(messages)
-        prompt_len = len(ids)
-        mask = [False] * prompt_len
-        logps = [0.0] * prompt_len
-        spans, turn_rewards, versions = [], [], []
-        terminal, outcome, version, routes, figures = 0.0, None, None, None, {}
+        rec = TokenRecord.of_prompt(self._prompt_ids(messages))
+        turn_rewards: list[float] = []
+        terminal, outcome, version, figures = 0.0, None, None, {}
         last_texts: list[str] = []
         tool_errors = 0
         for turn in range(s.max_turns):
-            budget_left = s.token_budget - (len(ids) - prompt_len)
-            context_left = s.max_model_len - len(ids)
+            budget_left = s.token_budget - (len(rec.ids) - rec.prompt_len)
+            context_left = s.max_model_len - len(rec.ids)
             if budget_left <= 0:
                 outcome = Outcome.TRUNCATED_BUDGET
                 break
@@ -151,22 +149,12 @@ class Agent:
             sampling = Sampling(max_tokens=min(s.max_tokens_per_turn, budget_left, context_left - 1),
                                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=(self.eos,),
                                 seed=None if seed is None else sample_seed(seed, "turn", turn),
-                                routes_from=0 if routes is None else routes.num_positions)
-            res = await self.engine.agenerate(ids, sampling)
+                                routes_from=0 if rec.routes is None else rec.routes.num_positions)
+            res = await self.engine.agenerate(rec.ids, sampling)
             version = res.weight_version if version is None else version
-            routes = res.routes if routes is None or res.routes is None else routes.extended(res.routes)
-            start = len(ids)
-            # the prompt / observation it computed
-            versions.extend([res.weight_version] * (start - len(versions)))
-            versions.extend(res.token_versions())
-            ids.extend(res.token_ids)
-            mask.extend([True] * len(res.token_ids))
-            logps.extend(res.logprobs)
-            if not res.token_ids:
+            if not rec.add_turn(res, self.eos):
                 outcome = Outcome.TRUNCATED_CONTEXT
                 break
-            spans.append((start, len(ids) - 1))
-            closed = res.token_ids[-1] == self.eos
             text = self.tok.decode(res.token_ids, skip_special_tokens=True)
             try:
                 step = await asyncio.wait_for(env.step(text), s.env_timeout_s)
@@ -194,26 +182,23 @@ class Agent:
                 outcome = Outcome.REPETITION
                 break
             if step.observation is not None:
-                obs = self._observation_ids(env.role_for_observations, step.observation, closed)
-                if len(ids) + len(obs) > s.max_model_len:
+                obs = self._observation_ids(env.role_for_observations, step.observation, rec.closed)
+                if len(rec.ids) + len(obs) > s.max_model_len:
                     outcome = Outcome.TRUNCATED_CONTEXT  # the observation does not fit: boundary lacks it
                     break
-                ids.extend(obs)
-                mask.extend([False] * len(obs))
-                logps.extend([0.0] * len(obs))
+                rec.observe(obs)
         if outcome is None:
             outcome = Outcome.TRUNCATED_TURNS  # out of turns: the task could go on
         self.stats.tool_errors += tool_errors
         if version is None:
             version = getattr(self.engine, "version", 0)
-        # a last observation
-        versions.extend([versions[-1] if versions else version] * (len(ids) - len(versions)))
         return Trajectory(
-            token_ids=ids, response_mask=mask, logprobs=logps, spans=spans, turn_rewards=turn_rewards,
-            terminal_reward=terminal, outcome=outcome, boundary_len=len(ids),
-            weight_version=version, prompt_len=prompt_len, routes=routes, group_id=group_id,
+            token_ids=rec.ids, response_mask=rec.mask, logprobs=rec.logps, spans=rec.spans,
+            turn_rewards=turn_rewards, terminal_reward=terminal, outcome=outcome, boundary_len=len(rec.ids),
+            weight_version=version, prompt_len=rec.prompt_len, routes=rec.routes, group_id=group_id,
             sample_index=sample_index,
-            info={"tool_errors": tool_errors, "turns": len(spans), "figures": figures}, versions=versions)
+            info={"tool_errors": tool_errors, "turns": len(rec.spans), "figures": figures},
+            versions=rec.all_versions(version))
 
     def _env_error(self, reason: str) -> None:
         """An episode the environment failed (env_error): logged, each one; the first kept for the stop

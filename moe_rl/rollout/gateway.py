@@ -52,6 +52,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from moe_rl.rollout.engine import Sampling
+from moe_rl.rollout.record import TokenRecord
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.trajectory import Outcome, Trajectory
 
@@ -79,46 +80,18 @@ def served_message(m: dict) -> tuple:
 
 
 @dataclass
-class Segment:
-    """One trajectory of an episode, as the gateway built it: tokens, masks, log-probs, versions, spans and
-    routes; `served`, the chat messages it stands for (None for a completions-built one)."""
+class Segment(TokenRecord):
+    """One trajectory of an episode, as the gateway built it (its tokens: rollout.record.TokenRecord);
+    `version`, the engines' weights when it began; `served`, the chat messages it stands for (None for a
+    completions-built one) and `tools`, the tools they were rendered with."""
 
-    ids: list[int]
-    prompt_len: int
-    version: int
+    version: int = 0
     served: list[tuple] | None = None
     tools: str = ""
-    mask: list[bool] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    routes: object = None
-    closed: bool = True  # the last model turn ended with its end-of-turn token
-
-    def __post_init__(self):
-        n = len(self.ids)
-        self.mask, self.logps, self.versions = [False] * n, [0.0] * n, []
-
-    def observe(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [False] * len(ids)
-        self.logps += [0.0] * len(ids)
-
-    def add_turn(self, res, eos: int) -> None:
-        start = len(self.ids)
-        self.versions += [res.weight_version] * (start - len(self.versions))  # the positions it computed
-        self.versions += res.token_versions()
-        self.routes = res.routes if self.routes is None or res.routes is None \
-            else self.routes.extended(res.routes)
-        self.ids += res.token_ids
-        self.mask += [True] * len(res.token_ids)
-        self.logps += res.logprobs
-        self.spans.append((start, len(self.ids) - 1))
-        self.closed = res.token_ids[-1] == eos
 
     def trajectory(self, reward: float, outcome: Outcome, group_id: int, sample_index: int,
                    figures: dict) -> Trajectory:
-        versions = self.versions + [self.versions[-1]] * (len(self.ids) - len(self.versions))
+        versions = self.all_versions(self.version)
         return Trajectory(
             token_ids=self.ids, response_mask=self.mask, logprobs=self.logps, spans=self.spans,
             turn_rewards=[0.0] * len(self.spans), terminal_reward=reward, outcome=outcome,
@@ -332,7 +305,8 @@ class Gateway:
         if len(ids) >= self.s.max_model_len:
             self._truncate(ep, Outcome.TRUNCATED_CONTEXT, f"the prompt's {len(ids)} tokens fill "
                            f"rollout.max_model_len={self.s.max_model_len}")
-        seg = Segment(list(ids), len(ids), getattr(self.engine, "version", 0), served, tools_key)
+        seg = Segment.of_prompt(ids, version=getattr(self.engine, "version", 0), served=served,
+                                tools=tools_key)
         ep.segments.append(seg)
         return seg
 
