@@ -82,11 +82,17 @@ class TrainerGroup:
 
         return dp_rank_of(rank, tp=self.tp_cp, cp=1, dp=self.dp)  # only tp*cp matters to the order
 
+    def _cost(self, batch) -> torch.Tensor:
+        """Each row's estimated compute, [B] (train.parallel.row_cost)."""
+        from moe_rl.train.parallel import row_cost
+
+        return row_cost(batch.lengths_B, self.attention_span)
+
     def _parts(self, batch) -> list[torch.Tensor]:
         """The rows of each data-parallel replica (train.parallel.dp_partition, trainer.dp_balance)."""
-        from moe_rl.train.parallel import dp_partition, row_cost
+        from moe_rl.train.parallel import dp_partition
 
-        return dp_partition(row_cost(batch.lengths_B, self.attention_span), self.dp, self.balance)
+        return dp_partition(self._cost(batch), self.dp, self.balance)
 
     def _shard(self, batch, rank: int, parts: list[torch.Tensor] | None = None):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
@@ -103,13 +109,12 @@ class TrainerGroup:
 
     def _send(self, batch, kind: str) -> list:
         """This batch's shard for each rank, counting the route bytes it carries."""
-        from moe_rl.train.parallel import imbalance, row_cost
+        from moe_rl.train.parallel import imbalance
 
         parts = self._parts(batch)
         shards = [self._shard(batch, r, parts) for r in range(self.world)]
         if self.dp > 1:
-            cost = row_cost(batch.lengths_B, self.attention_span)
-            self.imbalance["estimated"].append(imbalance(cost, parts))
+            self.imbalance["estimated"].append(imbalance(self._cost(batch), parts))
         if batch.routes_BSLK is not None:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
