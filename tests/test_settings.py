@@ -10,6 +10,7 @@ import pytest
 
 from moe_rl import settings
 from moe_rl.algos.correction import CorrectionParams
+from moe_rl.algos.masking import PolicyMaskParams
 from moe_rl.algos.targets import TargetParams
 from moe_rl.config import (
     AlgorithmSection,
@@ -47,7 +48,8 @@ CFG = RunConfig(
         whiten_advantages=False, policy_loss="gspo", clip_low=0.1, clip_high=0.3, dual_clip=3.0,
         aggregation="seq_mean", loss_constant=50.0, kl_reward_coef=0.01, kl_reward_estimator="k2",
         kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001, correction="tis_token", is_cap=3.0,
-        seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, self_normalize=True, anchor="ewma",
+        seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, geo_min=0.9, geo_max=1.1, policy_mask="opsm",
+        opsm_delta=0.05, m2po_tau=0.1, self_normalize=True, anchor="ewma",
         overlong_buffer=20, overlong_penalty=0.5),
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False),
@@ -100,6 +102,8 @@ CASES = {
         "kl_estimator": at("algorithm.kl_loss_estimator"), "entropy_coef": at("algorithm.entropy_coef"),
         "old_from_forward": at("proximal_from_update"),
         "check_sync": lambda cfg: cfg.proximal_from_update and not cfg.rollout.async_mode,
+        "policy_mask": at("algorithm.policy_mask"),
+        "mask_params": lambda cfg: PolicyMaskParams(cfg.algorithm.opsm_delta, cfg.algorithm.m2po_tau),
     }, set()),
     "target_params": (settings.target_params, TargetParams, {
         "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),
@@ -111,7 +115,8 @@ CASES = {
         "overlong_penalty": at("algorithm.overlong_penalty"), "token_budget": at("environment.token_budget"),
         "correction": at("algorithm.correction"),
         "correction_params": lambda cfg: CorrectionParams(cfg.algorithm.is_cap, cfg.algorithm.seq_is_cap,
-                                                          cfg.algorithm.icepop_min, cfg.algorithm.icepop_max),
+                                                          cfg.algorithm.icepop_min, cfg.algorithm.icepop_max,
+                                                          cfg.algorithm.geo_min, cfg.algorithm.geo_max),
         "ewma_anchor": lambda cfg: cfg.algorithm.anchor == "ewma", "aggregation": at("algorithm.aggregation"),
         # algorithm.loss_constant, by default (null) the token budget
         "loss_constant": lambda cfg: cfg.algorithm.loss_constant or float(cfg.environment.token_budget),

@@ -12,7 +12,7 @@ train.results.ScoreResult); mb: a microbatch of moe_rl.batch.Batch carrying the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,8 +51,8 @@ class PolicyLoss:
     entropy_coef: float
     old_from_forward: bool
     check_sync: bool
-    policy_mask: str = "none"
-    mask_params: PolicyMaskParams = field(default_factory=PolicyMaskParams)
+    policy_mask: str
+    mask_params: PolicyMaskParams
 
     @property
     def mask_scope(self) -> str | None:

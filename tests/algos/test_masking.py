@@ -125,7 +125,8 @@ def test_geometric_corrections_by_hand():
 
 def _loss(mask_name: str, **kw) -> PolicyLoss:
     return PolicyLoss("ppo", 0.2, 0.2, None, kw.pop("aggregation", "token_mean"), 0.0, "k3", 0.0,
-                      old_from_forward=False, check_sync=False, policy_mask=mask_name, **kw)
+                      old_from_forward=False, check_sync=False, policy_mask=mask_name,
+                      mask_params=PolicyMaskParams(), **kw)
 
 
 def _mb(logp_old, adv, mask, mu, keep=None) -> Batch:
