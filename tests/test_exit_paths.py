@@ -55,8 +55,10 @@ class Run:
                 for p in root.children(recursive=True):
                     try:
                         # the latest name: a Ray worker takes its actor's name (ray::RolloutActor) after it
-                        # starts
-                        self.seen[(p.pid, p.create_time())] = " ".join(p.cmdline())[:120] or p.name()
+                        # starts; an exiting process's command line reads empty, which keeps the last one
+                        key, cmd = (p.pid, p.create_time()), " ".join(p.cmdline())[:120]
+                        if cmd or key not in self.seen:
+                            self.seen[key] = cmd or p.name()
                     except psutil.Error:
                         pass
             except psutil.Error:
