@@ -31,24 +31,25 @@ class PolicyMaskParams:
     m2po_tau: float = 0.04  # tau: M2PO's bound on the batch's second moment of log r (the paper's default)
 
 
+def _masked(x_BT: torch.Tensor, m_BT: torch.Tensor) -> torch.Tensor:
+    """x detached in float64, 0 at mask-0 positions (selected away: -inf or NaN there is never read)."""
+    return torch.where(m_BT, x_BT.detach().to(torch.float64), 0.0)
+
+
 def mean_log_ratio(logp_a_BT: torch.Tensor, logp_b_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """The log of the geometric-mean ratio a/b of each sequence, [B, T] -> [B] float64:
 
         g_i = (1/J_i) sum_t m_t (log a_t - log b_t),   0 for a sequence without valid tokens (J_i = 0)
-
-    Values at mask-0 positions are never read (selected away before subtracting: -inf - -inf is NaN).
     """
     m = mask_BT.bool()
-    a = torch.where(m, logp_a_BT.detach().to(torch.float64), 0.0)
-    b = torch.where(m, logp_b_BT.detach().to(torch.float64), 0.0)
-    return (a - b).sum(1) / m.sum(1).clamp(min=1)
+    return (_masked(logp_a_BT, m) - _masked(logp_b_BT, m)).sum(1) / m.sum(1).clamp(min=1)
 
 
 def sequence_advantage(adv_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """A_i = (1/J_i) sum_t m_t A_t, [B, T] -> [B] float64: one sign per sequence, whether the estimator
     gave one advantage per sequence (GRPO: A_i itself) or one per token (GAE)."""
     m = mask_BT.bool()
-    return torch.where(m, adv_BT.detach().to(torch.float64), 0.0).sum(1) / m.sum(1).clamp(min=1)
+    return _masked(adv_BT, m).sum(1) / m.sum(1).clamp(min=1)
 
 
 @register("policy_mask", "none", reads_behaviour=False)
@@ -105,8 +106,7 @@ def second_moment_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: Po
     Metrics: m2po_m2_before, m2po_m2_after, m2po_masked_frac (masked over valid tokens).
     """
     m = mask_BT.bool()
-    log_r = torch.where(m, logp_BT.detach().to(torch.float64) - logp_old_BT.detach().to(torch.float64), 0.0)
-    adv = torch.where(m, adv_BT.detach().to(torch.float64), 0.0)
+    log_r, adv = _masked(logp_BT, m) - _masked(logp_old_BT, m), _masked(adv_BT, m)
     sq = log_r.square()
     n = m.sum().clamp(min=1).to(torch.float64)
     total = sq.sum()

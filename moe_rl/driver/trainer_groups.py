@@ -22,6 +22,7 @@ from moe_rl.driver.placement import Placement
 from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
 from moe_rl.metrics import reduce_updates, role_figures
+from moe_rl.plan import hf_config_of
 from moe_rl.train.objectives import SftLoss
 from moe_rl.train.results import ScoreResult, UpdateResult
 
@@ -48,7 +49,8 @@ class TrainerGroup:
         self.tp_cp = par.tp * par.cp
         self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
         # data-parallel shards by estimated compute (train.parallel.row_cost: attention_span = 6 h)
-        self.balance, self.attention_span = cfg.trainer.dp_balance, 6.0 * hidden_size(spec.hf_path)
+        self.balance = cfg.trainer.dp_balance
+        self.attention_span = 6.0 * hf_config_of(cfg, spec.hf_path)["hidden_size"]
         self.imbalance: dict[str, list[float]] = {"estimated": [], "measured": []}
         self._placed = [a.placed.remote() for a in self.actors]  # answered once each rank has built its model
         self.nodes: list[str] = []
@@ -88,17 +90,17 @@ class TrainerGroup:
 
         return row_cost(batch.lengths_B, self.attention_span)
 
-    def _parts(self, batch) -> list[torch.Tensor]:
+    def _parts(self, cost_B: torch.Tensor) -> list[torch.Tensor]:
         """The rows of each data-parallel replica (train.parallel.dp_partition, trainer.dp_balance)."""
         from moe_rl.train.parallel import dp_partition
 
-        return dp_partition(self._cost(batch), self.dp, self.balance)
+        return dp_partition(cost_B, self.dp, self.balance)
 
     def _shard(self, batch, rank: int, parts: list[torch.Tensor] | None = None):
         """Each DP replica gets its rows; TP/PP ranks of one replica get the same rows."""
         if self.dp == 1:
             return batch
-        return batch.rows((parts or self._parts(batch))[self._dp_rank(rank)])
+        return batch.rows((parts or self._parts(self._cost(batch)))[self._dp_rank(rank)])
 
     @staticmethod
     def new_route_counters() -> dict[str, dict[str, int]]:
@@ -107,41 +109,44 @@ class TrainerGroup:
         have sent (8 bytes x elements, int64; scoring sent the whole batch to every rank)."""
         return {kind: {"sent": 0, "int64_computed": 0} for kind in ("score", "train")}
 
-    def _send(self, batch, kind: str) -> list:
-        """This batch's shard for each rank, counting the route bytes it carries."""
+    def _send(self, batch, kind: str) -> tuple[list, list[torch.Tensor]]:
+        """This batch's shard for each rank, counting the route bytes it carries, and the rows of each
+        replica (for `_whole`)."""
         from moe_rl.train.parallel import imbalance
 
-        parts = self._parts(batch)
+        cost = self._cost(batch)
+        parts = self._parts(cost)
         shards = [self._shard(batch, r, parts) for r in range(self.world)]
         if self.dp > 1:
-            self.imbalance["estimated"].append(imbalance(self._cost(batch), parts))
+            self.imbalance["estimated"].append(imbalance(cost, parts))
         if batch.routes_BSLK is not None:
             count = self.route_bytes[kind]
             count["sent"] += sum(s.routes_BSLK.nbytes for s in shards)
             # computed, not measured: the int64 bytes the old path would have sent for the same routes
             count["int64_computed"] += 8 * sum((batch if kind == "score" else s).routes_BSLK.numel()
                                                for s in shards)
-        return shards
+        return shards, parts
 
     def score(self, batch, **kw) -> ScoreResult:
         """Forward passes, each data-parallel replica on its rows; results for the whole batch,
         [B, S, ...]."""
-        outs = self._gather("score",
-                            [a.score.remote(s, **kw) for a, s in zip(self.actors, self._send(batch, "score"),
-                                                                             strict=True)])
+        shards, parts = self._send(batch, "score")
+        outs = self._gather("score", [a.score.remote(s, **kw)
+                                      for a, s in zip(self.actors, shards, strict=True)])
         if self.dp > 1:  # each replica's slowest rank (replicas do not wait for each other while scoring)
             per_replica = [0.0] * self.dp
             for rank, out in enumerate(outs):
                 d = self._dp_rank(rank)
                 per_replica[d] = max(per_replica[d], out.seconds)
             self.imbalance["measured"].append(max(per_replica) / max(sum(per_replica) / self.dp, 1e-9))
-        return self._whole(batch, outs)
+        return self._whole(batch, outs, parts)
 
-    def _whole(self, batch, outs: list[ScoreResult]) -> ScoreResult:
-        """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]."""
+    def _whole(self, batch, outs: list[ScoreResult], parts: list[torch.Tensor]) -> ScoreResult:
+        """The ranks' per-shard outputs ([b, s, ...] each) as the whole batch's, [B, S, ...]; `parts`: the
+        rows each replica was sent."""
         if self.dp == 1:
             return outs[0]
-        (B, S), full, parts = batch.input_ids_BS.shape, {}, self._parts(batch)
+        (B, S), full = batch.input_ids_BS.shape, {}
         for rank in range(0, self.tp_cp * self.dp, self.tp_cp):  # one rank per replica (its ranks all agree)
             rows = parts[self._dp_rank(rank)]
             for name, x in outs[rank].tensors().items():
@@ -152,11 +157,12 @@ class TrainerGroup:
         """One update with `loss` (a train.objectives type): each rank gets its shard of the fields the
         loss reads. The ranks' figures merged; keep_logp: logp_BS, the update's forward before the step,
         [B, S]."""
-        shards = self._send(batch.only(loss.fields), "train")
+        shards, parts = self._send(batch.only(loss.fields), "train")
         outs = self._gather("train", [a.train.remote(s, loss, denominator, keep_logp)
                                       for a, s in zip(self.actors, shards, strict=True)])
-        logp = self._whole(batch, [ScoreResult(logp_BS=o.logp_BS) for o in outs]).logp_BS if keep_logp \
-            else None
+        logp = None
+        if keep_logp:
+            logp = self._whole(batch, [ScoreResult(logp_BS=o.logp_BS) for o in outs], parts).logp_BS
         # last-stage ranks: tp*cp per replica
         losses = [o.figures["loss"] for o in outs if "loss" in o.figures]
         # over the shards: means, maxima of *max, minima of *min
@@ -172,14 +178,6 @@ class TrainerGroup:
         return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)],
                       self.timeout_s)
 
-
-
-def hidden_size(model_path: str) -> int:
-    """The model's hidden size, from its Hugging Face config.json."""
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(model_path) / "config.json").read_text())["hidden_size"])
 
 
 def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
