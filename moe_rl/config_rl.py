@@ -52,6 +52,10 @@ class RolloutSection:
     max_staleness: int = 1
     """With async_mode: samples more weight versions behind the engines' current ones than this are dropped
     (measured from a sample's oldest token)."""
+    async_depth: int = 1
+    """With async_mode: how many steps' rollouts run ahead of the trainer. Once step s's batch is in, the
+    rollouts of steps s + 1 .. s + async_depth are running, so step s + k trains on samples up to k versions
+    old (<= max_staleness)."""
     weight_sync_bucket_mb: float = 64.0
     """Size of the weight-sync buckets (MB): layer-aligned groups of tensors sent and loaded one after
     another."""
@@ -100,6 +104,7 @@ class RolloutSection:
         in_range("rollout.temperature", self.temperature, 0.0, None, lo_open=True)
         in_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
         in_range("rollout.max_staleness", self.max_staleness, 0, None)
+        positive("rollout.async_depth", self.async_depth)
         in_range("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, None, lo_open=True)
         if self.kv_cache_gb is not None:
             in_range("rollout.kv_cache_gb", self.kv_cache_gb, 0.0, None, lo_open=True)
@@ -114,6 +119,10 @@ class RolloutSection:
             raise ConfigError("rollout.max_staleness", f"{self.max_staleness} with rollout.async_mode=true: "
                               "every sample of a rollout that overlaps training is at least one version old; "
                               "async needs max_staleness >= 1")
+        if self.async_mode and self.async_depth > self.max_staleness:
+            raise ConfigError("rollout.async_depth", f"{self.async_depth} with rollout.max_staleness="
+                              f"{self.max_staleness}: the deepest rollout's samples are {self.async_depth} "
+                              "versions old when trained, and would all be dropped; raise max_staleness")
         if self.max_new_tokens >= self.max_model_len:
             raise ConfigError("rollout.max_new_tokens", f"{self.max_new_tokens} must be below "
                                                         f"rollout.max_model_len={self.max_model_len}")

@@ -103,6 +103,13 @@ SMALL_ORDER = {
               "wait 2", "onload 2", "update 2", "save 3"],
     # resumed from the step-2 checkpoint of "async": step 2 trains on the rollout it held
     "async resumed at 2": ["wait 2", "onload 2", "update 2", "save 3"],
+    # rollout.async_depth=2: two rollouts run ahead of the trainer, the step-1 checkpoint holds both
+    "async depth 2": ["offload 0", "generate 0", "wait 0", "onload 0", "generate 1", "generate 2",
+                      "update 0", "finish 1", "finish 2", "save 1", "wait 1", "onload 1", "update 1",
+                      "finish 2", "save 2", "wait 2", "onload 2", "update 2", "save 3"],
+    # resumed from its step-1 checkpoint: steps 1 and 2 train on the two rollouts it held
+    "async depth 2 resumed at 1": ["wait 1", "onload 1", "update 1", "finish 2", "save 2",
+                                   "wait 2", "onload 2", "update 2", "save 3"],
 }
 ORDER_EVENTS = ("offload", "evaluate", "generate", "wait", "finish", "onload", "update", "save")
 

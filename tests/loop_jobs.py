@@ -37,7 +37,7 @@ def hand_counted_expert_load(figures: dict, checkpoint: Path, num_experts: int) 
 
     from moe_rl.driver.run_checkpoints import read_in_flight
 
-    trajs = [t for ts, _ in read_in_flight(checkpoint).results for t in ts]
+    trajs = [t for ts, _ in read_in_flight(checkpoint)[0].results for t in ts]
     layers = trajs[0].routes.experts_PLK.shape[1]
     for layer in range(layers):
         counts = [0] * num_experts

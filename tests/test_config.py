@@ -202,6 +202,9 @@ def test_resume_accepts_keywords_and_paths():
     (["rollout.kv_cache_gb=0"], "rollout.kv_cache_gb: 0.0 is outside"),
     (["rollout.async_mode=true", "rollout.max_staleness=0"],
      "rollout.max_staleness: 0 with rollout.async_mode=true"),
+    (["rollout.async_mode=true", "rollout.async_depth=3", "rollout.max_staleness=2"],
+     "rollout.async_depth: 3 with rollout.max_staleness=2: the deepest rollout's samples are 3 versions old"),
+    (["rollout.async_mode=true", "rollout.async_depth=0"], "rollout.async_depth: 0 must be a positive"),
     (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"],
      "algorithm.aggregation: 'token_mean'"),
     (["algorithm.policy_loss=gmpo"], "algorithm.aggregation: 'token_mean'"),
@@ -250,6 +253,7 @@ def test_refused_settings(overrides, start):
 def test_accepted_neighbours_of_refused_settings():
     ok = [["rollout.async_mode=true", "rollout.max_staleness=1"],
           ["rollout.async_mode=true", "rollout.max_staleness=2"],
+          ["rollout.async_mode=true", "rollout.async_depth=2", "rollout.max_staleness=2"],
           ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean"],
           ["algorithm.advantage=grpo", "critic.enabled=false"],
           ["algorithm.advantage=gae", "critic.enabled=true"],

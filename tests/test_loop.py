@@ -238,12 +238,13 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
         assert resumed[0][key] == pytest.approx(ref[2][key], rel=1e-4, abs=1e-5), key
 
 
-def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tmp_path):
-    """Asynchronous: later batches are one version old. A checkpoint finishes the rollout in flight
-    and keeps it: a run resumed from the step-2 checkpoint (checkpoint.resume: auto, as after a kill
-    right after that save: the killed-and-retried runs of test_a_rank_dies_mid_sync_then_the_driver_...
-    take the same path) trains step 3 on exactly the batch the uninterrupted run trained on, and
-    reproduces its step (nothing regenerated with other weights).
+def test_async_runs_two_rollouts_ahead_within_the_staleness_bound_and_resumes_both(tmp_path):
+    """Asynchronous with rollout.async_depth=2: once a step's batch is in, the next two steps' rollouts
+    run on the engine at once, so step s + k trains on samples k versions old. A checkpoint finishes the
+    rollouts in flight and keeps them: a run resumed from the step-1 checkpoint (checkpoint.resume: auto,
+    as after a kill right after that save: the killed-and-retried runs of test_a_rank_dies_mid_sync_...
+    take the same path) trains steps 1 and 2 on exactly the batches the uninterrupted run trained on, and
+    reproduces its steps (nothing regenerated with other weights).
 
     The stale batches go through the off-policy masks: OPSM (delta 0: a negative-advantage sequence
     whose mean log(mu / pi_theta) is positive leaves the policy gradient) and geometric sequence
@@ -252,15 +253,17 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     import shutil
 
     out = tmp_path / "async"
-    async_run = ["rollout.async_mode=true", "rollout.max_staleness=1", "run.steps=3",
+    async_run = ["rollout.async_mode=true", "rollout.async_depth=2", "rollout.max_staleness=2", "run.steps=3",
                  "algorithm.policy_mask=opsm", "algorithm.opsm_delta=0", "algorithm.correction=geo_mask",
-                 "algorithm.geo_min=0.95", "algorithm.geo_max=1.05"]
+                 "algorithm.geo_min=0.95", "algorithm.geo_max=1.05", "checkpoint.keep=3"]
     run_train(out, *async_run)
-    # the next rollout submitted before each step trains, held finished by each checkpoint
-    assert schedule_order(timeline_names(out)) == SMALL_ORDER["async"]
+    # the next two rollouts submitted before step 0 trains, held finished by each checkpoint
+    assert schedule_order(timeline_names(out)) == SMALL_ORDER["async depth 2"]
     hist = torch.load(out / "history.pt", weights_only=False)
     lags = [h["correction/staleness_mean"] for h in hist]
-    assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1  # later batches were generated one version back
+    # steps 1 and 2 trained on rollouts started with the weights of step 0 (a sample the engine began
+    # after a sync has newer tokens only)
+    assert lags[0] == 0 and 0 < lags[1] <= 1 and 1 < lags[2] <= 2, lags
     assert all(h["correction/stale_dropped"] == 0 for h in hist)
     # the masks act: OPSM drops some negative sequences (with delta 0, at the second update of a step
     # pi_theta has moved from mu), geo_mask rejects sequences of the stale batches and none of the first
@@ -268,21 +271,22 @@ def test_async_run_respects_staleness_bound_and_resumes_its_rollout_in_flight(tm
     assert all(0 <= h["policy/opsm_masked_of_negative"] <= 1 for h in hist)
     rejected = [h["correction/geo_rejected_frac"] for h in hist]
     assert rejected[0] < 1 and max(rejected[1:]) > 0, rejected
-    step2, step3 = out / "checkpoints" / "step_000002", out / "checkpoints" / "step_000003"
-    # last: none
-    assert (step2 / "rollout_in_flight.pt").is_file() and not (step3 / "rollout_in_flight.pt").exists()
-    # step 3 trained on the kept rollout: its expert-load figures are the routes' counted by hand
+    step1, step2, step3 = (out / "checkpoints" / f"step_00000{i}" for i in (1, 2, 3))
+    from moe_rl.driver.run_checkpoints import read_in_flight
+    assert [len(read_in_flight(s)) for s in (step1, step2, step3)] == [2, 1, 0]
+    # step 2 trained on the kept rollout: its expert-load figures are the routes' counted by hand
     hand_counted_expert_load(hist[2], step2, num_experts=4)
     resumed_out = tmp_path / "resumed"
-    shutil.copytree(step2, resumed_out / "checkpoints" / "step_000002")
+    shutil.copytree(step1, resumed_out / "checkpoints" / "step_000001")
     run_train(resumed_out, *async_run)
-    assert schedule_order(timeline_names(resumed_out)) == SMALL_ORDER["async resumed at 2"]
+    assert schedule_order(timeline_names(resumed_out)) == SMALL_ORDER["async depth 2 resumed at 1"]
     resumed = torch.load(resumed_out / "history.pt", weights_only=False)
-    assert len(resumed) == 1
-    for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",
-                "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean",
-                "policy/opsm_masked_frac", "correction/geo_rejected_frac"):
-        assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-5), key
+    assert len(resumed) == 2
+    for got, want in zip(resumed, hist[1:], strict=True):
+        for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",
+                    "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean",
+                    "policy/opsm_masked_frac", "correction/geo_rejected_frac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
 
 def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tmp_path):

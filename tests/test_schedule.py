@@ -67,9 +67,9 @@ class Recorder:
     def due(self, step: int) -> bool:
         return step in self.saves
 
-    def save(self, step: int, in_flight: InFlight | None) -> None:
-        finished = in_flight is not None and in_flight.done is not None
-        held = f" holding rollout {in_flight.step}" if finished else ""
+    def save(self, step: int, in_flight: list[InFlight]) -> None:
+        assert all(r.done is not None for r in in_flight), "a checkpoint holds finished rollouts only"
+        held = f" holding rollout {' '.join(str(r.step) for r in in_flight)}" if in_flight else ""
         self.events.append(f"save {step}{held}")
 
 
@@ -86,12 +86,13 @@ class Saves(Recorder):
         return Checkpoints.due(self, step)
 
 
-def run_steps(tmp_path: Path, *overrides: str, first: int = 0, resumed: Collected | None = None,
+def run_steps(tmp_path: Path, *overrides: str, first: int = 0, resumed: list[Collected] = (),
               evals: dict | None = None, saves=None, base=("trainer.eval_prompts=4", "trainer.eval_every=2")):
     """What run does from the first rollout to the last evaluation, on recorders: (events, evaluated
     steps, the timeline's order). `saves`: the steps checkpointed (None: the config's rule)."""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml",
                       [f"run.output_dir={tmp_path}", "run.steps=3", *base, *overrides])
+    resumed = list(resumed)
     rec = Saves(cfg) if saves is None else Recorder(set(saves))
     log = StepLog(tmp_path / "tb", False, cfg.run.steps, False, 1)
     evaluation = Evaluation(cfg, tmp_path, rec, log, {}, dict(evals or {}))
@@ -135,11 +136,38 @@ def test_asynchronous_the_next_rollout_runs_while_a_step_trains_and_a_checkpoint
 
 
 def test_a_resumed_asynchronous_run_trains_first_on_the_rollout_its_checkpoint_held(tmp_path):
-    events, evaluated, _ = run_steps(tmp_path, "rollout.async_mode=true", first=2, resumed=Collected([]),
+    events, evaluated, _ = run_steps(tmp_path, "rollout.async_mode=true", first=2, resumed=[Collected([])],
                                      evals={0: {"eval/reward_mean": 0.1}, 2: {"eval/reward_mean": 0.2}},
                                      saves={})
     assert events == ["wait 2", "sleep", "onload", "train 2", "wake", "evaluate"]
     assert evaluated == [0, 2, 3]
+
+
+def test_async_depth_keeps_that_many_rollouts_running_ahead_and_a_checkpoint_holds_them_all(tmp_path):
+    """rollout.async_depth=2: once step s's batch is in, the rollouts of s + 1 and s + 2 run; none past
+    the last step."""
+    events, _, _ = run_steps(tmp_path, "rollout.async_mode=true", "rollout.async_depth=2",
+                             "rollout.max_staleness=2", "run.steps=4", saves={1, 3})
+    assert events == [
+        "offload", "wake", "evaluate", "generate 0",
+        "wait 0", "sleep", "onload", "generate 1", "generate 2", "train 0",  # both start at once
+        "finish 1", "finish 2", "save 1 holding rollout 1 2",
+        "wait 1", "sleep", "onload", "generate 3", "train 1",  # one more keeps two ahead
+        "evaluate",  # eval_every=2: step 2's weights
+        "wait 2", "sleep", "onload", "train 2",  # step 4 is past the run
+        "finish 3", "save 3 holding rollout 3",
+        "wait 3", "sleep", "onload", "train 3",
+        "wake", "evaluate"]
+
+
+def test_a_resumed_run_trains_on_every_rollout_its_checkpoint_held_then_keeps_its_depth(tmp_path):
+    events, _, _ = run_steps(tmp_path, "rollout.async_mode=true", "rollout.async_depth=2",
+                             "rollout.max_staleness=2", "run.steps=5", first=1,
+                             resumed=[Collected([]), Collected([])], evals={0: {}}, saves={},
+                             base=("trainer.eval_prompts=0", "trainer.eval_every=0"))
+    assert events == ["wait 1", "sleep", "onload", "generate 3", "train 1",
+                      "wait 2", "sleep", "onload", "generate 4", "train 2",
+                      "wait 3", "sleep", "onload", "train 3", "wait 4", "sleep", "onload", "train 4"]
 
 
 def test_a_resumed_synchronous_run_does_not_evaluate_a_step_the_earlier_try_evaluated(tmp_path):
@@ -158,15 +186,19 @@ def test_a_step_asked_for_another_steps_rollout_is_refused(tmp_path):
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"run.output_dir={tmp_path}", "run.steps=3"])
     rec = Recorder(set())
     log = StepLog(tmp_path / "tb", False, 3, False, 1)
-    schedule = RolloutSchedule(cfg, rec, rec, log, Evaluation(cfg, tmp_path, rec, log, {}, {}), 0, None)
-    with pytest.raises(RuntimeError, match=r"step 1: the rollout in flight is InFlight\(step=0, 0 calls\)"):
+    schedule = RolloutSchedule(cfg, rec, rec, log, Evaluation(cfg, tmp_path, rec, log, {}, {}), 0, [])
+    with pytest.raises(RuntimeError,
+                       match=r"step 1: the rollouts in flight are \[InFlight\(step=0, 0 calls\)\]"):
         schedule.next_batch(1)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "async resumed at 2"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async resumed at 2", "async depth 2",
+                                  "async depth 2 resumed at 1"])
 def test_the_small_runs_order_is_the_one_their_real_runs_show(tmp_path, mode):
     """test_loop's small runs (cli_runs.SMALL) check their timeline.json against the same order."""
-    overrides = [*SMALL, *(["rollout.async_mode=true"] if "async" in mode else [])]
-    resumed = dict(first=2, resumed=Collected([])) if "resumed" in mode else {}
+    depth = ["rollout.async_depth=2", "rollout.max_staleness=2"] if "depth 2" in mode else []
+    overrides = [*SMALL, *(["rollout.async_mode=true"] if "async" in mode else []), *depth]
+    first = int(mode.rsplit(" ", 1)[1]) if "resumed" in mode else 0
+    resumed = dict(first=first, resumed=[Collected([])] * (3 - first)) if first else {}
     _, evaluated, order = run_steps(tmp_path, *overrides, base=(), **resumed)
     assert order == SMALL_ORDER[mode] and evaluated == []

@@ -38,7 +38,7 @@ def kept_rollout(out: Path, step: int) -> list:
     """The trajectories an asynchronous run's step-`step` checkpoint kept (its next step's batch)."""
     from moe_rl.driver.run_checkpoints import read_in_flight
 
-    return [t for ts, _ in read_in_flight(out / "checkpoints" / f"step_{step:06d}").results for t in ts]
+    return [t for ts, _ in read_in_flight(out / "checkpoints" / f"step_{step:06d}")[0].results for t in ts]
 
 
 def test_a_reward_function_of_ones_own_scores_every_episode(tmp_path):

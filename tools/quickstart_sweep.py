@@ -41,6 +41,9 @@ VARIANTS: dict[str, list[str]] = {
     "lam1_greedy_lr2": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "trainer.lr=2e-3"],
     # eight numbers instead of nine, four guesses still: random guesses win 0.414, binary search always
     "lam1_greedy_high8": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "environment.options.high=8"],
+    # seven numbers and three guesses: random guesses win 3/7 = 0.43, binary search always; shorter games
+    "lam1_greedy_7x3": ["algorithm.lam=1.0", "trainer.eval_greedy=true", "environment.options.high=7",
+                        "environment.options.guesses=3", "environment.max_turns=3"],
     "one_epoch_lr": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200",
                      "trainer.lr=2.5e-3"],
 }

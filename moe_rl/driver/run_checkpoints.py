@@ -3,7 +3,7 @@
     ckpt = Checkpoints(cfg, out_dir, models, rollouts)
     step = ckpt.resume()        # None: a fresh run (checkpoint.resume never, or nothing to resume)
     if ckpt.due(step):          # every checkpoint.every steps and at the last step
-        ckpt.save(step, in_flight)  # in_flight: an asynchronous run's next rollout, finished
+        ckpt.save(step, in_flight)  # in_flight: an asynchronous run's next rollouts, finished
 
 A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
 previous one as it was, and `resume: auto` takes the newest complete one. Nothing in it is unpickled
@@ -32,7 +32,7 @@ from moe_rl.driver.rollout_manager import Collected, InFlight
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
 LOOP_STATE = "loop_state.pt"
-IN_FLIGHT = "rollout_in_flight.pt"  # asynchronous runs: the rollout started before the checkpoint
+IN_FLIGHT = "rollout_in_flight.pt"  # asynchronous runs: the rollouts started before the checkpoint
 # set by launch/retry.sh (seconds since the epoch when the first try started): a retry resumes from the
 # newest checkpoint written since, and as checkpoint.resume says when there is none
 RESUME_SINCE = "MOE_RL_RESUME_SINCE"
@@ -41,7 +41,7 @@ RESUME_SINCE = "MOE_RL_RESUME_SINCE"
 class Checkpoints:
     def __init__(self, cfg: RunConfig, out: Path, models, rollouts):
         self.cfg, self.root, self.models, self.rollouts = cfg, out / "checkpoints", models, rollouts
-        self.in_flight: Collected | None = None  # set by `resume` where the checkpoint holds one
+        self.in_flight: list[Collected] = []  # set by `resume` where the checkpoint holds any
 
     def _groups(self) -> dict:
         """The trainer groups a checkpoint holds, by directory name."""
@@ -52,9 +52,9 @@ class Checkpoints:
         every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
         return bool(every and step % every == 0 or at_end and step == self.cfg.run.steps)
 
-    def save(self, step: int, in_flight: InFlight | None = None) -> Path:
-        """The run after `step` steps; `in_flight`: the finished rollout an asynchronous run started
-        before the checkpoint (the next step trains on it, after a resume too)."""
+    def save(self, step: int, in_flight: list[InFlight] = ()) -> Path:
+        """The run after `step` steps; `in_flight`: the finished rollouts an asynchronous run started
+        before the checkpoint, oldest first (the next steps train on them, after a resume too)."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".step_{step:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -64,8 +64,8 @@ class Checkpoints:
         for role, group in self._groups().items():
             group.call("save", str(tmp / role), state)
             copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
-        if in_flight is not None:
-            torch.save(in_flight.done.state(), tmp / IN_FLIGHT)
+        if in_flight:
+            torch.save({"rollouts": [r.done.state() for r in in_flight]}, tmp / IN_FLIGHT)
         write_loop_state(tmp / LOOP_STATE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
@@ -94,12 +94,14 @@ class Checkpoints:
         return st["step"]
 
 
-def read_in_flight(path: Path) -> Collected | None:
-    """The rollout an asynchronous run's checkpoint kept (weights_only: plain types and tensors), or None."""
+def read_in_flight(path: Path) -> list[Collected]:
+    """The rollouts an asynchronous run's checkpoint kept, oldest first (weights_only: plain types and
+    tensors); a checkpoint of before rollout.async_depth holds one rollout's state alone."""
     if not (path / IN_FLIGHT).is_file():
-        return None
+        return []
     try:
-        return Collected.from_state(torch.load(path / IN_FLIGHT, weights_only=True))
+        state = torch.load(path / IN_FLIGHT, weights_only=True)
+        return [Collected.from_state(s) for s in (state["rollouts"] if "rollouts" in state else [state])]
     except Exception as err:
         raise CheckpointError(f"{path / IN_FLIGHT} is not a rollout this program saved; refused "
                               f"({last_line(err)})") from None

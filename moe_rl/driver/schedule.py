@@ -3,13 +3,14 @@
     evaluation = Evaluation(cfg, out, rollouts, log, summary, results)
     schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, resumed)
     batch, figures = schedule.next_batch(step)   # step's rollout, waited for
-    ckpt.save(step + 1, schedule.in_flight())    # the rollout running now, finished (asynchronous), or None
+    ckpt.save(step + 1, schedule.in_flight())    # the rollouts running now, finished (asynchronous), or []
     schedule.step_done(step)                     # synchronous: step + 1's rollout starts
 
 Synchronous (rollout.async_mode false): step s's rollout starts after step s - 1 has ended (weights
-synced, checkpoint written) and samples with its weights. Asynchronous: step s + 1's rollout starts as
-soon as step s's batch is in and generates, one sync behind, while step s trains; a checkpoint holds it,
-finished, and the resumed run trains on it first. Colocated (cluster.offload, rollout.sleep_engines): the
+synced, checkpoint written) and samples with its weights. Asynchronous: once step s's batch is in, the
+rollouts of steps s + 1 .. s + rollout.async_depth run (those not running yet start) and generate while
+step s trains, so step s + k's samples are up to k syncs behind; a checkpoint holds them, finished, and
+the resumed run trains on them first. Colocated (cluster.offload, rollout.sleep_engines): the
 trainer steps aside before a rollout starts (offload, the engines wake) and comes back once its batch is
 in (the engines sleep, onload). The held-out evaluation runs on the weights the next rollout samples
 with: synchronous, just before that rollout; asynchronous, beside it once the step has ended.
@@ -17,6 +18,7 @@ with: synchronous, just before that rollout; asynchronous, beside it once the st
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 from moe_rl.batch import Batch
@@ -58,14 +60,17 @@ class Evaluation:
 
 class RolloutSchedule:
     """Which rollout each step trains on, and when it runs (the module's docstring has the rules). The
-    rollout running or waiting to be trained on is one InFlight, or None after the last step's."""
+    rollouts running or waiting to be trained on, oldest first: at most one synchronous, up to
+    rollout.async_depth asynchronous; none after the last step's."""
 
     def __init__(self, cfg: RunConfig, models, rollouts, log, evaluation: Evaluation, first: int,
-                 resumed: Collected | None):
+                 resumed: list[Collected]):
         self.models, self.rollouts, self.log, self.evaluation = models, rollouts, log, evaluation
         self.steps, self.overlap = cfg.run.steps, cfg.rollout.async_mode
-        self.rollout: InFlight | None = InFlight(first, done=resumed) if resumed is not None else \
-            self._start(first) if first < self.steps else None
+        self.depth = cfg.rollout.async_depth if self.overlap else 0
+        self.queue: deque[InFlight] = deque(InFlight(first + i, done=c) for i, c in enumerate(resumed))
+        if not self.queue and first < self.steps:
+            self.queue.append(self._start(first))
 
     def _start(self, step: int) -> InFlight:
         """Step's rollout, after the trainer has stepped aside and the evaluation due on these weights."""
@@ -82,28 +87,30 @@ class RolloutSchedule:
 
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Step's batch and its rollout's figures, waited for; the trainer back (colocated); asynchronous:
-        the next rollout started, to generate while this batch trains."""
-        if self.rollout is None or self.rollout.step != step:
-            raise RuntimeError(f"step {step}: the rollout in flight is {self.rollout}")
+        the rollouts of the next async_depth steps running, to generate while this batch trains."""
+        if not self.queue or self.queue[0].step != step:
+            raise RuntimeError(f"step {step}: the rollouts in flight are {list(self.queue)}")
         with self.log.timeline.span("wait", step):
-            batch, figures = self.rollouts.wait(self.rollout)
+            batch, figures = self.rollouts.wait(self.queue.popleft())
         with self.log.timer("onload", step):
             self.rollouts.sleep()
             self.models.onload()
-        self.rollout = self._generate(step + 1) if self.overlap and step + 1 < self.steps else None
+        ahead = self.queue[-1].step if self.queue else step
+        for later in range(ahead + 1, min(step + self.depth, self.steps - 1) + 1):
+            self.queue.append(self._generate(later))
         return batch, figures
 
-    def in_flight(self) -> InFlight | None:
-        """The rollout started for a later step, finished (a checkpoint keeps it), or None."""
-        if self.rollout is not None:
-            with self.log.timeline.span("finish", self.rollout.step):
-                self.rollouts.finish(self.rollout)
-        return self.rollout
+    def in_flight(self) -> list[InFlight]:
+        """The rollouts started for later steps, finished (a checkpoint keeps them), oldest first."""
+        for rollout in self.queue:
+            with self.log.timeline.span("finish", rollout.step):
+                self.rollouts.finish(rollout)
+        return list(self.queue)
 
     def step_done(self, step: int) -> None:
         """After step's update and checkpoint. Synchronous: step + 1's rollout starts; asynchronous: the
-        evaluation due on the new weights runs, beside the rollout in flight."""
+        evaluation due on the new weights runs, beside the rollouts in flight."""
         if not self.overlap and step + 1 < self.steps:
-            self.rollout = self._start(step + 1)
+            self.queue.append(self._start(step + 1))
         elif self.evaluation.due(step + 1):
             self.evaluation.run(step + 1)
