@@ -51,6 +51,7 @@ class Batch:
     version_B: torch.Tensor | None = None  # long: weight version at generation start
     routed_len_B: torch.Tensor | None = None  # long: leading positions whose routes the engine computed;
     # the rest of a row's routes are placeholders (positions never computed; they cannot matter)
+    teacher_B: torch.Tensor | None = None  # long: the row's distillation teacher (RunConfig.teachers' order)
     # --- targets of an update (set by the policy and critic loops)
     adv_BS: torch.Tensor | None = None
     logp_old_BS: torch.Tensor | None = None  # pi_old, the PPO ratio's anchor
@@ -140,9 +141,21 @@ class Batch:
         return dataclasses.replace(self.model_inputs(), **{f: getattr(self, f) for f in fields})
 
 
-def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
+def teacher_index(trajs: list[Trajectory], teachers: list[str]) -> torch.Tensor:
+    """Each trajectory's distillation teacher as its index in `teachers` (names; "" is teacher.path, the
+    teacher of rows that name none), [B] long."""
+    names = [t.info.get("teacher", "") for t in trajs]
+    unknown = sorted({n for n in names if n not in teachers})
+    if unknown:
+        default = "set" if "" in teachers else "empty"
+        raise ValueError(f"rows name teachers {unknown} that are not configured (teacher.named: "
+                         f"{[n for n in teachers if n]}; teacher.path {default})")
+    return torch.tensor([teachers.index(n) for n in names])
+
+
+def build_batch(trajs: list[Trajectory], top_k: int | None, teachers: list[str] | None = None) -> Batch:
     """A step's trajectories as one batch; routes (when recorded and `top_k` is given) in their
-    recorded dtype."""
+    recorded dtype; with `teachers` (distillation), each row's teacher (teacher_index)."""
     B = len(trajs)
     S = max(len(t.token_ids) for t in trajs)
     ids = torch.zeros(B, S, dtype=torch.long)
@@ -178,4 +191,5 @@ def build_batch(trajs: list[Trajectory], top_k: int | None) -> Batch:
         boundary_len_B=torch.tensor([t.boundary_len for t in trajs]),
         prompt_len_B=torch.tensor([t.prompt_len for t in trajs]),
         version_B=torch.tensor([t.weight_version for t in trajs]),
-        routed_len_B=routed if routes is not None else None)
+        routed_len_B=routed if routes is not None else None,
+        teacher_B=None if teachers is None else teacher_index(trajs, teachers))

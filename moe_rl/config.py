@@ -26,6 +26,7 @@ from moe_rl.config_rl import (
     EnvironmentSection,
     RewardModelSection,
     RolloutSection,
+    TeacherSection,
     TrainerSection,
 )
 from moe_rl.config_rules import check_compatible
@@ -44,7 +45,8 @@ from moe_rl.schema import ConfigError, build, check_tree, parse_overrides, read_
 
 __all__ = ["AlgorithmSection", "Arch", "CheckpointSection", "ClusterSection", "ConfigError", "CriticSection",
            "EnvironmentSection", "FP8Recipe", "LoggingSection", "ModelSection", "ParallelSection",
-           "RewardModelSection", "RolloutSection", "RunConfig", "RunSection", "TinyModel", "TrainerSection",
+           "RewardModelSection", "RolloutSection", "RunConfig", "RunSection", "TeacherSection", "TinyModel",
+           "TrainerSection",
            "dump_yaml", "from_dict", "load_config", "parse_overrides", "to_dict"]
 
 
@@ -64,6 +66,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
 
     @property
     def critic_enabled(self) -> bool:
@@ -85,7 +88,8 @@ class RunConfig:
         n = self.parallel.world_size
         return {"policy": n, "critic": n if self.critic_enabled else 0,
                 "reference": n if self.uses_reference else 0,
-                "reward_model": n if self.reward_model.path else 0, "engine": self.rollout.num_engines}
+                "reward_model": n if self.reward_model.path else 0,
+                **{slot: n for slot in self.teachers}, "engine": self.rollout.num_engines}
 
     @property
     def gpus(self) -> int:
@@ -95,6 +99,14 @@ class RunConfig:
         a = self.actors
         per_role = [n for role, n in a.items() if role != "engine"] + [a["engine"] * self.rollout.engine_tp]
         return max(per_role) if self.cluster.colocate else sum(per_role)
+
+    @property
+    def teachers(self) -> dict[str, str]:
+        """The distillation teachers' actor slots and checkpoints, in teacher.all's order: "teacher"
+        (teacher.path), "teacher_NAME" (teacher.named); none without algorithm.distill_coef."""
+        if not self.algorithm.distill_coef:
+            return {}
+        return {("teacher_" + name if name else "teacher"): path for name, path in self.teacher.all.items()}
 
     @property
     def uses_reference(self) -> bool:

@@ -5,6 +5,7 @@ config_rules.py's."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -246,6 +247,10 @@ class AlgorithmSection:
     environment.token_budget, fully beyond it; must be below environment.token_budget"""
     overlong_penalty: float = 1.0
     """The overlong penalty at and beyond environment.token_budget (see overlong_buffer)."""
+    distill_coef: float = 0.0
+    """On-policy distillation (needs a teacher): the per-token advantage gains -distill_coef * (log mu -
+    log pi_teacher) of each sampled token, added to the task's (after whitening); 0: off. With
+    advantage=none the teacher is the only signal."""
 
     def check(self) -> None:
         in_range("algorithm.gamma", self.gamma, 0.0, 1.0)
@@ -260,7 +265,7 @@ class AlgorithmSection:
             raise ConfigError("algorithm.dual_clip", f"{self.dual_clip} must be > 1 (or null to disable)")
         if self.loss_constant is not None:
             in_range("algorithm.loss_constant", self.loss_constant, 0.0, None, lo_open=True)
-        for name in ("kl_reward_coef", "kl_loss_coef", "entropy_coef", "overlong_penalty"):
+        for name in ("kl_reward_coef", "kl_loss_coef", "entropy_coef", "overlong_penalty", "distill_coef"):
             in_range(f"algorithm.{name}", getattr(self, name), 0.0, None)
         in_range("algorithm.is_cap", self.is_cap, 0.0, None, lo_open=True)
         in_range("algorithm.seq_is_cap", self.seq_is_cap, 0.0, None, lo_open=True)
@@ -391,3 +396,28 @@ class RewardModelSection:
     """The reward model's score's weight in the combined reward."""
     rule_weight: float = 1.0
     """the environment's rewards (terminal and per turn)"""
+
+
+@dataclass(frozen=True)
+class TeacherSection:
+    """On-policy distillation's teachers: frozen models that score the student's sampled tokens (their
+    log-probs, routing freely: R3 stays the student's), placed and laid out like the other roles, in
+    model.dtype. Any size or architecture, with the policy's tokenizer."""
+
+    path: str = ""
+    """a Hugging Face causal-LM checkpoint: the teacher of every row (of the rows naming none, with
+    `named`); empty: no default teacher"""
+    named: dict[str, str] = field(default_factory=dict)
+    """more teachers by name (name: checkpoint path): a dataset row's `teacher` field picks the one that
+    scores its episodes"""
+
+    @property
+    def all(self) -> dict[str, str]:
+        """Every teacher by name ("" for `path`), in a fixed order."""
+        return {**({"": self.path} if self.path else {}), **dict(sorted(self.named.items()))}
+
+    def check(self) -> None:
+        for name, path in self.named.items():
+            if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not path:
+                raise ConfigError(f"teacher.named.{name}", f"'{path}': a teacher needs a name (letters, "
+                                  "digits, _) and a checkpoint path")

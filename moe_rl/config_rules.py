@@ -201,6 +201,14 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                           "equal, before the reward model scores them (reward_model.path): use one or the "
                           "other")
 
+    a = cfg.algorithm
+    if a.distill_coef and not cfg.teacher.all:
+        raise ConfigError("algorithm.distill_coef", f"{a.distill_coef} needs a teacher to distil from: set "
+                          "teacher.path (or teacher.named)")
+    if not _meta("advantage", a.advantage).reads_reward and not a.distill_coef:
+        raise ConfigError("algorithm.advantage", f"'{a.advantage}' uses no reward: it needs a teacher's "
+                          "signal (algorithm.distill_coef > 0 and teacher.path)")
+
     check_settings_are_read(cfg)
 
 
@@ -272,6 +280,8 @@ SWITCHES = (
     Switch("parallel.dp > 1", lambda c: c.parallel.dp > 1, ("trainer.dp_balance",)),
     Switch("reward_model.path", lambda c: bool(c.reward_model.path),
            ("reward_model.weight", "reward_model.rule_weight")),
+    Switch("algorithm.distill_coef > 0", lambda c: c.algorithm.distill_coef > 0,
+           ("teacher.path", "teacher.named")),
 )
 
 

@@ -175,6 +175,8 @@ def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, obje
         "correction/logp_mismatch_mean": replayed.sum() / n_tok,
         "correction/logp_mismatch_max": replayed.max(), **targets.metrics,
     }
+    if scores.logp_teacher_BS is not None:
+        out["timing/teacher_score_s"] = scores.teacher_seconds
     if scores.free_logp_BS is not None:
         out["correction/logp_mismatch_no_replay"] = gap(scores.free_logp_BS).sum() / n_tok
     if scores.free_routes_BSLK is not None:

@@ -201,10 +201,10 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 
 def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
-    """Bytes on the busiest rank of a trainer: policy and critic train, the reference and the reward model
-    only score (no gradients, no optimizer state); under PPO-EWMA the policy also keeps an fp32 anchor
-    of its weights."""
-    trains = role not in ("reference", "reward_model")
+    """Bytes on the busiest rank of a trainer: policy and critic train, the reference, the reward model
+    and the distillation teachers only score (no gradients, no optimizer state); under PPO-EWMA the
+    policy also keeps an fp32 anchor of its weights."""
+    trains = role in ("policy", "critic")
     par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
     etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
@@ -264,11 +264,11 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     actors = cfg.actors
     problems: list[str] = []
     roles = []
-    rm_config = Path(cfg.reward_model.path) / "config.json" if cfg.reward_model.path else None
-    shapes = {"reward_model": ModelShape.from_hf(json.loads(rm_config.read_text())) if rm_config
-              and rm_config.is_file()
-              else shape}  # a reward model has its own shape, where its config is here
-    for role in ("policy", "critic", "reference", "reward_model"):
+    # a reward model and each teacher have their own shape, where their config is here
+    own = {"reward_model": cfg.reward_model.path, **cfg.teachers}
+    shapes = {role: ModelShape.from_hf(json.loads((Path(path) / "config.json").read_text()))
+              for role, path in own.items() if path and (Path(path) / "config.json").is_file()}
+    for role in ("policy", "critic", "reference", "reward_model", *cfg.teachers):
         if actors[role]:
             roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), cfg, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)

@@ -102,4 +102,4 @@ def target_params(cfg: RunConfig):
         ewma_anchor=a.anchor == "ewma", aggregation=a.aggregation,
         loss_constant=a.loss_constant or float(cfg.environment.token_budget), self_normalize=a.self_normalize,
         synchronous=not cfg.rollout.async_mode, reward_model_weight=cfg.reward_model.weight,
-        rule_weight=cfg.reward_model.rule_weight)
+        rule_weight=cfg.reward_model.rule_weight, distill_coef=a.distill_coef)

@@ -34,6 +34,7 @@ SWITCH_CASES = {
                                            [["algorithm.advantage=grpo", "rollout.samples_per_prompt=2"]]),
     "the tiny model (model.path empty)": ([], [["model.path=/checkpoints/base"]]),
     "rollout.async_mode=true": (["rollout.async_mode=true", "rollout.max_staleness=4"], [[]]),
+    "algorithm.distill_coef > 0": (["algorithm.distill_coef=1", "teacher.path=/teachers/one"], [[]]),
     "environment.dynamic_sampling=true": (["environment.dynamic_sampling=true"], [[]]),
     "trainer.warm_start_steps > 0": (["trainer.warm_start_steps=1"], [[]]),
     "evaluation (trainer.eval_prompts > 0)": (["trainer.eval_prompts=4"], [[]]),
@@ -47,7 +48,8 @@ SWITCH_CASES = {
 # a valid value other than the default, where the type alone does not give one
 OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_attention_heads": 4,
          "model.tiny.num_key_value_heads": 1,
-         "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64}
+         "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
+         "teacher.named": "{big: /teachers/big}"}
 
 
 def field_type(path: str):
@@ -107,6 +109,8 @@ def test_every_registered_method_reads_exactly_its_declared_settings(tmp_path):
                 base.append("algorithm.aggregation=seq_mean")
             if getattr(meta, "reads_old", False):  # nothing to mask with one update from pi_old itself
                 base.append("trainer.epochs=2")
+            if not getattr(meta, "reads_reward", True):  # a teacher's signal instead
+                base += ["algorithm.distill_coef=1", "teacher.path=/teachers/one"]
             load(base)
             for param in sorted(declared):
                 path = f"algorithm.{param}"

@@ -50,7 +50,7 @@ CFG = RunConfig(
         kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001, correction="tis_token", is_cap=3.0,
         seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, geo_min=0.9, geo_max=1.1, policy_mask="opsm",
         opsm_delta=0.05, m2po_tau=0.1, self_normalize=True, anchor="ewma",
-        overlong_buffer=20, overlong_penalty=0.5),
+        overlong_buffer=20, overlong_penalty=0.5, distill_coef=0.7),
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False),
     critic=CriticSection(lr=7e-4),
@@ -123,6 +123,7 @@ CASES = {
         "self_normalize": at("algorithm.self_normalize"),
         "synchronous": lambda cfg: not cfg.rollout.async_mode,
         "reward_model_weight": at("reward_model.weight"), "rule_weight": at("reward_model.rule_weight"),
+        "distill_coef": at("algorithm.distill_coef"),
     }, set()),
 }
 

@@ -4,10 +4,11 @@ after another, and a results table.
     .venv/bin/python tools/off_policy_demo.py                       # every method, seeds 1234 1 2
     .venv/bin/python tools/off_policy_demo.py --method m2po --seeds 1
 
-The data is stale by design: rollouts run asynchronously (one weight version behind the trainer),
-pi_old is the behaviour policy itself (algorithm.correction=bypass, M2PO's setting: no proximal pass),
-and each step makes four updates (trainer.minibatches=4), so the policy that trains on a step's last
-minibatch is four optimizer updates past the one that sampled it, five with the asynchronous version.
+The data is stale by design: four steps' rollouts run ahead of the trainer (rollout.async_depth=4), so
+once the pipeline is full every batch was sampled four weight versions before the policy that trains on
+it; each step makes one update (so a version is an optimizer update), and pi_old is the behaviour
+policy itself (algorithm.correction=bypass, M2PO's setting: no proximal pass), so the ratio the clip and
+the masks see is pi_theta / mu across those four updates.
 Each run is `moe-rl train configs/quickstart.yaml` with STALE, the method's settings and --set overrides
 (tools/quickstart_sweep.run_one: its wall clock, summary.json's held-out evaluations); from its
 history.pt, per step means of the policy's clip and mask fractions and the staleness. Prints a
@@ -27,8 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quickstart_sweep import CONFIG, ROOT, run_one  # noqa: E402
 
-STALE = ["rollout.async_mode=true", "rollout.max_staleness=1", "algorithm.correction=bypass",
-         "trainer.epochs=1", "trainer.minibatches=4", "run.steps=200", "trainer.eval_every=100"]
+STALE = ["rollout.async_mode=true", "rollout.async_depth=4", "rollout.max_staleness=4",
+         "algorithm.correction=bypass", "trainer.epochs=1", "trainer.minibatches=1", "run.steps=300",
+         "trainer.eval_every=100"]
 METHODS = {"ppo_clip": [], "m2po": ["algorithm.policy_mask=m2po"], "opsm": ["algorithm.policy_mask=opsm"]}
 FIGURES = ("policy/clipfrac_low", "policy/clipfrac_high", "policy/m2po_masked_frac",
            "policy/opsm_masked_frac", "policy/opsm_masked_of_negative", "policy/m2po_m2_before",

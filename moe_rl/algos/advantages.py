@@ -86,6 +86,13 @@ def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return adv, None
 
 
+@register("advantage", "none", reads_reward=False)
+def no_task_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+    """No task signal: A = 0 on every token (on-policy distillation alone: algorithm.distill_coef adds
+    the teacher's per-token term, algos/distill.py)."""
+    return torch.zeros_like(inp.rewards_BT, dtype=torch.float32), None
+
+
 @register("advantage", "reinforce")
 def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """REINFORCE with a batch-mean baseline: A_i = R_i - mean_b R_b."""

@@ -57,6 +57,8 @@ def check_batch(
     logp_ref_BT: torch.Tensor | None = None,
     needs_behaviour: bool = False,
     needs_reference: bool = False,
+    logp_teacher_BT: torch.Tensor | None = None,
+    needs_teacher: bool = False,
     needs_boundary: bool = False,
     synchronous: bool = False,
     sync_tolerance: float = SYNC_TOLERANCE,
@@ -68,7 +70,8 @@ def check_batch(
       finite_rewards    every reward u_t is finite, on every position (NaN or +-inf anywhere fails)
       reward_placement  non-zero rewards only on valid model tokens (terminal reward on q_J, not the end)
       boundary          truncated samples carry a finite boundary value V(s_boundary) (when bootstrapping)
-      policy_roles      the roles the correction / KL needs are present and finite on valid tokens
+      policy_roles      the roles the correction / KL / distillation need are present and finite on
+                        valid tokens
       sync_roles        in synchronous mode mu = pi_old on valid tokens (within sync_tolerance)
       empty_batch       at least one sample has a model token
     """
@@ -96,7 +99,8 @@ def check_batch(
         if s is not None:
             raise BatchCheckError("boundary", s, "truncated sample without a finite boundary value")
     roles = {"behaviour (mu)": (logp_behaviour_BT, needs_behaviour),
-             "reference": (logp_ref_BT, needs_reference), "proximal (pi_old)": (logp_old_BT, False)}
+             "reference": (logp_ref_BT, needs_reference), "proximal (pi_old)": (logp_old_BT, False),
+             "teacher": (logp_teacher_BT, needs_teacher)}
     for name, (logp, needed) in roles.items():
         if logp is None:
             if needed:

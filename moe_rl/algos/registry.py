@@ -28,6 +28,7 @@ class AdvantageMeta:
     needs_critic: bool = False  # reads values_BT and boundary_value_B: the run trains a critic
     min_group_size: int = 1  # samples per prompt it needs; > 1: a baseline from the prompt's other samples
     params: frozenset[str] = frozenset()  # the AdvantageParams fields it reads
+    reads_reward: bool = True  # False: no task signal (A = 0): the run learns from distillation alone
 
     @property
     def needs_groups(self) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_rl.algos import aggregate, checks, correction, registry
+from moe_rl.algos import aggregate, checks, correction, distill, registry
 from moe_rl.algos import rewards as R
 from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
 
@@ -48,6 +48,7 @@ class TargetParams:
     # R = rule_weight * R_env + reward_model_weight * R_model (with a reward model)
     reward_model_weight: float
     rule_weight: float
+    distill_coef: float  # c of algos/distill.py Eq. (2): the teacher's per-token term (0: off)
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Scores:
     free_logp_BS: torch.Tensor | None = None  # diagnostics: the policy routing freely
     free_routes_BSLK: torch.Tensor | None = None
     reward_model_B: torch.Tensor | None = None  # a reward model's score of each episode (at its last token)
+    logp_teacher_BS: torch.Tensor | None = None  # each row's distillation teacher (routing freely)
+    teacher_seconds: float = 0.0  # the teachers' scoring time
 
     def with_policy(self, logp_BS: torch.Tensor | None) -> Scores:
         """These scores with the policy's log-probs from the update's forward, when it gave them."""
@@ -163,6 +166,7 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     checks.check_batch(batch.mask_BS, torch.arange(S).expand_as(batch.mask_BS) < batch.lengths_B.unsqueeze(1),
                        batch.rewards_BS, batch.terminated_B, boundary, batch.logp_mu_BS, logp_old,
                        scores.logp_ref_BS, needs_behaviour=reads_mu, needs_reference=p.needs_reference,
+                       logp_teacher_BT=scores.logp_teacher_BS, needs_teacher=bool(p.distill_coef),
                        needs_boundary=values is not None,
                        # synchronous PPO without a correction assumes mu = pi_old: verify it
                        synchronous=p.synchronous and not reads_mu)
@@ -174,6 +178,10 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     adv, returns = registry.get("advantage", p.advantage)(inp, hp)
     if p.whiten:
         adv = whiten(adv, batch.mask_BS)
+    if p.distill_coef:  # per token, unwhitened: its scale is the KL's (algos/distill.py)
+        k = distill.reverse_kl_tokens(batch.logp_mu_BS, scores.logp_teacher_BS, batch.mask_BS)
+        adv = adv + distill.distill_advantage(k, p.distill_coef)
+        metrics.update(distill.reverse_kl_figures(k, batch.mask_BS))
     if corr is not None:
         metrics.update({f"correction/{k}": v for k, v in corr.metrics.items()})
     return Targets(adv.float(), None if returns is None else returns.float(), values, logp_old,

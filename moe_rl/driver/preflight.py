@@ -34,7 +34,11 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     check_context_length(cfg, hf)
     if cfg.reward_model.path:  # placed like the policy: the same layout must fit it
         check_layout_fits_hf_config(cfg.parallel, check_reward_model_dir(cfg.reward_model.path))
+    for name, path in cfg.teacher.all.items() if cfg.teachers else ():  # placed like the policy too
+        check_layout_fits_hf_config(cfg.parallel, check_model_dir(path, teacher_field(name)))
     prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
+    if cfg.teachers:
+        check_rows_have_teachers(cfg, prompts)
     env, spec = cfg.environment, settings.env_spec(cfg)
     try_first_prompt(spec, prompts[0], f"the first row of {env.dataset}" if env.dataset else
                      f"the first prompt {env.name} generated")
@@ -44,6 +48,26 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     check_fits_locally(cfg)
     check_writable(out)
     return prompts, eval_prompts
+
+
+def teacher_field(name: str) -> str:
+    """The config field of teacher `name` ("": teacher.path)."""
+    return f"teacher.named.{name}" if name else "teacher.path"
+
+
+def check_rows_have_teachers(cfg: RunConfig, prompts: list[dict]) -> None:
+    """Every training row's teacher exists: the one its `teacher` field names (teacher.named), or
+    teacher.path for a row that names none. ConfigError naming the first row that has none."""
+    for i, row in enumerate(prompts):
+        name = str(row.get("teacher", ""))
+        if name not in cfg.teacher.all:
+            dataset = cfg.environment.dataset
+            where = f"row {i + 1} of {dataset}" if dataset else f"prompt {i + 1}"
+            raise ConfigError("teacher.named" if name else "teacher.path",
+                              f"{where} names teacher '{name}', which is not configured (named: "
+                              f"{sorted(cfg.teacher.named) or 'none'})" if name else
+                              f"{where} names no teacher and teacher.path is empty: give the row a `teacher` "
+                              f"field (one of {sorted(cfg.teacher.named)}) or set teacher.path")
 
 
 def check_resume_point(cfg: RunConfig, out: Path, resume_with_changes: bool) -> None:

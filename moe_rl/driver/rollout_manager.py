@@ -311,7 +311,8 @@ class Rollouts:
             raise RuntimeError(f"a synchronous rollout generated with weight versions "
                                f"{sorted({t.weight_version for t in trajs})}; every engine should hold "
                                f"version {self.version}: an engine missed a weight sync")
-        batch = build_batch(trajs, self.top_k if self.cfg.rollout.record_routes else None)
+        batch = build_batch(trajs, self.top_k if self.cfg.rollout.record_routes else None,
+                            list(self.cfg.teacher.all) if self.cfg.teachers else None)
         keep, stale = correction.staleness(batch.version_B, self.version,
                                            self.cfg.rollout.max_staleness if self.cfg.rollout.async_mode
                                            else None)

@@ -35,8 +35,14 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     # beside Ray's start raced this thread's imports (setuptools' sys.meta_path edits made the other miss a
     # module; a SIGINT inside an import lock here left the other waiting forever).
     path = model_path(cfg, out)
-    if cfg.reward_model.path:  # its tokenizer must be the policy's: checked before anything starts
-        check_same_tokens(path, cfg.reward_model.path)
+    # the reward model's and the teachers' tokenizers must be the policy's: checked before anything starts
+    from moe_rl.driver.preflight import teacher_field
+
+    others = {"reward_model.path": cfg.reward_model.path,
+              **{teacher_field(name): p for name, p in cfg.teacher.all.items() if cfg.teachers}}
+    for field, other in others.items():
+        if other:
+            check_same_tokens(path, other, field)
     phase("model")
     say("preparing the fused GAE kernel (compiled once per machine, then cached)")
     say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "
@@ -97,20 +103,21 @@ def threads(counts: list[int]) -> str:
     return "threads " + ", ".join(map(str, counts))
 
 
-def check_same_tokens(policy_path: str, reward_model_path: str) -> None:
-    """The reward model reads the policy's token ids: its tokenizer must be the policy's (the same
-    vocabulary, where it has one; else the same vocabulary size). CheckpointError otherwise."""
+def check_same_tokens(policy_path: str, other_path: str, field: str) -> None:
+    """A model that reads the policy's token ids (a reward model, a teacher: config `field`) must have
+    the policy's tokenizer (the same vocabulary, where it has one; else the same vocabulary size).
+    CheckpointError otherwise."""
     from transformers import AutoConfig, AutoTokenizer
 
     from moe_rl.weights.hf import CheckpointError
 
     try:
-        same = (AutoTokenizer.from_pretrained(reward_model_path).get_vocab()
+        same = (AutoTokenizer.from_pretrained(other_path).get_vocab()
                 == AutoTokenizer.from_pretrained(policy_path).get_vocab())
-    # no tokenizer beside the reward model: its embedding table must fit at least
+    # no tokenizer beside the other model: its embedding table must fit at least
     except (OSError, ValueError):
-        same = (AutoConfig.from_pretrained(reward_model_path).vocab_size
+        same = (AutoConfig.from_pretrained(other_path).vocab_size
                 == AutoConfig.from_pretrained(policy_path).vocab_size)
     if not same:
-        raise CheckpointError(f"reward_model.path: '{reward_model_path}' has another tokenizer than the "
-                              f"policy's ({policy_path}); it would score token ids it does not know")
+        raise CheckpointError(f"{field}: '{other_path}' has another tokenizer than the policy's "
+                              f"({policy_path}); it would score token ids it does not know")

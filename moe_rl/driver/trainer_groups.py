@@ -317,6 +317,12 @@ class Models:
                                              settings.optim_settings(cfg, cfg.critic.lr),
                 cfg.run.seed + 3, value_head_from=rm, trains=False)
 
+        # distillation: frozen, scoring the student's tokens with their own routing (R3 is the student's)
+        self.teachers = {slot: TrainerGroup(cfg, place, slot, dataclasses.replace(
+            settings.model_spec(cfg, path), routing_replay=False), "policy",
+            settings.optim_settings(cfg, cfg.trainer.lr), cfg.run.seed + 4, trains=False)
+            for slot, path in cfg.teachers.items()}
+
     def started(self) -> None:
         """Wait for every group's ranks (they start side by side, and beside the engines unless those
         start first: placement.engines_first)."""
@@ -325,7 +331,7 @@ class Models:
 
     def groups(self) -> dict[str, TrainerGroup]:
         return {k: g for k, g in {"policy": self.policy, "critic": self.critic, "reference": self.reference,
-                                  "reward_model": self.reward_model}.items() if g}
+                                  "reward_model": self.reward_model, **self.teachers}.items() if g}
 
     def score(self, batch: Batch, diagnostics: bool) -> Scores:
         """Forward passes over `batch`, each data-parallel replica on its shard: the policy (unless the
@@ -342,11 +348,29 @@ class Models:
             scores.logp_ref_BS = self.reference.score(batch.model_inputs()).logp_BS
         if self.critic:
             scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False)).critic_out_BS
+        if self.teachers:
+            scores.logp_teacher_BS, scores.teacher_seconds = self.score_teachers(batch)
         if self.reward_model:  # each episode at its last token
             values = self.reward_model.score(batch.model_inputs(routes=False)).critic_out_BS
             # the output at position length - 1
             scores.reward_model_B = boundary_values(values, batch.lengths_B)
         return scores
+
+    def score_teachers(self, batch: Batch) -> tuple[torch.Tensor, float]:
+        """Each row's log-probs under its teacher (batch.teacher_B; routing freely), [B, S], and the
+        seconds the teachers took. A teacher scores only its rows (all rows when they are fewer than its
+        data-parallel replicas)."""
+        t0 = time.perf_counter()
+        inputs = batch.model_inputs(routes=False)
+        out = torch.zeros(batch.input_ids_BS.shape)
+        for i, group in enumerate(self.teachers.values()):
+            rows = (batch.teacher_B == i).nonzero().squeeze(1)
+            if len(rows) == batch.size or 0 < len(rows) < group.dp:
+                out[rows] = group.score(inputs).logp_BS[rows]
+            elif len(rows):
+                logp = group.score(inputs.rows(rows)).logp_BS
+                out[rows, :logp.shape[1]] = logp
+        return out, time.perf_counter() - t0
 
     def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
         """The critic's update, then (past critic.warmup_steps) the policy's; their figures and the
@@ -361,9 +385,10 @@ class Models:
         if step >= self.cfg.critic.warmup_steps:
             figures, logp = self.policy.fit(batch, t, step)
             out |= figures
-        for role in ("reference", "reward_model"):  # they only score: their memory is asked for (the others
-            if getattr(self, role):                 # report theirs with each update)
-                out |= role_figures(role, getattr(self, role).call("memory"))
+        scoring_only = {"reference": self.reference, "reward_model": self.reward_model, **self.teachers}
+        for role, group in scoring_only.items():  # their memory is asked for (the others report theirs
+            if group:                             # with each update)
+                out |= role_figures(role, group.call("memory"))
         tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
         out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
         return out, logp

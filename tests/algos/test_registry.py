@@ -26,6 +26,7 @@ EXPECTED = {
         "grpo": AdvantageMeta(min_group_size=2, params=frozenset({"eps"})),  # std guard eps
         "drgrpo": AdvantageMeta(min_group_size=2),
         "reinforce_pp_baseline": AdvantageMeta(min_group_size=2),
+        "none": AdvantageMeta(reads_reward=False),  # A = 0: distillation's signal alone
     },
     "correction": {
         "none": CorrectionMeta(reads_behaviour=False),

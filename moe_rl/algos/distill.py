@@ -1,0 +1,51 @@
+"""On-policy distillation: a teacher scores the student's own sampled tokens, and the per-token reverse
+KL is the student's learning signal. Pure tensor math.
+
+For a sampled token x_t of the student's rollout (behaviour policy mu, the engine's log-probs), the
+single-sample estimate of the reverse KL KL(mu || pi_teacher) at that position is
+
+    k_t = log mu(x_t | s_t) - log pi_teacher(x_t | s_t)                                  (1)
+
+and its expectation over x_t ~ mu is the exact reverse KL of the two next-token distributions. Used as a
+per-token advantage, negated and scaled,
+
+    A_t = A_t^task + c * (-k_t)          (c: algorithm.distill_coef; A^task = 0 with advantage=none)   (2)
+
+in the policy-gradient loss, it raises the tokens the teacher likes more than the student and lowers
+the others, with no baseline (k_t is already centred on the teacher) and no discounting (each token is
+scored where it was sampled). Everything the loss does to an advantage applies unchanged: the ratio,
+the clip, TIS / IcePop weights and the trust masks, so asynchronous and off-policy corrections hold.
+The student side of (1) is mu, the policy that sampled x_t: that is what makes (1) an unbiased
+estimate of the sampling policy's reverse KL (with R3 and fp32 it equals the trainer's pi_old to
+~1e-7; the README's R3 parity). This is the sampled-token estimator: it needs only the teacher's
+log-prob of each sampled token, so teacher and student may differ in size, architecture and layout as
+long as they share the tokenizer.
+
+Shapes: [B, T]; mask_BT is bool (model tokens); every output is 0 off the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reverse_kl_tokens(logp_student_BT: torch.Tensor, logp_teacher_BT: torch.Tensor,
+                      mask_BT: torch.Tensor) -> torch.Tensor:
+    """k_t of Eq. (1) on model tokens, 0 elsewhere: [B, T] float32."""
+    k = logp_student_BT.float() - logp_teacher_BT.float()
+    return torch.where(mask_BT, k, torch.zeros_like(k))
+
+
+def distill_advantage(k_BT: torch.Tensor, coef: float) -> torch.Tensor:
+    """The distillation term of Eq. (2), -c * k_t, from reverse_kl_tokens' k_BT: [B, T] float32."""
+    return -coef * k_BT
+
+
+def reverse_kl_figures(k_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token reverse-KL estimates' mean and 95th percentile over the model tokens (0 with none):
+    distill/reverse_kl_mean, distill/reverse_kl_p95."""
+    k = k_BT[mask_BT].double()
+    if k.numel() == 0:
+        return {"distill/reverse_kl_mean": torch.zeros((), dtype=torch.float64),
+                "distill/reverse_kl_p95": torch.zeros((), dtype=torch.float64)}
+    return {"distill/reverse_kl_mean": k.mean(), "distill/reverse_kl_p95": torch.quantile(k, 0.95)}
