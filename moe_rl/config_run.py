@@ -155,20 +155,23 @@ class ParallelSection:
             raise ConfigError(f"parallel.{problem[0]}", problem[1])
 
 
-def layout_problem(world_size: int, tp: int, pp: int, cp: int, ep: int) -> tuple[str, str] | None:
+def layout_problem(world_size: int, tp: int, pp: int, cp: int, ep: int,
+                   etp: int | None = None) -> tuple[str, str] | None:
     """Why `world_size` trainer ranks cannot take a layout, as (the setting at fault, why), or None:
-    tp*pp*cp must divide the ranks (dp is what remains), and ep must divide dp*cp*tp (megatron-core folds
-    expert parallelism into the dp*cp*tp ranks of one pipeline stage). The config's check and the
-    trainer's (train.parallel.Layout.check) alike.
+    tp*pp*cp must divide the ranks (dp is what remains), and ep*etp must divide dp*cp*tp (megatron-core
+    folds expert parallelism, times expert tensor parallelism etp, into the dp*cp*tp ranks of one
+    pipeline stage; etp is tp unless given, megatron's default and the config's). The config's check and
+    the trainer's (train.parallel.Layout.check) alike.
 
         layout_problem(8, 2, 1, 1, 4) is None
-        layout_problem(6, 4, 1, 1, 1) == ("world_size", "6 is not a multiple of tp*pp*cp=4")"""
+        layout_problem(6, 4, 1, 1, 1) == ("world_size", "6 is not a multiple of tp*pp*cp=4")
+        layout_problem(2, 2, 1, 1, 2) == ("ep", "2 x expert tensor parallelism 2 must divide dp*cp*tp=2")"""
     model = tp * pp * cp
     if world_size % model:
         return "world_size", f"{world_size} is not a multiple of tp*pp*cp={model}"
-    fold = world_size // model * cp * tp
-    if fold % ep:
-        return "ep", f"{ep} must divide dp*cp*tp={fold}"
+    fold, etp = world_size // model * cp * tp, tp if etp is None else etp
+    if fold % (ep * etp):
+        return "ep", f"{ep} x expert tensor parallelism {etp} must divide dp*cp*tp={fold}"
     return None
 
 

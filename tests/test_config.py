@@ -205,6 +205,10 @@ def test_resume_accepts_keywords_and_paths():
     (["rollout.async_mode=true", "rollout.async_depth=3", "rollout.max_staleness=2"],
      "rollout.async_depth: 3 with rollout.max_staleness=2: the deepest rollout's samples are 3 versions old"),
     (["rollout.async_mode=true", "rollout.async_depth=0"], "rollout.async_depth: 0 must be a positive"),
+    # megatron splits each expert over tp ranks too (expert tensor parallelism = tp): ep * tp must divide
+    # dp*cp*tp; 2 ranks of tp 2 hold no room for ep 2 (megatron's initialize_model_parallel refuses it)
+    (["parallel.tp=2", "parallel.ep=2", "parallel.world_size=2"],
+     "parallel.ep: 2 x expert tensor parallelism 2 must divide dp*cp*tp=2"),
     (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"],
      "algorithm.aggregation: 'token_mean'"),
     (["algorithm.policy_loss=gmpo"], "algorithm.aggregation: 'token_mean'"),

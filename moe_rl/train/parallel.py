@@ -35,7 +35,7 @@ class Layout:
         (config_run.layout_problem, the rule the config checks too)."""
         from moe_rl.config_run import layout_problem
 
-        problem = layout_problem(world_size, self.tp, self.pp, self.cp, self.ep)
+        problem = layout_problem(world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
         if problem:
             raise ValueError(f"{problem[0]}: {problem[1]}")
         if self.etp is not None and self.etp < self.tp and self.ep == 1:
