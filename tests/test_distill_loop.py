@@ -54,8 +54,8 @@ def test_each_rows_teacher_scores_the_students_tokens_as_transformers_does(tmp_p
 
     big, small = teachers(tmp_path)
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"secret": 1 + i % 9, **({"teacher": "small"} if i % 2 else {})}) + "\n"
-                            for i in range(16)))
+    named = [{"teacher": "small"} if i % 2 else {} for i in range(16)]
+    rows.write_text("".join(json.dumps({"secret": 1 + i % 9, **n}) + "\n" for i, n in enumerate(named)))
     out = tmp_path / "run"
     run_train(out, *STUDENT_ONLY, f"environment.dataset={rows}", f"teacher.path={big}",
               f"teacher.named={{small: {small}}}", "rollout.async_mode=true", "run.steps=2",
