@@ -2,13 +2,20 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test test-quick bench
+.PHONY: setup quickstart distill-quickstart test test-quick bench
 
 setup:
 	@bash tools/setup_env.sh
 
 quickstart: setup
 	$(VENV)/bin/moe-rl train configs/quickstart.yaml
+
+# on-policy distillation from the quickstart's trained policy (trained and exported first where missing)
+TEACHER = runs/quickstart/teacher_hf
+distill-quickstart: setup
+	@test -f $(TEACHER)/config.json || { $(VENV)/bin/moe-rl train configs/quickstart.yaml && \
+	  $(VENV)/bin/moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000480/policy $(TEACHER); }
+	$(VENV)/bin/moe-rl train configs/distill_quickstart.yaml
 
 test: setup
 	@bash tools/setup_slurm.sh

@@ -125,3 +125,29 @@ def test_check_config_assume_cuda_sizes_the_run():
                                               r"GiB \(90% of 0.5 GiB",
                                               small.stderr), small.stderr
     assert len(small.stderr.strip().splitlines()) == 1
+
+
+def test_a_teacher_is_counted_with_its_own_shape_and_no_training_state(tmp_path):
+    """Distillation teachers are scoring roles: their GPUs (placed like the policy) and their weights at
+    their own shape (here: Qwen3-30B-A3B's config teaching a student of the recipe's layout), the
+    scoring-only logits, and no gradients, optimizer state or activations."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml",
+                      ["algorithm.distill_coef=1", f"teacher.named={{big: {teacher}}}"], cuda_available=True)
+    alone = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", cuda_available=True)
+    # separate placement (the recipe's): GPUs of their own, as many as the policy's
+    assert cfg.actors["teacher_big"] == cfg.parallel.world_size
+    assert not cfg.cluster.colocate and cfg.gpus == alone.gpus + cfg.parallel.world_size
+    small = dict(QWEN3_30B_A3B, num_hidden_layers=24)  # the student: half the layers
+    plan = make_plan(cfg, small)
+    roles = {r.role: r for r in plan.roles}
+    student, big = roles["policy"].per_gpu, roles["teacher_big"]
+    assert big.gpus == cfg.parallel.world_size
+    assert set(big.per_gpu) == {"weights", "logits"}
+    # the teacher's 48 layers against the student's 24: twice the layer weights on its busiest stage
+    s, t = ModelShape.from_hf(small), ModelShape.from_hf(QWEN3_30B_A3B)
+    layers = (t.attention + t.moe_shared) / 2 + 128 * t.expert / 16  # per layer: tp 2, ep 8 x etp 2
+    assert big.per_gpu["weights"] - student["weights"] == pytest.approx(12 * layers * 2)  # 24 vs 12, bf16
+    assert big.per_gpu["logits"] == pytest.approx(16384 * s.vocab / 2 * (2 + 12))  # scoring: model + 12 bytes

@@ -49,7 +49,8 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
         f"({time.perf_counter() - t:.1f} s)")
     phase("GAE kernel")
     say(f"{'on the Ray this process started' if ray.is_initialized() else 'starting Ray'}, "
-        f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''} and "
+        f"{cfg.parallel.world_size} policy rank(s){' + critic' if cfg.critic_enabled else ''}"
+        f"{f' + {len(cfg.teachers)} teacher(s)' if cfg.teachers else ''} and "
         f"{cfg.rollout.num_engines} vLLM engine(s)")
     session.start_ray(cfg)
     phase("Ray")

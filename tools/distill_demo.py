@@ -1,0 +1,108 @@
+"""On-policy distillation vs RL on the quickstart's task, side by side: the same student (the quickstart's
+tiny policy after its warm start), the same steps and samples per step; distillation alone, RL alone and
+both; per seed, the held-out success every eval_every steps and the per-token reverse KL to the teacher.
+
+    .venv/bin/python tools/distill_demo.py                          # teacher = the quickstart, trained here
+    .venv/bin/python tools/distill_demo.py --teacher runs/quickstart/teacher_hf --seeds 1
+    .venv/bin/python tools/distill_demo.py --larger-teacher         # a teacher of another shape
+
+The teacher: `moe-rl train configs/quickstart.yaml` (480 steps; --larger-teacher: hidden 96 and 8 experts
+instead of 64 and 4), its last checkpoint exported to Hugging Face format (`moe-rl convert mcore-to-hf`),
+unless --teacher names one. Its held-out success is measured by the same evaluation (summary.json). The
+students: configs/distill_quickstart.yaml (distill: the teacher's signal alone), the same with
+algorithm.advantage=gae and the quickstart's critic (both), and configs/quickstart.yaml (rl), each for
+--steps steps. Runs go one after another (tools/quickstart_sweep.run_one); prints a markdown table and one
+JSON line with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quickstart_sweep import CONFIG, ROOT, run_one  # noqa: E402
+
+DISTILL = ROOT / "configs" / "distill_quickstart.yaml"
+CRITIC = ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=3.0e-3", "critic.value_clip=0.5"]
+MODES = {"distill": (DISTILL, []), "both": (DISTILL, CRITIC), "rl": (CONFIG, [])}
+LARGER = ["model.tiny.hidden_size=96", "model.tiny.num_experts=8"]
+
+
+def train_teacher(out: Path, larger: bool) -> tuple[Path, float]:
+    """The quickstart trained (480 steps) and exported to out/teacher_hf; its held-out success after."""
+    name = "teacher_larger" if larger else "teacher"
+    row = run_one(CONFIG, name, LARGER if larger else [], 1234, out)
+    if row["rc"]:
+        raise SystemExit(f"the teacher's run failed: {row['error']}")
+    run_dir = out / name / "seed_1234"
+    hf = out / name / "hf"
+    if not (hf / "config.json").is_file():
+        subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "convert", "mcore-to-hf",
+                        str(run_dir / "checkpoints" / f"step_{row['steps']:06d}" / "policy"), str(hf)],
+                       check=True, cwd=ROOT)
+    return hf, row["success_after"]
+
+
+def kl_by_step(run_dir: Path) -> list[float]:
+    hist = torch.load(run_dir / "history.pt", weights_only=False)
+    return [h["distill/reverse_kl_mean"] for h in hist if "distill/reverse_kl_mean" in h]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--teacher", type=Path, help="a Hugging Face checkpoint; default: train the quickstart")
+    p.add_argument("--teacher-success", type=float, help="its held-out success, with --teacher")
+    p.add_argument("--larger-teacher", action="store_true", help="train a teacher of hidden 96, 8 experts")
+    p.add_argument("--mode", action="append", choices=sorted(MODES), help="repeatable; default: all")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "distill_demo")
+    args = p.parse_args(argv)
+    if args.teacher:
+        teacher, teacher_success = args.teacher.resolve(), args.teacher_success
+    else:
+        print("training the teacher (the quickstart) ...", flush=True)
+        teacher, teacher_success = train_teacher(args.out, args.larger_teacher)
+    print(f"teacher: {teacher} (held-out success {teacher_success})", flush=True)
+    common = [f"run.steps={args.steps}", f"trainer.eval_every={args.eval_every}"]
+    rows = []
+    runs = [(m, s) for m in args.mode or list(MODES) for s in args.seeds]
+    for i, (mode, seed) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] {mode}, seed {seed} ...", flush=True)
+        config, extra = MODES[mode]
+        overrides = common + extra + ([f"teacher.path={teacher}"] if config == DISTILL else [])
+        row = run_one(config, mode, overrides, seed, args.out)
+        if row["rc"] == 0:
+            row["reverse_kl_by_step"] = kl_by_step(args.out / mode / f"seed_{seed}")
+        rows.append(row)
+        print(f"    exit {row['rc']}, {row['wall_s']:.0f} s", flush=True)
+    target = 0.9 * teacher_success if teacher_success else None
+    print(f"teacher held-out success: {teacher_success}")
+    print("| mode | seed | held-out success by step | first step at >= 90% of the teacher's | reverse KL per "
+          "token, first -> last 10 steps |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r["rc"]:
+            print(f"| {r['variant']} | {r['seed']} | failed (exit {r['rc']}) | | |")
+            continue
+        by_step = sorted(r["success_by_step"].items(), key=lambda kv: int(kv[0]))
+        success = ", ".join(f"{v:.3f}" for _, v in by_step)
+        reached = next((int(k) for k, v in by_step if target is not None and v >= target), None)
+        kl = r["reverse_kl_by_step"]
+        kls = f"{statistics.mean(kl[:10]):.3f} -> {statistics.mean(kl[-10:]):.3f}" if kl else "-"
+        print(f"| {r['variant']} | {r['seed']} | {success} | {reached if reached is not None else 'not'} "
+              f"| {kls} |")
+    print(json.dumps({"teacher": str(teacher), "teacher_success": teacher_success, "runs": rows}))
+    return 1 if any(r["rc"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
