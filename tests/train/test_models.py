@@ -12,6 +12,7 @@ from train_jobs import (
     hf_roundtrip_job,
     layout_job,
     reward_model_job,
+    teacher_job,
 )
 
 from moe_rl.train.launch_local import run_ranks
@@ -131,3 +132,24 @@ def test_reward_model_scores_equal_transformers(tmp_path):
     torch.testing.assert_close(one, ref, atol=1e-5, rtol=0)
     for scores in run_ranks(reward_model_job, 2, (str(rm), {"tp": 2})):
         torch.testing.assert_close(scores, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"ep": 2}], ids=["one rank", "tp2", "ep2"])
+def test_a_teacher_of_another_shape_scores_as_transformers_in_each_layout(tmp_path_factory, layout):
+    """Distillation's teacher role (hidden 96, 8 experts: not the policy's shape) on one rank, TP2 and EP2
+    equals transformers' log-probs of the same tokens (fp32, <= 1e-5), hence each layout the one rank."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("teacher"),
+                                 TinyModel(hidden_size=96, num_experts=8), seed=5)
+    ids, lengths, _, _ = batch_tensors()
+    valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
+    with torch.no_grad():
+        lp = torch.log_softmax(AutoModelForCausalLM.from_pretrained(path)(ids).logits.float(), -1)
+    ref = torch.zeros(B, S)
+    ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    for logp in run_ranks(teacher_job, 2 if layout else 1, (str(path), layout)):
+        torch.testing.assert_close(logp * valid, ref * valid, atol=1e-5, rtol=0)

@@ -340,3 +340,15 @@ def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
     params = [p.detach().clone() for p in w.module.parameters()]
     return {"step": step, "scored": logp[rows], "params": params, "fields": loss.fields,
             "moved": sum(not torch.equal(a, p) for a, p in zip(before, params, strict=True))}
+
+
+def teacher_job(rank, world, hf_path, layout):
+    """A distillation teacher as the run builds one (trainer_groups.Models: role policy, no replay, scoring
+    only): its log-probs of batch_tensors' rows, routing freely."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path, routing_replay=False), optim=optim_settings(1e-3), trains=False)
+    ids, lengths, _, _ = batch_tensors()
+    return w.score(Batch(ids, lengths)).logp_BS
