@@ -109,6 +109,13 @@ class RunConfig:
         return {("teacher_" + name if name else "teacher"): path for name, path in self.teacher.all.items()}
 
     @property
+    def teacher_parallel(self) -> ParallelSection:
+        """The teachers' layout: parallel.* where teacher.tp / pp / ep are not set, over the same ranks."""
+        t = self.teacher
+        return dataclasses.replace(self.parallel, **{k: getattr(t, k) for k in ("tp", "pp", "ep")
+                                                      if getattr(t, k) is not None})
+
+    @property
     def uses_reference(self) -> bool:
         """A KL term (in the reward or the loss) reads the reference policy."""
         return bool(self.algorithm.kl_loss_coef or self.algorithm.kl_reward_coef)

@@ -205,6 +205,15 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if a.distill_coef and not cfg.teacher.all:
         raise ConfigError("algorithm.distill_coef", f"{a.distill_coef} needs a teacher to distil from: set "
                           "teacher.path (or teacher.named)")
+    if cfg.teachers:
+        from moe_rl.config_run import layout_problem
+
+        t = cfg.teacher_parallel
+        problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep)
+        if problem:
+            at = problem[0] if problem[0] != "world_size" else "tp"
+            raise ConfigError(f"teacher.{at}", f"the teachers' layout over parallel.world_size="
+                              f"{t.world_size} ranks: {problem[1]}")
     if not _meta("advantage", a.advantage).reads_reward and not a.distill_coef:
         raise ConfigError("algorithm.advantage", f"'{a.advantage}' uses no reward: it needs a teacher's "
                           "signal (algorithm.distill_coef > 0 and teacher.path)")
@@ -281,7 +290,7 @@ SWITCHES = (
     Switch("reward_model.path", lambda c: bool(c.reward_model.path),
            ("reward_model.weight", "reward_model.rule_weight")),
     Switch("algorithm.distill_coef > 0", lambda c: c.algorithm.distill_coef > 0,
-           ("teacher.path", "teacher.named")),
+           ("teacher.path", "teacher.named", "teacher.tp", "teacher.pp", "teacher.ep", "teacher.dtype")),
 )
 
 

@@ -42,6 +42,7 @@ memory is USABLE of that (CUDA context, NCCL buffers and allocator fragmentation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -269,8 +270,10 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     shapes = {role: ModelShape.from_hf(json.loads((Path(path) / "config.json").read_text()))
               for role, path in own.items() if path and (Path(path) / "config.json").is_file()}
     for role in ("policy", "critic", "reference", "reward_model", *cfg.teachers):
-        if actors[role]:
-            roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), cfg, role)))
+        if actors[role]:  # the teachers in their own layout and dtype
+            own = dataclasses.replace(cfg, parallel=cfg.teacher_parallel, model=dataclasses.replace(
+                cfg.model, dtype=cfg.teacher.dtype or cfg.model.dtype)) if role in cfg.teachers else cfg
+            roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), own, role)))
     engine, kv_tokens = engine_memory(shape, cfg, gpu)
     engines = RolePlan("engine", actors["engine"] * cfg.rollout.engine_tp, engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} "

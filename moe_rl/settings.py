@@ -16,6 +16,15 @@ def model_spec(cfg: RunConfig, hf_path: str):
                      moe_z_loss_coeff=m.moe_z_loss_coeff)
 
 
+def teacher_spec(cfg: RunConfig, hf_path: str):
+    """A distillation teacher's model: routing freely (R3 replays the student's routes), in teacher.dtype
+    where set."""
+    import dataclasses
+
+    return dataclasses.replace(model_spec(cfg, hf_path), routing_replay=False,
+                               dtype=cfg.teacher.dtype or cfg.model.dtype)
+
+
 def optim_settings(cfg: RunConfig, lr: float):
     from moe_rl.train.worker import OptimSettings
 

@@ -209,6 +209,12 @@ def test_resume_accepts_keywords_and_paths():
     # dp*cp*tp; 2 ranks of tp 2 hold no room for ep 2 (megatron's initialize_model_parallel refuses it)
     (["parallel.tp=2", "parallel.ep=2", "parallel.world_size=2"],
      "parallel.ep: 2 x expert tensor parallelism 2 must divide dp*cp*tp=2"),
+    (["algorithm.distill_coef=1", "teacher.path=/t", "parallel.world_size=2", "teacher.tp=4"],
+     "teacher.tp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of tp*pp*cp=4"),
+    (["algorithm.distill_coef=1"], "algorithm.distill_coef: 1.0 needs a teacher to distil from"),
+    (["algorithm.advantage=none", "critic.lr=1e-5"], "algorithm.advantage: 'none' uses no reward"),
+    (["algorithm.distill_coef=1", "teacher.named={'a b': /t}"],
+     "teacher.named.a b: '/t': a teacher needs a name"),
     (["algorithm.policy_loss=gspo", "algorithm.aggregation=token_mean"],
      "algorithm.aggregation: 'token_mean'"),
     (["algorithm.policy_loss=gmpo"], "algorithm.aggregation: 'token_mean'"),

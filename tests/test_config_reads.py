@@ -49,7 +49,8 @@ SWITCH_CASES = {
 OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_attention_heads": 4,
          "model.tiny.num_key_value_heads": 1,
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
-         "teacher.named": "{big: /teachers/big}"}
+         "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
+         "teacher.dtype": "bfloat16"}
 
 
 def field_type(path: str):

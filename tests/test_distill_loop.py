@@ -46,10 +46,11 @@ def hf_logprobs(path, token_ids: list[int]) -> torch.Tensor:
 
 def test_each_rows_teacher_scores_the_students_tokens_as_transformers_does(tmp_path):
     """Rows alternate between the default teacher (teacher.path: 'big') and a named one (their `teacher`
-    field: 'small'); trainer layout DP2 x EP2 (the teachers in it too). The asynchronous step-1
-    checkpoint keeps the rollout step 1 trains on: its per-token reverse-KL figures (mean and p95 of
-    log mu - log pi_teacher over the model tokens) equal those of each row's teacher run by transformers
-    on the same tokens (fp32, <= 1e-5), and the teachers' memory and time are reported."""
+    field: 'small'); the student in DP2 x EP2, the teachers in a layout of their own, TP2. The
+    asynchronous step-1 checkpoint keeps the rollout step 1 trains on: its per-token reverse-KL figures
+    (mean and p95 of log mu - log pi_teacher over the model tokens) equal those of each row's teacher
+    run by transformers on the same tokens (fp32, <= 1e-5), and the teachers' memory and time are
+    reported."""
     from moe_rl.driver.run_checkpoints import read_in_flight
 
     big, small = teachers(tmp_path)
@@ -59,7 +60,7 @@ def test_each_rows_teacher_scores_the_students_tokens_as_transformers_does(tmp_p
     out = tmp_path / "run"
     run_train(out, *STUDENT_ONLY, f"environment.dataset={rows}", f"teacher.path={big}",
               f"teacher.named={{small: {small}}}", "rollout.async_mode=true", "run.steps=2",
-              "parallel.ep=2", "parallel.world_size=2")
+              "parallel.ep=2", "parallel.world_size=2", "teacher.tp=2", "teacher.ep=1")
     hist = torch.load(out / "history.pt", weights_only=False)
     kept = [t for ts, _ in read_in_flight(out / "checkpoints" / "step_000001")[0].results for t in ts]
     assert {t.info.get("teacher") for t in kept} == {None, "small"}

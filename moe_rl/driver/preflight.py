@@ -34,8 +34,13 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     check_context_length(cfg, hf)
     if cfg.reward_model.path:  # placed like the policy: the same layout must fit it
         check_layout_fits_hf_config(cfg.parallel, check_reward_model_dir(cfg.reward_model.path))
-    for name, path in cfg.teacher.all.items() if cfg.teachers else ():  # placed like the policy too
-        check_layout_fits_hf_config(cfg.parallel, check_model_dir(path, teacher_field(name)))
+    for name, path in cfg.teacher.all.items() if cfg.teachers else ():  # in the teachers' own layout
+        hf_teacher = check_model_dir(path, teacher_field(name))
+        try:
+            check_layout_fits_hf_config(cfg.teacher_parallel, hf_teacher)
+        except ConfigError as err:  # parallel.X names the run's layout; the teachers' is teacher.X
+            raise ConfigError(teacher_field(name), f"'{path}' does not fit the teachers' layout (teacher.tp/"
+                              f"pp/ep, else parallel.*): {str(err).replace('parallel.', '')}") from None
     prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
     if cfg.teachers:
         check_rows_have_teachers(cfg, prompts)

@@ -34,10 +34,13 @@ class TrainerGroup:
     Its actors start in the background (beside the other groups' and the engines'): `started` waits."""
 
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
-                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True):
+                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True,
+                 par=None):
+        """`par`: the group's layout (a ParallelSection over parallel.world_size ranks; default
+        cfg.parallel)."""
         from moe_rl.train.parallel import Layout
 
-        par = cfg.parallel
+        par = par or cfg.parallel
         layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
         world = par.world_size
         addr, port = place.address(slot)
@@ -318,10 +321,10 @@ class Models:
                 cfg.run.seed + 3, value_head_from=rm, trains=False)
 
         # distillation: frozen, scoring the student's tokens with their own routing (R3 is the student's)
-        self.teachers = {slot: TrainerGroup(cfg, place, slot, dataclasses.replace(
-            settings.model_spec(cfg, path), routing_replay=False), "policy",
-            settings.optim_settings(cfg, cfg.trainer.lr), cfg.run.seed + 4, trains=False)
-            for slot, path in cfg.teachers.items()}
+        self.teachers = {slot: TrainerGroup(cfg, place, slot, settings.teacher_spec(cfg, path), "policy",
+                                            settings.optim_settings(cfg, cfg.trainer.lr), cfg.run.seed + 4,
+                                            trains=False, par=cfg.teacher_parallel)
+                         for slot, path in cfg.teachers.items()}
 
     def started(self) -> None:
         """Wait for every group's ranks (they start side by side, and beside the engines unless those
