@@ -333,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("plan", **fmt, help="will a config fit its GPU cluster? memory per role and GPU",
                        description="Size a run from its config and the model's Hugging Face config alone (no "
-                       "weights): GPUs per role (policy, critic, reference, engines), per-GPU memory "
-                       "(weights, gradients, optimizer state, activations, engine KV cache), the host memory "
+                       "weights): GPUs per role (policy, critic, reference, reward model, teachers, "
+                       "engines), per-GPU memory (weights, gradients, optimizer state, activations, engine "
+                       "KV cache), the host memory "
                        "of one step's routes and the bytes of one weight sync. Exit 2, one line per problem, "
                        "if it cannot fit.")
     n.add_argument("config", help="YAML config file")

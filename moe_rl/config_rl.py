@@ -402,8 +402,9 @@ class RewardModelSection:
 class TeacherSection:
     """On-policy distillation's teachers: frozen models that score the student's sampled tokens (their
     log-probs, routing freely: R3 stays the student's), on as many ranks as the policy (beside its ranks
-    when colocated), in a layout and dtype of their own where set. Any size or architecture, with the
-    policy's tokenizer."""
+    when colocated), in a layout and dtype of their own where set (FP8 and recomputation as model.*).
+    Any size, an architecture this project trains (mixtral, qwen2_moe, qwen3_moe), the policy's
+    tokenizer."""
 
     path: str = ""
     """a Hugging Face causal-LM checkpoint: the teacher of every row (of the rows naming none, with

@@ -211,12 +211,20 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         t = cfg.teacher_parallel
         problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep)
         if problem:
-            at = problem[0] if problem[0] != "world_size" else "tp"
+            at = problem[0] if problem[0] != "world_size" else "tp/pp"
             raise ConfigError(f"teacher.{at}", f"the teachers' layout over parallel.world_size="
                               f"{t.world_size} ranks: {problem[1]}")
-    if not _meta("advantage", a.advantage).reads_reward and not a.distill_coef:
-        raise ConfigError("algorithm.advantage", f"'{a.advantage}' uses no reward: it needs a teacher's "
-                          "signal (algorithm.distill_coef > 0 and teacher.path)")
+    if not _meta("advantage", a.advantage).reads_reward:
+        if not a.distill_coef:
+            raise ConfigError("algorithm.advantage", f"'{a.advantage}' uses no reward: it needs a teacher's "
+                              "signal (algorithm.distill_coef > 0 and teacher.path)")
+        # what shapes, scores or filters by the reward has no effect then
+        for path, on in (("algorithm.kl_reward_coef", a.kl_reward_coef), ("algorithm.overlong_buffer",
+                         a.overlong_buffer), ("reward_model.path", cfg.reward_model.path),
+                         ("environment.dynamic_sampling", cfg.environment.dynamic_sampling)):
+            if on:
+                raise ConfigError(path, f"{on!r} acts on the reward, which algorithm.advantage="
+                                  f"'{a.advantage}' does not use")
 
     check_settings_are_read(cfg)
 

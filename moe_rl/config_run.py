@@ -126,8 +126,8 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """The trainers' parallel layout (megatron-core): each model (policy, critic, reference, reward model) has
-    world_size ranks, tp*pp*cp*dp."""
+    """The trainers' parallel layout (megatron-core): each model (policy, critic, reference, reward model,
+    teachers) has world_size ranks, tp*pp*cp*dp (the teachers' tp, pp and ep may be their own: teacher.*)."""
 
     tp: int = 1
     """Tensor-parallel ranks of each trainer model (sequence parallelism is on with it where tp > 1)."""

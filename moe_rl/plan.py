@@ -266,9 +266,9 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     problems: list[str] = []
     roles = []
     # a reward model and each teacher have their own shape, where their config is here
-    own = {"reward_model": cfg.reward_model.path, **cfg.teachers}
+    paths = {"reward_model": cfg.reward_model.path, **cfg.teachers}
     shapes = {role: ModelShape.from_hf(json.loads((Path(path) / "config.json").read_text()))
-              for role, path in own.items() if path and (Path(path) / "config.json").is_file()}
+              for role, path in paths.items() if path and (Path(path) / "config.json").is_file()}
     for role in ("policy", "critic", "reference", "reward_model", *cfg.teachers):
         if actors[role]:  # the teachers in their own layout and dtype
             own = dataclasses.replace(cfg, parallel=cfg.teacher_parallel, model=dataclasses.replace(
@@ -300,9 +300,11 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     if cfg.rollout.engine_tp > cluster.gpus_per_node:
         problems.append(f"rollout.engine_tp={cfg.rollout.engine_tp} spans nodes ({cluster.gpus_per_node} "
                         "GPUs per node): an engine's workers share one node")
-    if cfg.parallel.tp > cluster.gpus_per_node:
-        problems.append(f"parallel.tp={cfg.parallel.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): "
-                        "tensor parallelism needs one node's links")
+    for setting, tp in (("parallel.tp", cfg.parallel.tp),
+                        *((("teacher.tp", cfg.teacher_parallel.tp),) if cfg.teachers else ())):
+        if tp > cluster.gpus_per_node:
+            problems.append(f"{setting}={tp} spans nodes ({cluster.gpus_per_node} GPUs per node): tensor "
+                            "parallelism needs one node's links")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
@@ -321,10 +323,11 @@ def render(plan: Plan) -> str:
              f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
              f"cluster: {plan.gpus} GPUs on {plan.nodes} node(s) of "
              f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GiB"]
+    width = max(9, *(len(r.role) for r in plan.roles))
     for r in plan.roles:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())
-        lines.append(f"{r.role:<9} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")
-        lines += [f"{'':<9} {n}" for n in r.notes]
+        lines.append(f"{r.role:<{width}} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")
+        lines += [f"{'':<{width}} {n}" for n in r.notes]
     lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
                  f"{plan.sync_bytes / gb:.1f} GiB")
     return "\n".join(lines)

@@ -197,6 +197,10 @@ def test_resume_accepts_keywords_and_paths():
     assert _err(["checkpoint.resume="]).startswith("checkpoint.resume: is empty")
 
 
+DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip=0.2",
+                "algorithm.distill_coef=1", "teacher.path=/t"]
+
+
 @pytest.mark.parametrize("overrides, start", [
     (["rollout.kv_cache_gb=-1"], "rollout.kv_cache_gb: -1.0 is outside the allowed range (0.0, inf)"),
     (["rollout.kv_cache_gb=0"], "rollout.kv_cache_gb: 0.0 is outside"),
@@ -210,8 +214,13 @@ def test_resume_accepts_keywords_and_paths():
     (["parallel.tp=2", "parallel.ep=2", "parallel.world_size=2"],
      "parallel.ep: 2 x expert tensor parallelism 2 must divide dp*cp*tp=2"),
     (["algorithm.distill_coef=1", "teacher.path=/t", "parallel.world_size=2", "teacher.tp=4"],
-     "teacher.tp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of tp*pp*cp=4"),
+     "teacher.tp/pp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of "
+     "tp*pp*cp=4"),
     (["algorithm.distill_coef=1"], "algorithm.distill_coef: 1.0 needs a teacher to distil from"),
+    # with no task advantage, what acts on the reward has no effect
+    *[([*DISTILL_ONLY, change], f"{change.split('=')[0]}: ") for change in (
+        "algorithm.kl_reward_coef=0.1", "algorithm.overlong_buffer=8", "reward_model.path=/rm",
+        "environment.dynamic_sampling=true")],
     (["algorithm.advantage=none", "critic.lr=1e-5"], "algorithm.advantage: 'none' uses no reward"),
     (["algorithm.distill_coef=1", "teacher.named={'a b': /t}"],
      "teacher.named.a b: '/t': a teacher needs a name"),
@@ -261,7 +270,8 @@ def test_refused_settings(overrides, start):
 
 
 def test_accepted_neighbours_of_refused_settings():
-    ok = [["rollout.async_mode=true", "rollout.max_staleness=1"],
+    ok = [DISTILL_ONLY, [*DISTILL_ONLY, "algorithm.advantage=gae", "critic.lr=1e-3"],
+          ["rollout.async_mode=true", "rollout.max_staleness=1"],
           ["rollout.async_mode=true", "rollout.max_staleness=2"],
           ["rollout.async_mode=true", "rollout.async_depth=2", "rollout.max_staleness=2"],
           ["algorithm.policy_loss=gspo", "algorithm.aggregation=seq_mean"],
@@ -423,3 +433,18 @@ def test_engine_restarts_follow_the_weight_transfer():
 ])
 def test_pi_old_from_the_update_only_for_a_single_update_from_the_policy_as_it_is(changes, fused):
     assert from_dict(changes).proximal_from_update is fused
+
+
+def test_every_training_row_has_a_teacher_and_a_null_field_means_the_default():
+    """preflight.check_rows_have_teachers: a row's `teacher` names one of teacher.named; absent or null
+    (a Parquet row without one) is teacher.path's, refused where that is empty."""
+    from moe_rl.driver.preflight import check_rows_have_teachers
+
+    rows = [{"secret": 1, "teacher": None}, {"secret": 2, "teacher": "small"}, {"secret": 3}]
+    named = "teacher.named={small: /t/small}"
+    check_rows_have_teachers(load_config(ROOT / "configs/distill_quickstart.yaml", [named]), rows)
+    no_default = load_config(ROOT / "configs/distill_quickstart.yaml", [named, "teacher.path="])
+    with pytest.raises(ConfigError, match="teacher.path: prompt 1 names no teacher and teacher.path is empty"):
+        check_rows_have_teachers(no_default, rows)
+    with pytest.raises(ConfigError, match="teacher.named: prompt 2 names teacher 'small', which is not"):
+        check_rows_have_teachers(load_config(ROOT / "configs/distill_quickstart.yaml"), rows)

@@ -11,15 +11,18 @@ per-token advantage, negated and scaled,
 
     A_t = A_t^task + c * (-k_t)          (c: algorithm.distill_coef; A^task = 0 with advantage=none)   (2)
 
-in the policy-gradient loss, it raises the tokens the teacher likes more than the student and lowers
-the others, with no baseline (k_t is already centred on the teacher) and no discounting (each token is
-scored where it was sampled). Everything the loss does to an advantage applies unchanged: the ratio,
-the clip, TIS / IcePop weights and the trust masks, so asynchronous and off-policy corrections hold.
+in the policy-gradient loss, it raises the tokens the teacher likes more than the student (k_t < 0)
+and lowers the others. No baseline is needed (E[grad log mu] = 0 keeps the estimate unbiased; the
+mean of k_t is the KL itself, >= 0), and the discount is 0: a token's advantage is its own term only,
+and its effect on later positions' KL is ignored. Everything the loss does to an advantage applies
+unchanged: the ratio, the clip, TIS / IcePop weights and the trust masks, so asynchronous and
+off-policy corrections hold.
 The student side of (1) is mu, the policy that sampled x_t: that is what makes (1) an unbiased
 estimate of the sampling policy's reverse KL (with R3 and fp32 it equals the trainer's pi_old to
 ~1e-7; the README's R3 parity). This is the sampled-token estimator: it needs only the teacher's
-log-prob of each sampled token, so teacher and student may differ in size, architecture and layout as
-long as they share the tokenizer.
+log-prob of each sampled token, so teacher and student may differ in size, architecture (of those
+this project trains) and layout as long as they share the tokenizer. The full-vocabulary (top-k) KL,
+which needs both models' logits at each position, is not implemented.
 
 Shapes: [B, T]; mask_BT is bool (model tokens); every output is 0 off the mask.
 """
@@ -48,4 +51,14 @@ def reverse_kl_figures(k_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, t
     if k.numel() == 0:
         return {"distill/reverse_kl_mean": torch.zeros((), dtype=torch.float64),
                 "distill/reverse_kl_p95": torch.zeros((), dtype=torch.float64)}
-    return {"distill/reverse_kl_mean": k.mean(), "distill/reverse_kl_p95": torch.quantile(k, 0.95)}
+    return {"distill/reverse_kl_mean": k.mean(), "distill/reverse_kl_p95": quantile(k, 0.95)}
+
+
+def quantile(x_N: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation between the sorted values, for any number of them
+    (torch.quantile refuses more than 2^24: a large step's model tokens)."""
+    s = x_N.sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return s[lo] + (pos - lo) * (s[hi] - s[lo])

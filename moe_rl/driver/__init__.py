@@ -11,7 +11,7 @@
     rank_actor.py       RankActor: one trainer rank (train.worker.TrainWorker) as an actor
     rollout_manager.py  Rollouts: the engines, the prompt stream, weight sync, evaluation
     rollout_actor.py    RolloutActor: one vLLM engine (rollout.engine) and the agent loop as an actor
-    run_checkpoints.py  the run's checkpoints (every group's, the loop's, the rollout in flight), resume
+    run_checkpoints.py  the run's checkpoints (every group's, the loop's, the rollouts in flight), resume
     report.py           progress lines, summary.json, the closing lines
 
 Worker code (algos/, train/, rollout/, weights/) never imports it.

@@ -99,7 +99,7 @@ def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, 
                 figures = update(batch, step)
         trips, before = round_trips(), trips
         log.step(step + 1, rollout_figures, *figures, {"timing/round_trips": trips - before})
-        if checkpoints.due(step + 1):  # asynchronous: with the next rollout, finished
+        if checkpoints.due(step + 1):  # asynchronous: with the next rollouts, finished
             in_flight = schedule.in_flight()
             with log.timeline.span("save", step + 1):
                 checkpoints.save(step + 1, in_flight)

@@ -1,5 +1,5 @@
-"""Where the run's actors go: trainer ranks (policy, critic, reference, reward model) and rollout engines
-in one Ray placement group, and the CPU threads each computes with.
+"""Where the run's actors go: trainer ranks (policy, critic, reference, reward model, distillation
+teachers) and rollout engines in one Ray placement group, and the CPU threads each computes with.
 
 One placement group holds the run: without GPUs a bundle per trainer rank and per engine, with GPUs a
 bundle per GPU and each actor pinned to the bundle of its GPU (`gpu_layout`, `Placement`);
@@ -88,9 +88,9 @@ def gpu_layout(counts: dict[str, int], engine_tp: int, colocate: bool) -> dict[s
     rank has one GPU, an engine `engine_tp`, one per vLLM worker).
 
     Colocated, the roles time-share the same GPUs: rank i of every model (policy, critic, reference,
-    reward model) on GPU i, engine j's workers on GPUs j*engine_tp ... (j+1)*engine_tp-1. Separate, each
-    actor has GPUs of its own, in the order of `counts`. Either way no two ranks of one model share a GPU
-    (NCCL refuses two ranks of a group on one device), nor do two engines.
+    reward model, teachers) on GPU i, engine j's workers on GPUs j*engine_tp ... (j+1)*engine_tp-1.
+    Separate, each actor has GPUs of its own, in the order of `counts`. Either way no two ranks of one
+    model share a GPU (NCCL refuses two ranks of a group on one device), nor do two engines.
 
         gpu_layout({"policy": 2, "critic": 2, "engine": 1}, 1, True) == {
             "policy": [[0], [1]], "critic": [[0], [1]], "engine": [[0]]}

@@ -41,6 +41,11 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
         except ConfigError as err:  # parallel.X names the run's layout; the teachers' is teacher.X
             raise ConfigError(teacher_field(name), f"'{path}' does not fit the teachers' layout (teacher.tp/"
                               f"pp/ep, else parallel.*): {str(err).replace('parallel.', '')}") from None
+        limit, source = positions(hf_teacher, f"{path}/config.json")
+        if limit is not None and limit < cfg.rollout.max_model_len:
+            raise ConfigError(teacher_field(name), f"'{path}' has {limit} positions ({source}), fewer than "
+                              f"rollout.max_model_len={cfg.rollout.max_model_len}: it could not score an "
+                              "episode's later tokens")
     prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
     if cfg.teachers:
         check_rows_have_teachers(cfg, prompts)
@@ -64,7 +69,7 @@ def check_rows_have_teachers(cfg: RunConfig, prompts: list[dict]) -> None:
     """Every training row's teacher exists: the one its `teacher` field names (teacher.named), or
     teacher.path for a row that names none. ConfigError naming the first row that has none."""
     for i, row in enumerate(prompts):
-        name = str(row.get("teacher", ""))
+        name = str(row.get("teacher") or "")  # null (a Parquet row without one): the default teacher
         if name not in cfg.teacher.all:
             dataset = cfg.environment.dataset
             where = f"row {i + 1} of {dataset}" if dataset else f"prompt {i + 1}"
@@ -131,18 +136,27 @@ def check_context_length(cfg: RunConfig, hf: dict | None) -> None:
         limit, source, fix = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings", \
             ", or raise model.tiny.max_position_embeddings"
     else:
-        limit, source, fix = hf.get("max_position_embeddings"), ("max_position_embeddings in "
-                                                                 f"{cfg.model.path}/config.json"), ""
-        if not isinstance(limit, int) or isinstance(limit, bool):
+        limit, source = positions(hf, f"{cfg.model.path}/config.json")
+        fix = ""
+        if limit is None:
             return  # vLLM reads other keys then
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters")
-        factor = rope.get("factor") if isinstance(rope, dict) else None
-        # an upper bound: vLLM scales by it for most RoPE types
-        if isinstance(factor, (int, float)) and factor > 1:
-            limit, source = int(limit * factor), f"{source}, times its RoPE factor {factor:g}"
     if want > limit:
         raise ConfigError("rollout.max_model_len", f"{want} is above the {limit} positions the model has "
                           f"({source}); vLLM refuses such an engine: lower rollout.max_model_len{fix}")
+
+
+def positions(hf: dict, where: str) -> tuple[int | None, str]:
+    """The positions a Hugging Face config gives (max_position_embeddings, times its RoPE scaling factor
+    where it has one: an upper bound, as vLLM scales by it for most RoPE types) and where that comes
+    from; None where the config has no such key."""
+    limit, source = hf.get("max_position_embeddings"), f"max_position_embeddings in {where}"
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None, source
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        limit, source = int(limit * factor), f"{source}, times its RoPE factor {factor:g}"
+    return limit, source
 
 
 def check_fits_locally(cfg: RunConfig) -> None:

@@ -318,11 +318,12 @@ class Rollouts:
                                            else None)
         if not bool(keep.all()):
             batch = batch.rows(keep.nonzero().squeeze(1))
-        dp = self.cfg.parallel.dp
+        # every model's replicas need a row: the teachers' layout may have more of them
+        dp = max(self.cfg.parallel.dp, self.cfg.teacher_parallel.dp if self.cfg.teachers else 1)
         if batch.size < dp:
             raise RolloutError(f"{batch.size} trajectories left this step ({int(stale['stale_dropped'])} too "
-                               f"stale), fewer than the {dp} data-parallel replicas; raise "
-                               "rollout.prompts_per_step")
+                               f"stale), fewer than the {dp} data-parallel replicas (of the policy or the "
+                               "teachers); raise rollout.prompts_per_step")
         total = max(1, sum(st.outcomes.values()))
         for t in trajs:  # what the environment reported of each episode, as means over the step's (env/KEY)
             for k, v in t.info.get("figures", {}).items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ class Checkpoints:
         every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
         return bool(every and step % every == 0 or at_end and step == self.cfg.run.steps)
 
-    def save(self, step: int, in_flight: list[InFlight] = ()) -> Path:
+    def save(self, step: int, in_flight: Sequence[InFlight] = ()) -> Path:
         """The run after `step` steps; `in_flight`: the finished rollouts an asynchronous run started
         before the checkpoint, oldest first (the next steps train on them, after a resume too)."""
         final = self.root / f"step_{step:06d}"

@@ -1,5 +1,6 @@
-"""The models a step trains and scores with: the policy, the critic and the reference, each a group of
-Megatron ranks (trainer_groups.TrainerGroup), and the update loops they own.
+"""The models a step trains and scores with: the policy, the critic, the reference, the reward model and
+the distillation teachers, each a group of Megatron ranks (trainer_groups.TrainerGroup), and the update
+loops they own.
 
     models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
@@ -28,8 +29,9 @@ from moe_rl.train.results import ScoreResult, UpdateResult
 
 
 class TrainerGroup:
-    """The ranks of one model (policy, critic, reference or reward model): batches go out sharded by
-    data-parallel replica, results come back merged. PolicyGroup and CriticGroup add each model's update loop.
+    """The ranks of one model (policy, critic, reference, reward model or a distillation teacher): batches
+    go out sharded by data-parallel replica, results come back merged. PolicyGroup and CriticGroup add each
+    model's update loop.
 
     Its actors start in the background (beside the other groups' and the engines'): `started` waits."""
 
@@ -302,7 +304,8 @@ class CriticGroup(TrainerGroup):
 
 
 class Models:
-    """The policy and, as the run needs them, the critic, the reference policy and the reward model."""
+    """The policy and, as the run needs them, the critic, the reference policy, the reward model and the
+    distillation teachers."""
 
     def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
         spec = settings.model_spec(cfg, model_path)

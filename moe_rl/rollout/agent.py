@@ -240,8 +240,9 @@ class Agent:
                  for g, p in enumerate(prompts) for k in range(samples_per_prompt)]
         done = [t for ts in await asyncio.gather(*tasks) for t in (ts if isinstance(ts, list) else [ts])]
         for t in done:  # a dataset row's `teacher` field: the distillation teacher of its episodes
-            if "teacher" in prompts[t.group_id - first_group_id]:
-                t.info["teacher"] = str(prompts[t.group_id - first_group_id]["teacher"])
+            teacher = prompts[t.group_id - first_group_id].get("teacher")
+            if teacher:  # absent or null: the default teacher (teacher.path)
+                t.info["teacher"] = str(teacher)
         if "gateway" in self.shared:
             self.stats.counts.update((await self.gateway()).drain_counts())
         kept = self.accept(done)

@@ -63,8 +63,8 @@ class TrainWorker:
     def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSettings,
                  seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None,
                  trains: bool = True):
-        """`trains`=False: a model that only scores (the reference policy, a reward model): no gradient
-        buffers, no optimizer state; `optim` still sets its microbatching."""
+        """`trains`=False: a model that only scores (the reference policy, a reward model, a teacher): no
+        gradient buffers, no optimizer state; `optim` still sets its microbatching."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -91,3 +91,12 @@ def test_the_policy_gradient_with_the_distillation_advantage_by_hand():
     same, _ = loss({"logp_BS": b.logp_mu_BS, "entropy_BS": torch.zeros_like(logp)}, rl)
     torch.testing.assert_close(same["policy"], numerators["policy"].detach())
     assert float(aggregate.loss_denominator(rl.pg_mask_BS, "token_mean")) == 4
+
+
+def test_the_p95_is_torchs_quantile_and_takes_more_tokens_than_torch_does():
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert float(distill.quantile(x, 0.95)) == pytest.approx(float(torch.quantile(x, 0.95)), abs=1e-12)
+    big = torch.arange(2**24 + 1, dtype=torch.float64)  # torch.quantile refuses more than 2^24
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(big, 0.95)
+    assert float(distill.quantile(big, 0.95)) == 0.95 * 2**24
