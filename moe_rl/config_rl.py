@@ -249,8 +249,8 @@ class AlgorithmSection:
     """The overlong penalty at and beyond environment.token_budget (see overlong_buffer)."""
     distill_coef: float = 0.0
     """On-policy distillation (needs a teacher): the per-token advantage gains -distill_coef * (log mu -
-    log pi_teacher) of each sampled token, added to the task's (after whitening); 0: off. With
-    advantage=none the teacher is the only signal."""
+    log pi_teacher) of each sampled token, added to the task's (with whiten_advantages, each term is
+    whitened on its own first); 0: off. With advantage=none the teacher is the only signal."""
 
     def check(self) -> None:
         in_range("algorithm.gamma", self.gamma, 0.0, 1.0)

@@ -6,17 +6,24 @@ single-sample estimate of the reverse KL KL(mu || pi_teacher) at that position i
 
     k_t = log mu(x_t | s_t) - log pi_teacher(x_t | s_t)                                  (1)
 
-and its expectation over x_t ~ mu is the exact reverse KL of the two next-token distributions. Used as a
-per-token advantage, negated and scaled,
+and its expectation over x_t ~ mu is the exact reverse KL of the two next-token distributions. Used in
+the policy-gradient loss as a per-token advantage, negated and scaled,
 
     A_t = A_t^task + c * (-k_t)          (c: algorithm.distill_coef; A^task = 0 with advantage=none)   (2)
 
-in the policy-gradient loss, it raises the tokens the teacher likes more than the student (k_t < 0)
-and lowers the others. No baseline is needed (E[grad log mu] = 0 keeps the estimate unbiased; the
-mean of k_t is the KL itself, >= 0), and the discount is 0: a token's advantage is its own term only,
-and its effect on later positions' KL is ignored. Everything the loss does to an advantage applies
-unchanged: the ratio, the clip, TIS / IcePop weights and the trust masks, so asynchronous and
-off-policy corrections hold.
+or, with algorithm.whiten_advantages, each term whitened on its own over the step's model tokens
+(W(x) = (x - mean) / std), so that c weighs two unit-variance signals:
+
+    A_t = W(A^task)_t + c * W(-k)_t                                                              (3)
+
+it raises the tokens the teacher likes more than the student (k_t < 0) and lowers the others. No
+baseline is needed (E[grad log mu] = 0 keeps the estimate unbiased; the mean of k_t is the KL itself,
+>= 0), though (3)'s centring is one (a constant: still unbiased; the tokens the student already shares
+with the teacher, k_t below the mean, are raised rather than only less lowered). The discount is 0: a
+token's advantage is its own term only, and its effect on later positions' KL is ignored. Everything
+the loss does to an advantage applies unchanged: the ratio, the clip, TIS / IcePop weights and the
+trust masks, so asynchronous and off-policy corrections hold.
+
 The student side of (1) is mu, the policy that sampled x_t: that is what makes (1) an unbiased
 estimate of the sampling policy's reverse KL (with R3 and fp32 it equals the trainer's pi_old to
 ~1e-7; the README's R3 parity). This is the sampled-token estimator: it needs only the teacher's

@@ -178,9 +178,10 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     adv, returns = registry.get("advantage", p.advantage)(inp, hp)
     if p.whiten:
         adv = whiten(adv, batch.mask_BS)
-    if p.distill_coef:  # per token, unwhitened: its scale is the KL's (algos/distill.py)
+    if p.distill_coef:  # per token; whitened on its own, like the task's (algos/distill.py Eq. 3)
         k = distill.reverse_kl_tokens(batch.logp_mu_BS, scores.logp_teacher_BS, batch.mask_BS)
-        adv = adv + distill.distill_advantage(k, p.distill_coef)
+        term = distill.distill_advantage(k, 1.0)
+        adv = adv + p.distill_coef * (whiten(term, batch.mask_BS) if p.whiten else term)
         metrics.update(distill.reverse_kl_figures(k, batch.mask_BS))
     if corr is not None:
         metrics.update({f"correction/{k}": v for k, v in corr.metrics.items()})
