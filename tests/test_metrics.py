@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_rl.algos import stats
+from moe_rl.algos.targets import Scores
 from moe_rl.metrics import Metrics, expert_load_figures
 
 
@@ -98,7 +99,7 @@ def test_step_expert_load_counts_only_positions_the_engine_computed():
     b = build_batch([episode(4, 2), episode(0, 2)], top_k=2)
     # placeholders
     assert b.routed_len_B.tolist() == [3, 3] and b.routes_BSLK[0, 3:, 0].tolist() == [[0, 1]] * 5
-    scores = SimpleNamespace(logp_BS=b.logp_mu_BS, free_logp_BS=None, free_routes_BSLK=None)
+    scores = Scores(b.logp_mu_BS)  # the policy alone: no free routing, no teacher
     tg = SimpleNamespace(adv_BS=torch.zeros(b.input_ids_BS.shape), metrics={}, returns_BS=None)
     out = step_figures(b, scores, tg, num_experts=4)
     # 6 computed positions x 2 slots: expert 2 six times, expert 3 six times; placeholders (0, 1) uncounted
