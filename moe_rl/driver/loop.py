@@ -85,7 +85,7 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
 def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, log: StepLog,
           trips: int = 0) -> None:
     """Steps first .. end - 1, each on the batch `schedule` hands it: `update(batch, step)` (train_step)
-    gives its figures, logged with the rollout's; then its checkpoint where due (holding the rollout in
+    gives its figures, logged with the rollout's; then its checkpoint where due (holding the rollouts in
     flight) and the schedule's turn (`step_done`). timing/round_trips: the driver's waits on remote calls
     since the step before's log (the first step's: since `trips`, remote.round_trips() before its rollout)."""
     from moe_rl.driver.remote import round_trips

@@ -56,7 +56,7 @@ class Collected:
     wait_s: float = 0.0
 
     def state(self) -> dict:
-        """In plain types and tensors: an asynchronous run's checkpoint keeps the rollout in flight."""
+        """In plain types and tensors: an asynchronous run's checkpoint keeps each rollout in flight."""
         return {"wait_s": self.wait_s, "results": [
             ([trajectory_state(t) for t in trajs],
              {"outcomes": dict(st.outcomes), "rejected": dict(st.rejected),
