@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_one  # noqa: E402
+from quickstart_sweep import CONFIG, ROOT, run_all, run_one  # noqa: E402
 
 DISTILL = ROOT / "configs" / "distill_quickstart.yaml"
 CRITIC = ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=3.0e-3", "critic.value_clip=0.5"]
@@ -73,17 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         teacher, teacher_success = train_teacher(args.out, args.larger_teacher)
     print(f"teacher: {teacher} (held-out success {teacher_success})", flush=True)
     common = [f"run.steps={args.steps}", f"trainer.eval_every={args.eval_every}"]
-    rows = []
-    runs = [(m, s) for m in args.mode or list(MODES) for s in args.seeds]
-    for i, (mode, seed) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {mode}, seed {seed} ...", flush=True)
+    def setup(mode: str) -> tuple[Path, list[str]]:
         config, extra = MODES[mode]
-        overrides = common + extra + ([f"teacher.path={teacher}"] if config == DISTILL else [])
-        row = run_one(config, mode, overrides, seed, args.out)
-        if row["rc"] == 0:
-            row["reverse_kl_by_step"] = kl_by_step(args.out / mode / f"seed_{seed}")
-        rows.append(row)
-        print(f"    exit {row['rc']}, {row['wall_s']:.0f} s", flush=True)
+        return config, common + extra + ([f"teacher.path={teacher}"] if config == DISTILL else [])
+
+    def add_kl(row: dict, run_dir: Path) -> None:
+        row["reverse_kl_by_step"] = kl_by_step(run_dir)
+
+    runs = [(m, s) for m in args.mode or list(MODES) for s in args.seeds]
+    rows = run_all(runs, setup, args.out, add_kl)
     target = 0.9 * teacher_success if teacher_success else None
     print(f"teacher held-out success: {teacher_success}")
     print("| mode | seed | held-out success by step | first step at >= 90% of the teacher's | reverse KL per "

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_one  # noqa: E402
+from quickstart_sweep import CONFIG, ROOT, run_all  # noqa: E402
 
 STALE = ["rollout.async_mode=true", "rollout.async_depth=4", "rollout.max_staleness=4",
          "algorithm.correction=bypass", "trainer.epochs=1", "trainer.minibatches=1", "run.steps=300",
@@ -51,17 +51,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="an override for every run")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "off_policy")
     args = p.parse_args(argv)
-    rows = []
+    def add_figures(row: dict, run_dir: Path) -> None:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        row["reward_by_step"] = {int(k): v["eval/reward_mean"] for k, v in summary["evaluations"].items()}
+        row["figures"] = run_figures(run_dir)
+
     runs = [(m, s) for m in args.method or list(METHODS) for s in args.seeds]
-    for i, (method, seed) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {method}, seed {seed} ...", flush=True)
-        row = run_one(CONFIG, method, STALE + METHODS[method] + args.set, seed, args.out)
-        if row["rc"] == 0:
-            summary = json.loads((args.out / method / f"seed_{seed}" / "summary.json").read_text())
-            row["reward_by_step"] = {int(k): v["eval/reward_mean"] for k, v in summary["evaluations"].items()}
-            row["figures"] = run_figures(args.out / method / f"seed_{seed}")
-        rows.append(row)
-        print(f"    exit {row['rc']}, {row['wall_s']:.0f} s", flush=True)
+    rows = run_all(runs, lambda m: (CONFIG, STALE + METHODS[m] + args.set), args.out, add_figures)
     print("| method | seed | held-out reward by step | held-out success by step | clip low / high | "
           "masked (M2PO tokens / OPSM sequences) | staleness |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -75,6 +75,24 @@ def run_one(config: Path, variant: str, overrides: list[str], seed: int, out: Pa
                   "baselines": {n: b["eval/success_rate"] for n, b in summary.get("baselines", {}).items()}}
 
 
+def run_all(runs: list[tuple[str, int]], setup, out: Path, extra=None) -> list[dict]:
+    """Each (variant, seed) of `runs`, one after another, with a progress line before and after:
+    run_one on setup(variant) = (config, overrides); `extra(row, run_dir)`, where given, adds to a
+    finished run's row."""
+    rows = []
+    for i, (variant, seed) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] {variant}, seed {seed} ...", flush=True)
+        config, overrides = setup(variant)
+        row = run_one(config, variant, overrides, seed, out)
+        if row["rc"] == 0 and extra is not None:
+            extra(row, out / variant / f"seed_{seed}")
+        rows.append(row)
+        done = (f"failed (exit {row['rc']}; log in {out / variant})" if row["rc"] else
+                f"success {row['success_before']:.3f} -> {row['success_after']:.3f}")
+        print(f"    {done}, {row['wall_s']:.0f} s", flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     names = sorted({n for r in rows for n in r.get("baselines", {})})
     head = ["variant", "seed", "held-out success: before RL -> after", "best evaluation", *names,
@@ -107,15 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in VARIANTS.items():
             print(f"{name}: {' '.join(overrides) or '(the config as it is)'}")
         return 0
-    rows = []
     runs = [(v, s) for v in args.variant or ["config"] for s in args.seeds]
-    for i, (variant, seed) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {variant}, seed {seed} ...", flush=True)
-        row = run_one(args.config, variant, VARIANTS[variant] + args.set, seed, args.out)
-        rows.append(row)
-        done = (f"failed (exit {row['rc']}; log in {args.out / variant})" if row["rc"] else
-                f"success {row['success_before']:.3f} -> {row['success_after']:.3f}")
-        print(f"    {done}, {row['wall_s']:.0f} s", flush=True)
+    rows = run_all(runs, lambda v: (args.config, VARIANTS[v] + args.set), args.out)
     print(table(rows))
     print(json.dumps(rows))
     return 1 if any(r["rc"] for r in rows) else 0
