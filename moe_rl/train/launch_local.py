@@ -51,11 +51,17 @@ PRELOAD = ["moe_rl.train", "torch", "megatron.core.models.gpt.gpt_model",
            "megatron.core.transformer.moe.router_replay", "moe_rl.train.model"]
 
 
+def default_start(cuda_available: bool) -> str:
+    """"forkserver" on a machine without CUDA, "spawn" with it: there, importing PRELOAD initialises CUDA
+    in the fork server (seen on an H200 with torch 2.11, 2026-12-04), and a forked rank cannot use it."""
+    return "spawn" if cuda_available else "forkserver"
+
+
 def _context(start: str):
-    """start="forkserver" (the default): ranks are forked from one server process that imported PRELOAD
-    once, so a rank starts in a fraction of a second instead of the seconds of a fresh interpreter's
-    imports, with no state of the caller's (the server ran nothing but those imports). "spawn": each rank
-    a fresh interpreter (tools/bench/rank_start.py measures the two side by side)."""
+    """start="forkserver": ranks are forked from one server process that imported PRELOAD once, so a rank
+    starts in a fraction of a second instead of the seconds of a fresh interpreter's imports, with no
+    state of the caller's (the server ran nothing but those imports). "spawn": each rank a fresh
+    interpreter (tools/bench/rank_start.py measures the two side by side)."""
     if start not in ("forkserver", "spawn"):
         raise ValueError(f"start: {start!r}; 'forkserver' or 'spawn'")
     ctx = mp.get_context(start)
@@ -70,8 +76,9 @@ def run_in_process(fn, args: tuple = (), timeout: float = 600.0):
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 600.0, dist_env: bool = True,
-              start: str = "forkserver") -> list:
-    ctx = _context(start)
+              start: str | None = None) -> list:
+    """start: "forkserver" or "spawn" (`_context`); None: `default_start` for this machine."""
+    ctx = _context(start or default_start(torch.cuda.is_available()))
     queue = ctx.Queue()
     port = parallel.free_port("127.0.0.1")
     environ = dict(os.environ)  # the caller's now, not the fork server's from when it started

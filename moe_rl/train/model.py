@@ -205,9 +205,9 @@ class ValueHead(torch.nn.Module):
     ColumnParallelLinear it replaces.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, device=None):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
@@ -284,10 +284,9 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
     if pre and pad is not None:
         keep_pad_row_fixed(model.embedding.word_embeddings, pad)
     if critic and post:
-        # on the device megatron built the model on (DDP moves parameters only under the distributed
-        # optimizer)
-        model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel,
-                                       device=next(model.parameters()).device)
-    if not torch.cuda.is_available():
-        model = model.to(spec.torch_dtype)
-    return model
+        model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel)
+    # megatron-core builds its parallel layers on the GPU (without use_cpu_initialization), torch's own (the
+    # local spec's norms, the value head) on the CPU in fp32: the whole stage moves to this rank's device in
+    # the run's dtype, as megatron's get_model does (.cuda(), then Float16Module's cast)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return model.to(device=device, dtype=spec.torch_dtype)

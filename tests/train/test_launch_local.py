@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moe_rl.train.launch_local import PRELOAD, run_ranks
+from moe_rl.train.launch_local import PRELOAD, default_start, run_ranks
 
 SEEN_BY_CALLER: list[int] = []
 
@@ -41,3 +41,8 @@ def test_every_preloaded_module_is_in_a_rank_before_its_function_runs():
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start: 'fork'; 'forkserver' or 'spawn'"):
         run_ranks(what_a_rank_sees, 1, start="fork")
+
+
+def test_ranks_are_spawned_where_cuda_is_available():
+    """Importing megatron-core initialises CUDA on a GPU machine, so a fork server's ranks could not use it."""
+    assert default_start(cuda_available=True) == "spawn" and default_start(cuda_available=False) == "forkserver"
