@@ -52,8 +52,9 @@ PRELOAD = ["moe_rl.train", "torch", "megatron.core.models.gpt.gpt_model",
 
 
 def default_start(cuda_available: bool) -> str:
-    """"forkserver" on a machine without CUDA, "spawn" with it: there, importing PRELOAD initialises CUDA
-    in the fork server (seen on an H200 with torch 2.11, 2026-12-04), and a forked rank cannot use it."""
+    """"forkserver" on a machine without CUDA, "spawn" with it: there, importing
+    megatron.core.models.gpt.gpt_model asks CUDA for its devices, which poisons every later fork of the
+    server (seen on an H200 with torch 2.11, 2026-12-04), and a forked rank cannot use CUDA."""
     return "spawn" if cuda_available else "forkserver"
 
 

@@ -285,8 +285,9 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
         keep_pad_row_fixed(model.embedding.word_embeddings, pad)
     if critic and post:
         model.output_layer = ValueHead(hf.hidden_size, spec.torch_dtype, bridge.config.sequence_parallel)
-    # megatron-core builds its parallel layers on the GPU (without use_cpu_initialization), torch's own (the
-    # local spec's norms, the value head) on the CPU in fp32: the whole stage moves to this rank's device in
-    # the run's dtype, as megatron's get_model does (.cuda(), then Float16Module's cast)
+    # megatron-core builds its parallel layers on the GPU (without use_cpu_initialization) but the MoE
+    # router's weight on the CPU in fp32 (router.py: "TODO: Add support for GPU initialization"), relying
+    # on Megatron-LM's get_model: the whole stage moves to this rank's device in the run's dtype, as
+    # get_model does (.cuda(), then Float16Module's cast)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     return model.to(device=device, dtype=spec.torch_dtype)

@@ -198,7 +198,8 @@ def test_offload_round_trip_on_cuda(fp32):
     assert "error" not in trip and "error" not in step, trip.get("error") or step.get("error")
     # parameters, gradient buffers, Adam's state: off the GPU (the allocator's blocks round sizes up)
     assert trip["moved"] > 0 and trip["freed"] >= 0.9 * trip["moved"]
-    assert trip["same"] and not trip["elsewhere"] and trip["params_on"] == ["cuda:0"]  # back bitwise, where they were
+    # back bitwise, each tensor where it was (Adam's step counts stay on the host, as torch keeps them)
+    assert trip["same"] and not trip["elsewhere"] and trip["params_on"] == ["cuda:0"]
     assert step["update_ok"] == 1.0 and torch.isfinite(torch.tensor(step["loss"]))
 
 

@@ -44,5 +44,7 @@ def test_an_unknown_start_method_is_refused():
 
 
 def test_ranks_are_spawned_where_cuda_is_available():
-    """Importing megatron-core initialises CUDA on a GPU machine, so a fork server's ranks could not use it."""
-    assert default_start(cuda_available=True) == "spawn" and default_start(cuda_available=False) == "forkserver"
+    """On a GPU machine importing megatron-core's GPT model asks CUDA for its devices, which poisons every
+    later fork: a fork server's ranks could not use CUDA (seen on an H200, 2026-12-04)."""
+    assert default_start(cuda_available=True) == "spawn"
+    assert default_start(cuda_available=False) == "forkserver"
