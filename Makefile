@@ -10,11 +10,14 @@ setup:
 quickstart: setup
 	$(VENV)/bin/moe-rl train configs/quickstart.yaml
 
-# on-policy distillation from the quickstart's trained policy (trained and exported first where missing)
+# on-policy distillation from the quickstart's trained policy: `make quickstart`'s final checkpoint,
+# exported to Hugging Face format (the quickstart is trained first where that checkpoint is missing)
 TEACHER = runs/quickstart/teacher_hf
+TEACHER_FROM = runs/quickstart/checkpoints/step_000480/policy
 distill-quickstart: setup
-	@test -f $(TEACHER)/config.json || { $(VENV)/bin/moe-rl train configs/quickstart.yaml && \
-	  $(VENV)/bin/moe-rl convert mcore-to-hf runs/quickstart/checkpoints/step_000480/policy $(TEACHER); }
+	@test -f $(TEACHER)/config.json || { { test -d $(TEACHER_FROM) || \
+	  $(VENV)/bin/moe-rl train configs/quickstart.yaml; } && \
+	  $(VENV)/bin/moe-rl convert mcore-to-hf $(TEACHER_FROM) $(TEACHER); }
 	$(VENV)/bin/moe-rl train configs/distill_quickstart.yaml
 
 test: setup
