@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.train import lora
 from moe_rl.weights.hf import VALUE_HEADS, CheckpointMismatch, HFReader, is_expert, to_te_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -39,7 +40,7 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
     per_rank = (num_experts or 0) // max(ep_size, 1)
     out = {}
     for name in model.state_dict():
-        if "_extra_state" in name:
+        if "_extra_state" in name or lora.is_adapter(name):  # adapters have no Hugging Face name
             continue
         g = name
         m = _LAYER.match(g)
@@ -122,13 +123,15 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
                          ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
     params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
+    merged = {f"{name}.weight": lora.merged_weight(linear)  # W + (alpha/r) B A where adapted
+              for name, linear in _unwrap(model).named_modules() if hasattr(linear, "lora_A")}
     owner = {False: owns_replica(False), True: owns_replica(True)}
     for local, te in progress(list(names.items())):
         if local.endswith("output_layer.weight") and skip_output_layer:
             continue
         param = params.get(local, state[local])
         _, size, group = _tp_info(te)
-        full = param.detach()
+        full = merged.get(local, param.detach())
         if size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(full) for _ in range(size)]
             dist.all_gather(shards, full.contiguous(), group=group)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.train import cpu_compat
+from moe_rl.train.lora import LoraSettings
 from moe_rl.weights.hf import dense_layers
 
 # moe_rl name -> (megatron fp8 format, megatron Fp8Recipe)
@@ -38,6 +39,7 @@ class ModelSpec:
     routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
     moe_aux_loss_coeff: float  # model.*: the switch load-balancing loss (0: off)
     moe_z_loss_coeff: float  # model.*: the router z-loss (0: off)
+    lora: LoraSettings | None = None  # model.lora, the policy only: adapters on a frozen base (train/lora.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moe_rl.batch import Batch
 from moe_rl.metrics import reduce_updates
-from moe_rl.train import cpu_compat, replay
+from moe_rl.train import cpu_compat, lora, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
@@ -92,6 +92,10 @@ class TrainWorker:
             hf.load_hf_weights(self.bridge, module, spec.hf_path, skip_output_layer=role == "critic")
             if role == "critic" and value_head_from and ps.is_pipeline_last_stage():
                 hf.load_value_head(module, value_head_from)
+        if spec.lora is not None:  # the base frozen, adapters the only trainable parameters
+            lora.add_adapters(module, spec.lora, hf.global_names(
+                module, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                self.config.num_moe_experts), seed)
         self.model, self.optimizer = module, None
         if trains:
             # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds

@@ -352,3 +352,42 @@ def teacher_job(rank, world, hf_path, layout):
     w = TrainWorker(model_spec(hf_path, routing_replay=False), optim=optim_settings(1e-3), trains=False)
     ids, lengths, _, _ = batch_tensors()
     return w.score(Batch(ids, lengths)).logp_BS
+
+
+def lora_job(rank, world, hf_path, layout, targets):
+    """The policy with LoRA adapters (rank 4, alpha 8) on `targets` in `layout`: scores before, two PPO
+    steps on the routes it recorded (this rank's data-parallel shard), scores after (replayed and free),
+    whether every base parameter is bitwise unchanged, the numbers of trainable and optimizer elements,
+    and the merged Hugging Face weights this rank exports."""
+    from moe_rl.train import hf_io, lora, parallel
+    from moe_rl.train.worker import TrainWorker
+
+    lay = parallel.Layout(**layout)
+    parallel.init_distributed(lay)
+    settings = lora.LoraSettings(rank=4, alpha=8.0, targets=tuple(targets))
+    w = TrainWorker(model_spec(hf_path, lora=settings),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    ids, lengths, mask, adv = batch_tensors()
+    dp_size = w.ps.get_data_parallel_world_size()
+    rows = parallel.dp_rows(B, parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size), dp_size)
+    params = dict(w.module.named_parameters())
+    base = {n: p.detach().clone() for n, p in params.items() if not lora.is_adapter(n)}
+    out = {"before": w.score(Batch(ids, lengths), record_routes=True), "steps": []}
+    routes = out["before"].routes_BSLK
+    for _ in range(2):
+        logp = w.score(Batch(ids, lengths, routes)).logp_BS
+        shard = Batch(ids, lengths, routes, **policy_tensors(logp, mask, adv)).rows(rows)
+        out["steps"].append(w.train_step(shard, policy_loss(), Denominator(mask)).figures)
+    out["after"] = w.score(Batch(ids, lengths, routes))
+    out["after_free"] = w.score(Batch(ids, lengths))
+    out["base_same"] = all(torch.equal(params[n], b) for n, b in base.items())
+    out["trainable"] = sorted(n for n, p in params.items() if p.requires_grad)
+    out["adapter_numel"] = sum(p.numel() for p in lora.adapter_parameters(w.module).values())
+    out["optimizer_numel"] = sum(p.numel() for opt in getattr(w.optimizer, "chained_optimizers", [w.optimizer])
+                                 for g in opt.optimizer.param_groups for p in g["params"])
+    out["merged"] = dict(hf_io.export_hf_weights(w.bridge, w.module))
+    out["merged_by_formula"] = {n: (params[f"{n}.weight"].double() + settings.scale * params[f"{n}.lora_B"].double()
+                                    @ params[f"{n}.lora_A"].double()).float()
+                                for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
+    out["merged_local"] = {n: lora.merged_weight(m) for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
+    return out

@@ -1,0 +1,82 @@
+"""LoRA adapters on the Megatron policy (train/lora.py): the base frozen bitwise, only adapters trained,
+merged weights W + (alpha/r) B A scoring in transformers as the adapted model does, and TP2 / EP2 / PP2
+equal to one rank (scores, losses, gradient norms, merged weights) in fp32."""
+
+import pytest
+import torch
+from train_jobs import B, S, batch_tensors, lora_job
+
+from moe_rl.train.launch_local import run_ranks
+from moe_rl.train.lora import TARGETS
+
+pytestmark = pytest.mark.slow
+TOL = dict(atol=1e-5, rtol=0)
+
+
+def valid() -> torch.Tensor:
+    _, lengths, _, _ = batch_tensors()
+    return torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_qwen):
+    return run_ranks(lora_job, 1, (str(tiny_qwen), {}, TARGETS))[0]
+
+
+@pytest.mark.quick
+def test_only_adapters_train_and_the_base_stays_bitwise(one_rank):
+    res = one_rank
+    assert res["base_same"]
+    assert res["trainable"] and all(n.endswith((".lora_A", ".lora_B")) for n in res["trainable"])
+    # attention's two linears and, per layer, every expert's fc1 and fc2 (2 layers, 4 experts)
+    assert sum(n.endswith(".lora_A") for n in res["trainable"]) == 2 * (2 + 2 * 4)
+    assert res["optimizer_numel"] == res["adapter_numel"] > 0
+    moved = (res["after"].logp_BS - res["before"].logp_BS).abs() * valid()
+    assert float(moved.max()) > 1e-3  # the adapters learned something
+
+
+@pytest.mark.quick
+def test_adapters_start_as_the_base_model(one_rank, tiny_qwen):
+    """B = 0 at the start: the first scores are the base model's, as transformers computes them."""
+    from moe_rl.train.hf_parity import hf_token_logprobs
+
+    ids, lengths, _, _ = batch_tensors()
+    hf = hf_token_logprobs(str(tiny_qwen), ids)
+    torch.testing.assert_close(one_rank["before"].logp_BS * valid(), hf * valid(), **TOL)
+
+
+def test_merged_weights_are_base_plus_scaled_BA_and_score_like_the_adapted_model(one_rank, tiny_qwen, tmp_path):
+    """What the engines get (the export, merged): each adapted weight is W + (alpha/r) B A exactly, and a
+    transformers model of the merged checkpoint scores as the adapted Megatron model (fp32, 1e-5)."""
+    from moe_rl.train.hf_parity import hf_token_logprobs
+    from moe_rl.weights.hf import save_hf_checkpoint
+
+    res = one_rank
+    for name, merged in res["merged_local"].items():
+        torch.testing.assert_close(merged, res["merged_by_formula"][name], atol=0, rtol=0, msg=name)
+    merged_dir = save_hf_checkpoint(res["merged"].items(), tmp_path / "merged", tiny_qwen)
+    ids, _, _, _ = batch_tensors()
+    hf = hf_token_logprobs(merged_dir, ids)
+    torch.testing.assert_close(res["after_free"].logp_BS * valid(), hf * valid(), **TOL)
+    assert float(((hf - hf_token_logprobs(tiny_qwen, ids)).abs() * valid()).max()) > 1e-3  # not the base
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}])
+def test_layout_matches_single_rank(one_rank, tiny_qwen, layout):
+    ref = one_rank
+    results = run_ranks(lora_job, 2, (str(tiny_qwen), layout, TARGETS))
+    for res in results:
+        assert res["base_same"]
+        for key in ("before", "after", "after_free"):
+            torch.testing.assert_close(res[key].logp_BS * valid(), ref[key].logp_BS * valid(), **TOL, msg=key)
+    for step in range(2):
+        losses = [r["steps"][step]["loss"] for r in results if "loss" in r["steps"][step]]
+        total = sum(losses) if "ep" in layout else losses[0]  # EP2 is DP2: each rank its shard's share
+        assert total == pytest.approx(ref["steps"][step]["loss"], abs=1e-5)
+        assert results[0]["steps"][step]["grad_norm"] == pytest.approx(ref["steps"][step]["grad_norm"], rel=1e-4)
+    merged = {}
+    for res in results:
+        merged.update(res["merged"])
+    assert merged.keys() == ref["merged"].keys()
+    for name, tensor in ref["merged"].items():
+        torch.testing.assert_close(merged[name], tensor, **TOL, msg=name)
