@@ -83,6 +83,32 @@ class TinyModel:
                               f"num_attention_heads={self.num_attention_heads}")
 
 
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA on the policy: low-rank adapters y = W x + (alpha/r) B A x on a frozen base (train/lora.py). The
+    critic, the reference policy and the teachers stay whole models."""
+
+    rank: int = 0
+    """The adapters' rank r (0: off, every policy weight trains). With it on, only the adapters have
+    gradients and optimizer state; the engines get merged weights W + (alpha/r) B A."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / r."""
+    targets: list[LoraTarget] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                               "linear_fc2"])
+    """Megatron's linears that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2
+    (the dense MLPs' and every expert's: one adapter per expert)."""
+
+    def check(self) -> None:
+        in_range("model.lora.rank", self.rank, 0, None)
+        if self.rank:
+            in_range("model.lora.alpha", self.alpha, 0.0, None, lo_open=True)
+            if not self.targets or len(set(self.targets)) != len(self.targets):
+                raise ConfigError("model.lora.targets", f"{self.targets}: name each linear once, at least one")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     """The policy model (a Hugging Face checkpoint, or a tiny one built locally) and how the trainers build
@@ -115,9 +141,11 @@ class ModelSection:
     policy/moe_aux_loss_layerNN) log them where on."""
     moe_z_loss_coeff: float = 0.0
     """The router z-loss's coefficient in the trainers' updates (0: off; see moe_aux_loss_coeff)."""
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def check(self) -> None:
         self.tiny.check()
+        self.lora.check()
         in_range("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0.0, None)
         in_range("model.moe_z_loss_coeff", self.moe_z_loss_coeff, 0.0, None)
         if self.fp8 != "none" and self.layer_spec != "transformer_engine":

@@ -16,6 +16,17 @@ def model_spec(cfg: RunConfig, hf_path: str):
                      moe_z_loss_coeff=m.moe_z_loss_coeff)
 
 
+def policy_spec(cfg: RunConfig, hf_path: str):
+    """The policy's model: model_spec with model.lora's adapters where model.lora.rank > 0."""
+    import dataclasses
+
+    from moe_rl.train.lora import LoraSettings
+
+    lo = cfg.model.lora
+    return dataclasses.replace(model_spec(cfg, hf_path), lora=LoraSettings(
+        rank=lo.rank, alpha=lo.alpha, targets=tuple(lo.targets)) if lo.rank else None)
+
+
 def teacher_spec(cfg: RunConfig, hf_path: str):
     """A distillation teacher's model: routing freely (R3 replays the student's routes), in teacher.dtype
     where set."""

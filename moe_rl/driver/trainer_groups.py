@@ -310,7 +310,7 @@ class Models:
     def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
         spec = settings.model_spec(cfg, model_path)
         self.cfg = cfg
-        self.policy = PolicyGroup(cfg, place, "policy", spec, cfg.run.seed)
+        self.policy = PolicyGroup(cfg, place, "policy", settings.policy_spec(cfg, model_path), cfg.run.seed)
         self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
         self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference \
             else None

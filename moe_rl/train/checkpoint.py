@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.train import lora
 from moe_rl.weights.hf import CheckpointError
 
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -139,7 +140,7 @@ def _model_tensors(sharded: dict) -> dict[str, tuple[int, ...]]:
 def check_model_fits(module, path: str | Path) -> None:
     """Raise CheckpointError naming the model tensors the checkpoint lacks or holds with another shape."""
     saved = tensor_shapes(path)
-    wanted = _model_tensors(module.sharded_state_dict())
+    wanted = _model_tensors(model_sharded(module))
     missing = sorted(k for k in wanted if k not in saved)
     wrong = sorted(f"{k} {saved[k]} vs model {wanted[k]}" for k in wanted if k in saved
                    and saved[k] != wanted[k])
@@ -149,8 +150,22 @@ def check_model_fits(module, path: str | Path) -> None:
         raise CheckpointError(f"{path} does not fit this model's architecture: {'; '.join(parts)}")
 
 
+def model_sharded(module) -> dict:
+    """The model's sharded state; with LoRA adapters, the adapters alone (the frozen base is the Hugging
+    Face checkpoint the run builds the model from, recorded as `lora_base`)."""
+    sd = module.sharded_state_dict()
+    if lora.adapter_parameters(module):
+        sd = {k: v for k, v in sd.items() if lora.is_adapter(k)}
+    return sd
+
+
+def _restore_model(module, state: dict) -> None:
+    adapters = lora.adapter_parameters(module)
+    module.load_state_dict(state, strict=not adapters)  # adapters only: the base stays as built
+
+
 def _sharded(worker, is_loading: bool, with_optimizer: bool = True) -> dict:
-    model_sd = worker.module.sharded_state_dict()
+    model_sd = model_sharded(worker.module)
     state = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -190,15 +205,16 @@ def _save(state: dict, path: Path, record: dict) -> None:
 
 
 def save(worker, path: str | Path, extra: dict | None = None) -> None:
+    lora_base = {"lora_base": worker.spec.hf_path} if worker.spec.lora is not None else {}
     _save(_sharded(worker, is_loading=False), Path(path),
           {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker),
-           "role": worker.role})
+           "role": worker.role, **lora_base})
 
 
 def save_model(module, path: str | Path, extra: dict | None = None) -> None:
     """Weights only (no optimizer state): what conversion writes; loads with `load_model` or
     `load(worker, path, optimizer=False)`."""
-    _save({"model": module.sharded_state_dict()}, Path(path),
+    _save({"model": model_sharded(module)}, Path(path),
           {"extra": extra or {}, "steps": 0, "optimizer": "none"})
 
 
@@ -213,8 +229,8 @@ def load_model(module, path: str | Path) -> dict:
 
     meta = read_extra(path)
     check_model_fits(module, path)
-    state = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(path))
-    module.load_state_dict(state["model"])
+    state = dist_checkpointing.load({"model": model_sharded(module)}, str(path))
+    _restore_model(module, state["model"])
     return meta
 
 
@@ -244,7 +260,7 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
     except Exception as err:  # a file damaged beyond what check_files sees: one line, not torch's traceback
         raise CheckpointError(f"{path}: loading failed ({_last_line(err)}); the checkpoint is "
                               "damaged") from None
-    worker.module.load_state_dict(state["model"])
+    _restore_model(worker.module, state["model"])
     if optimizer:
         worker.optimizer.load_state_dict(state["optimizer"])
     worker.steps = int(meta["steps"])

@@ -106,12 +106,23 @@ def _initial_a(global_name: str, rank: int, fan_in: int, seed: int) -> torch.Ten
     return (torch.rand(rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1) * bound
 
 
+def _carry_gradients(embedding, args, output):
+    """The embedding's output, requiring grad: with the embedding frozen it would not, and megatron's
+    activation recompute (a reentrant checkpoint) gives no gradient to anything inside a layer whose
+    input does not require one, adapters included."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_()
+    return output
+
+
 def add_adapters(module, settings: LoraSettings, global_names: dict[str, str], seed: int) -> int:
     """Freeze every parameter of `module` (one pipeline stage), then give each targeted linear its
     adapters (trainable) and hook. `global_names`: local parameter name -> global name
     (hf_io.global_names), which seeds each layer's A. Returns the number of adapted linears."""
     for p in module.parameters():
         p.requires_grad_(False)
+    if getattr(module, "embedding", None) is not None:  # the first pipeline stage
+        module.embedding.register_forward_hook(_carry_gradients)
     adapted = 0
     for name, linear in list(module.named_modules()):
         kind = _kind(linear)
@@ -138,8 +149,44 @@ def add_adapters(module, settings: LoraSettings, global_names: dict[str, str], s
                 True, 0 if kind == "column" else 1, 1
             replicated.sequence_parallel = True  # finalize_model_grads sums its gradient over TP
         linear.register_forward_hook(_column_hook if kind == "column" else _row_hook, with_kwargs=True)
+        linear.sharded_state_dict = _checkpoint_layout(linear, kind)
         adapted += 1
+    for mlp in module.modules():  # a gated MLP's fc1 holds [gate; up] per TP shard: its B rows do too
+        fc1 = getattr(mlp, "linear_fc1", None)
+        if hasattr(fc1, "lora_B") and getattr(mlp.config, "gated_linear_unit", False):
+            mlp.sharded_state_dict = _gated_checkpoint_layout(mlp)
     return adapted
+
+
+def _checkpoint_layout(linear, kind: str):
+    """The linear's sharded_state_dict with its adapters sharded like its weight (megatron's own treats
+    any other tensor as replicated across TP): B along the output rows of a column-parallel linear, A
+    along the input columns of a row-parallel one."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axes = {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column" else {"weight": 1, "lora_A": 1}
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(linear.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=linear.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+    return sharded_state_dict
+
+
+def _gated_checkpoint_layout(mlp):
+    """A gated MLP's sharded_state_dict with fc1's B split into its gate and up halves, as megatron
+    splits fc1's weight, so that a checkpoint reshards across TP."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    original = mlp.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = original(prefix, sharded_offsets, metadata)
+        key = f"{prefix}linear_fc1.lora_B"
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
+                                                (metadata or {}).get("singleton_local_shards", False))
+        return out
+    return sharded_state_dict
 
 
 @torch.no_grad()

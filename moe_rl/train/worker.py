@@ -74,6 +74,9 @@ class TrainWorker:
 
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', not {role!r}")
+        if spec.lora is not None and not load_weights:
+            raise ValueError("a LoRA policy's frozen base is its Hugging Face checkpoint (checkpoints hold the "
+                             "adapters alone): load_weights must be on")
         cpu_compat.apply()
         if not torch.cuda.is_available():
             cpu_compat.seed_model_parallel(seed)
@@ -347,8 +350,9 @@ class TrainWorker:
                                "first")
 
     def local_params(self) -> dict[str, torch.Tensor]:
-        """This rank's parameter shards by name (for the PPO-EWMA anchor)."""
-        return {n: p.detach() for n, p in self.module.named_parameters()}
+        """This rank's trained parameter shards by name (for the PPO-EWMA anchor; with LoRA, the
+        adapters)."""
+        return {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
     def score_with(self, params: dict[str, torch.Tensor], batch: Batch) -> ScoreResult:

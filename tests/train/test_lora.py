@@ -80,3 +80,39 @@ def test_layout_matches_single_rank(one_rank, tiny_qwen, layout):
     assert merged.keys() == ref["merged"].keys()
     for name, tensor in ref["merged"].items():
         torch.testing.assert_close(merged[name], tensor, **TOL, msg=name)
+
+
+def test_recompute_trains_the_adapters_as_without(one_rank, tiny_qwen):
+    """Activation recompute with a frozen embedding: the adapters still get their gradients (the
+    embedding's output carries grad into the recomputed layers)."""
+    res = run_ranks(lora_job, 1, (str(tiny_qwen), {}, TARGETS, True))[0]
+    for step in range(2):
+        assert res["steps"][step]["grad_norm"] == pytest.approx(one_rank["steps"][step]["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(res["after"].logp_BS * valid(), one_rank["after"].logp_BS * valid(), **TOL)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}])
+def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout):
+    """Saved in TP2 (EP2: with the distributed optimizer), the checkpoint holds the adapters alone and
+    resumes on one rank as the run would have gone on; a model without adapters refuses it."""
+    from train_jobs import ckpt_job
+
+    from moe_rl.train.checkpoint import read_extra, tensor_shapes
+    from moe_rl.train.lora import LoraSettings
+
+    settings = LoraSettings(rank=4, alpha=8.0, targets=TARGETS)
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(ckpt_job, 2, (str(tiny_qwen), layout, str(ckpt), "save", settings))
+    keys = set(tensor_shapes(ckpt))
+    model_keys = {k for k in keys if not k.startswith("optimizer")}
+    assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), sorted(model_keys)[:5]
+    assert read_extra(ckpt)["lora_base"] == str(tiny_qwen)
+    world = 2 if "ep" in layout else 1  # a distributed optimizer's state resumes at the same DP size
+    loaded = run_ranks(ckpt_job, world, (str(tiny_qwen), {} if world == 1 else layout, str(ckpt), "load",
+                                         settings))
+    losses = [sum(r["step2"]["loss"] for r in runs if "loss" in r["step2"]) for runs in (saved, loaded)]
+    assert losses[1] == pytest.approx(losses[0] if world == 2 else saved[0]["step2"]["loss"], abs=1e-6)
+    torch.testing.assert_close(loaded[0]["after"].logp_BS * valid(), saved[0]["after"].logp_BS * valid(), **TOL)
+    if world == 1:
+        with pytest.raises(RuntimeError, match="does not fit this model's architecture: missing"):
+            run_ranks(ckpt_job, 1, (str(tiny_qwen), {}, str(ckpt), "load"))

@@ -95,15 +95,16 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     return out
 
 
-def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode):
-    """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures."""
+def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode, lora=None):
+    """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures.
+    `lora`: a LoraSettings for the policy's adapters."""
     from moe_rl.train import checkpoint, parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path),
+    w = TrainWorker(model_spec(hf_path, lora=lora),
                     optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=False),
-                    load_weights=mode == "save")
+                    load_weights=mode == "save" or lora is not None)  # LoRA: its base is the HF checkpoint
     ids, lengths, mask, adv = batch_tensors()
 
     def batch():  # pi_old: the current weights' log-probs, offset (the same offset in both runs)
@@ -354,7 +355,7 @@ def teacher_job(rank, world, hf_path, layout):
     return w.score(Batch(ids, lengths)).logp_BS
 
 
-def lora_job(rank, world, hf_path, layout, targets):
+def lora_job(rank, world, hf_path, layout, targets, recompute=False):
     """The policy with LoRA adapters (rank 4, alpha 8) on `targets` in `layout`: scores before, two PPO
     steps on the routes it recorded (this rank's data-parallel shard), scores after (replayed and free),
     whether every base parameter is bitwise unchanged, the numbers of trainable and optimizer elements,
@@ -365,7 +366,7 @@ def lora_job(rank, world, hf_path, layout, targets):
     lay = parallel.Layout(**layout)
     parallel.init_distributed(lay)
     settings = lora.LoraSettings(rank=4, alpha=8.0, targets=tuple(targets))
-    w = TrainWorker(model_spec(hf_path, lora=settings),
+    w = TrainWorker(model_spec(hf_path, lora=settings, recompute=recompute),
                     optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     dp_size = w.ps.get_data_parallel_world_size()
