@@ -45,7 +45,8 @@ from moe_rl.config_run import (
 from moe_rl.schema import ConfigError, build, check_tree, parse_overrides, read_yaml, set_dotted
 
 __all__ = ["AlgorithmSection", "Arch", "CheckpointSection", "ClusterSection", "ConfigError", "CriticSection",
-           "EnvironmentSection", "FP8Recipe", "LoggingSection", "LoraSection", "ModelSection", "ParallelSection",
+           "EnvironmentSection", "FP8Recipe", "LoggingSection", "LoraSection", "ModelSection",
+           "ParallelSection",
            "RewardModelSection", "RolloutSection", "RunConfig", "RunSection", "TeacherSection", "TinyModel",
            "TrainerSection",
            "dump_yaml", "from_dict", "load_config", "parse_overrides", "to_dict"]

@@ -77,6 +77,10 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
+    if cfg.model.lora.rank and cfg.model.layer_spec != "local":
+        raise ConfigError("model.lora.rank", "adapters are built on megatron-core's own linears (layer_spec "
+                          "local); on Transformer Engine's fused layers (the norm inside linear_qkv and fc1, "
+                          "the grouped expert GEMMs) they are not built yet")
     if not cuda_available:
         if cfg.model.layer_spec == "transformer_engine":
             raise ConfigError("model.layer_spec",
@@ -297,6 +301,8 @@ SWITCHES = (
     Switch("parallel.dp > 1", lambda c: c.parallel.dp > 1, ("trainer.dp_balance",)),
     Switch("reward_model.path", lambda c: bool(c.reward_model.path),
            ("reward_model.weight", "reward_model.rule_weight")),
+    Switch("model.lora.rank > 0", lambda c: c.model.lora.rank > 0,
+           ("model.lora.alpha", "model.lora.targets")),
     Switch("algorithm.distill_coef > 0", lambda c: c.algorithm.distill_coef > 0,
            ("teacher.path", "teacher.named", "teacher.tp", "teacher.pp", "teacher.ep", "teacher.dtype")),
 )

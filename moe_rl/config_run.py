@@ -106,7 +106,8 @@ class LoraSection:
         if self.rank:
             in_range("model.lora.alpha", self.alpha, 0.0, None, lo_open=True)
             if not self.targets or len(set(self.targets)) != len(self.targets):
-                raise ConfigError("model.lora.targets", f"{self.targets}: name each linear once, at least one")
+                raise ConfigError("model.lora.targets",
+                                  f"{self.targets}: name each linear once, at least one")
 
 
 @dataclass(frozen=True)

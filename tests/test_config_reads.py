@@ -43,6 +43,7 @@ SWITCH_CASES = {
              ["model.moe_dispatcher=allgather", "parallel.ep=2", "parallel.world_size=2"]]),
     "reward_model.path": (["reward_model.path=/checkpoints/rm"], [[]]),
     "parallel.dp > 1": (["parallel.world_size=2"], [[], ["parallel.tp=2", "parallel.world_size=2"]]),
+    "model.lora.rank > 0": (["model.lora.rank=4"], [[]]),
 }
 
 # a valid value other than the default, where the type alone does not give one
@@ -50,7 +51,7 @@ OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_a
          "model.tiny.num_key_value_heads": 1,
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
-         "teacher.dtype": "bfloat16"}
+         "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]"}
 
 
 def field_type(path: str):

@@ -17,6 +17,7 @@ from moe_rl.config import (
     ClusterSection,
     CriticSection,
     EnvironmentSection,
+    LoraSection,
     ModelSection,
     ParallelSection,
     RewardModelSection,
@@ -27,6 +28,7 @@ from moe_rl.config import (
 )
 from moe_rl.rollout.agent import AgentSettings
 from moe_rl.rollout.engine import EngineSettings
+from moe_rl.train.lora import LoraSettings
 from moe_rl.train.model import ModelSpec
 from moe_rl.train.objectives import PolicyLoss
 from moe_rl.train.worker import OptimSettings
@@ -35,7 +37,8 @@ from moe_rl.train.worker import OptimSettings
 CFG = RunConfig(
     run=RunSection(seed=4321),
     model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
-                       moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+                       moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                       lora=LoraSection(rank=8, alpha=4.0, targets=["linear_qkv", "linear_fc2"])),
     parallel=ParallelSection(distributed_optimizer=False),
     rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9,
                            record_routes=False, route_source="capture", weight_transfer="nccl",
@@ -70,7 +73,13 @@ CASES = {
         "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
         "routing_replay": at("rollout.record_routes"), "moe_aux_loss_coeff": at("model.moe_aux_loss_coeff"),
         "moe_z_loss_coeff": at("model.moe_z_loss_coeff"),
-    }, {"hf_path"}),
+    }, {"hf_path", "lora"}),  # lora: the policy's alone (policy_spec)
+    # rank 0 (the default config): no adapters, None; stood in for by rank 0 with the config's other fields
+    "policy_spec.lora": (lambda cfg: settings.policy_spec(cfg, "ckpt/dir").lora or LoraSettings(
+        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets)), LoraSettings, {
+        "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),
+        "targets": lambda cfg: tuple(cfg.model.lora.targets),
+    }, set()),
     "optim_settings": (lambda cfg: settings.optim_settings(cfg, cfg.critic.lr), OptimSettings, {
         "lr": at("critic.lr"),  # the argument: trainer.lr for the policy, critic.lr for the critic
         "weight_decay": at("trainer.weight_decay"), "adam_beta1": at("trainer.adam_beta1"),

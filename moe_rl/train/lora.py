@@ -84,8 +84,10 @@ def _column_hook(module, args, kwargs, output):
 
 
 def _row_hook(module, args, kwargs, output):
-    from megatron.core.tensor_parallel import (reduce_from_tensor_model_parallel_region,
-                                               reduce_scatter_to_sequence_parallel_region)
+    from megatron.core.tensor_parallel import (
+        reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
 
     x = args[0] if args else kwargs["input_"]
     partial = adapter_delta(x, module.lora_A, module.lora_B, module.lora_scale)

@@ -75,8 +75,8 @@ class TrainWorker:
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', not {role!r}")
         if spec.lora is not None and not load_weights:
-            raise ValueError("a LoRA policy's frozen base is its Hugging Face checkpoint (checkpoints hold the "
-                             "adapters alone): load_weights must be on")
+            raise ValueError("a LoRA policy's frozen base is its Hugging Face checkpoint (checkpoints hold "
+                             "the adapters alone): load_weights must be on")
         cpu_compat.apply()
         if not torch.cuda.is_available():
             cpu_compat.seed_model_parallel(seed)

@@ -384,11 +384,13 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False):
     out["base_same"] = all(torch.equal(params[n], b) for n, b in base.items())
     out["trainable"] = sorted(n for n, p in params.items() if p.requires_grad)
     out["adapter_numel"] = sum(p.numel() for p in lora.adapter_parameters(w.module).values())
-    out["optimizer_numel"] = sum(p.numel() for opt in getattr(w.optimizer, "chained_optimizers", [w.optimizer])
-                                 for g in opt.optimizer.param_groups for p in g["params"])
+    optimizers = getattr(w.optimizer, "chained_optimizers", [w.optimizer])
+    out["optimizer_numel"] = sum(p.numel() for opt in optimizers for g in opt.optimizer.param_groups
+                                 for p in g["params"])
     out["merged"] = dict(hf_io.export_hf_weights(w.bridge, w.module))
-    out["merged_by_formula"] = {n: (params[f"{n}.weight"].double() + settings.scale * params[f"{n}.lora_B"].double()
-                                    @ params[f"{n}.lora_A"].double()).float()
-                                for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
-    out["merged_local"] = {n: lora.merged_weight(m) for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
+    adapted = {n: m for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
+    out["merged_by_formula"] = {
+        n: (m.weight.double() + settings.scale * m.lora_B.double() @ m.lora_A.double()).float()
+        for n, m in adapted.items()}
+    out["merged_local"] = {n: lora.merged_weight(m) for n, m in adapted.items()}
     return out
