@@ -81,10 +81,20 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     session.check_interrupted()
     rollouts.connect(models.policy)
     phase("weight-sync connect")
-    say(f"weight sync: {cfg.rollout.weight_transfer}")
+    say(sync_line(cfg))
     say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
         + ")")
     return models, rollouts
+
+
+def sync_line(cfg: RunConfig) -> str:
+    """How the engines get the policy's weights, as the start-up says it."""
+    line, lo = f"weight sync: {cfg.rollout.weight_transfer}", cfg.model.lora
+    if lo.rank:
+        line += (f", LoRA merged: the engines get W + (alpha/r) B A (rank {lo.rank}, alpha {lo.alpha:g}, on "
+                 f"{', '.join(lo.targets)}), whole weights, not adapters (vLLM's CPU build has no LoRA kernel "
+                 "for experts)")
+    return line
 
 
 def model_path(cfg: RunConfig, out: Path) -> str:
