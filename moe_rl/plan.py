@@ -179,19 +179,27 @@ class Plan:
     route_bytes: int  # host memory for one step's routes
     sync_bytes: int  # what one weight sync moves
     problems: list[str]
+    adapter_params: int = 0  # LoRA's trained parameters in the whole policy (0: no adapters)
 
 
 def dtype_bytes(cfg) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
-def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
-    """(non-expert, routed-expert) parameters of pipeline stage `stage`: ceil(layers / pp) layers each,
-    the dense layers first; the embedding on the first stage, final norm and output on the last."""
+def stage_layers(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(dense, MoE) layers of pipeline stage `stage`: ceil(layers / pp) layers each, the dense layers
+    first."""
     per = math.ceil(shape.layers / pp)
     layers = range(stage * per, min((stage + 1) * per, shape.layers))
     dense = sum(1 for i in layers if i < shape.dense_layers)
-    moe = len(layers) - dense
+    return dense, len(layers) - dense
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of pipeline stage `stage`: `stage_layers`; the embedding on
+    the first stage, final norm and output on the last."""
+    dense, moe = stage_layers(shape, pp, stage)
+    layers = range(dense + moe)
     ends = 0
     if stage == 0:
         ends += shape.vocab * shape.hidden
@@ -199,6 +207,30 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
         ends += shape.hidden + (0 if shape.tied and pp == 1 else shape.vocab * shape.hidden)
     return (len(layers) * shape.attention + moe * shape.moe_shared + dense * shape.dense_mlp + ends,
             moe * shape.experts * shape.expert)
+
+
+def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1, pp: int = 1,
+                stage: int = 0) -> tuple[float, float]:
+    """(non-expert, routed-expert) LoRA adapter parameters on one rank of pipeline stage `stage`
+    (train/lora.py): a linear [out, in] gets A [r, in] and B [out, r]; a column-parallel one (linear_qkv,
+    linear_fc1) keeps A whole and shards B over tp, a row-parallel one (linear_proj, linear_fc2) shards
+    A and keeps B whole. Every MLP is gated (fc1 out = 2 f), each routed expert has its own adapters and
+    the experts split over ep (and their linears over tp, megatron's default expert TP)."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+    def column(i: int, o: int, name: str) -> float:
+        return rank * (i + o / tp) if name in targets else 0.0
+
+    def row(i: int, o: int, name: str) -> float:
+        return rank * (i / tp + o) if name in targets else 0.0
+
+    def mlp(f: int) -> float:
+        return column(h, 2 * f, "linear_fc1") + row(f, h, "linear_fc2") if f else 0.0
+
+    dense, moe = stage_layers(shape, pp, stage)
+    attention = column(h, q + 2 * kv, "linear_qkv") + row(q, h, "linear_proj")
+    return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * mlp(shape.shared_ffn),
+            moe * shape.experts / ep * mlp(shape.moe_ffn))
 
 
 def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
@@ -214,6 +246,11 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
                             key=sum)  # the stage with the most parameters per rank
     out = {"weights": (p_dense + p_expert) * b}
     tokens = cfg.trainer.micro_batch_tokens / (tp * cp)
+    lora = cfg.model.lora
+    if role == "policy" and lora.rank:  # the base frozen: only the adapters have gradients and Adam state
+        p_dense, p_expert = max((lora_params(shape, lora.rank, lora.targets, tp, ep, pp, stage)
+                                 for stage in range(pp)), key=sum)
+        out["lora_adapters"] = (p_dense + p_expert) * b
     if trains:
         opt = 12 if b == 2 else 8
         edp = max(par.world_size // (pp * ep * etp), 1)
@@ -308,9 +345,11 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
-    sync_bytes = shape.total * dtype_bytes(cfg)
+    sync_bytes = shape.total * dtype_bytes(cfg)  # with LoRA too: the engines get merged weights
+    lora = cfg.model.lora
+    adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
-                math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems)
+                math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters)
 
 
 def _count(n: int) -> str:
@@ -330,6 +369,10 @@ def render(plan: Plan) -> str:
         lines += [f"{'':<{width}} {n}" for n in r.notes]
     lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
                  f"{plan.sync_bytes / gb:.1f} GiB")
+    if plan.adapter_params:
+        lines.append(f"LoRA: {_count(plan.adapter_params)} adapter parameters "
+                     f"({plan.adapter_params / s.total:.2%} of the model) train, the base is frozen; the "
+                     "engines get merged weights (the sync above)")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, moe_rl_cli
 
 from moe_rl.config import TinyModel, from_dict, load_config
-from moe_rl.plan import ModelShape, hf_config_of, make_plan
+from moe_rl.plan import ModelShape, hf_config_of, make_plan, render
 from moe_rl.tiny import hf_config as tiny_hf_config
 
 # the published config.json of each model (the fields sizes depend on)
@@ -151,3 +151,24 @@ def test_a_teacher_is_counted_with_its_own_shape_and_no_training_state(tmp_path)
     layers = (t.attention + t.moe_shared) / 2 + 128 * t.expert / 16  # per layer: tp 2, ep 8 x etp 2
     assert big.per_gpu["weights"] - student["weights"] == pytest.approx(12 * layers * 2)  # 24 vs 12, bf16
     assert big.per_gpu["logits"] == pytest.approx(16384 * s.vocab / 2 * (2 + 12))  # scoring: model + 12 bytes
+
+
+def test_lora_trains_the_adapters_alone_worked_by_hand():
+    """Qwen3-30B-A3B in the shipped layout (tp 2, pp 2, ep 8) with rank-16 adapters on every linear (the
+    local layer spec: adapters are not built on Transformer Engine's). Per layer on one rank: linear_qkv
+    16 (2048 + 5120 / 2) = 73,728, linear_proj 16 (4096 / 2 + 2048) = 65,536; each of the 128 / 8 = 16
+    experts fc1 16 (2048 + 1536 / 2) = 45,056 and fc2 16 (768 / 2 + 2048) = 38,912; 24 layers a stage."""
+    cfg = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", ["model.layer_spec=local", "model.fp8=none",
+                                                                  "model.lora.rank=16"], cuda_available=True)
+    full = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", cuda_available=True),
+                     QWEN3_30B_A3B)
+    plan = make_plan(cfg, QWEN3_30B_A3B)
+    dense, expert = 24 * (73_728 + 65_536), 24 * 16 * (45_056 + 38_912)
+    policy, whole = plan.roles[0].per_gpu, full.roles[0].per_gpu
+    assert policy["weights"] == whole["weights"] and policy["lora_adapters"] == (dense + expert) * 2
+    assert policy["gradients"] == (dense + expert) * 4
+    # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over one expert-data-parallel rank
+    assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12)
+    assert policy["optimizer"] < whole["optimizer"] / 25 and plan.sync_bytes == full.sync_bytes
+    assert plan.roles[1].per_gpu == full.roles[1].per_gpu  # the critic trains whole
+    assert "LoRA: 639.37 M adapter parameters (2.09% of the model) train" in render(plan)  # 48 layers' worth

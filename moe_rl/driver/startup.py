@@ -91,9 +91,9 @@ def sync_line(cfg: RunConfig) -> str:
     """How the engines get the policy's weights, as the start-up says it."""
     line, lo = f"weight sync: {cfg.rollout.weight_transfer}", cfg.model.lora
     if lo.rank:
-        line += (f", LoRA merged: the engines get W + (alpha/r) B A (rank {lo.rank}, alpha {lo.alpha:g}, on "
-                 f"{', '.join(lo.targets)}), whole weights, not adapters (vLLM's CPU build has no LoRA kernel "
-                 "for experts)")
+        line += (f", LoRA merged: the engines get W + (alpha/r) B A (rank {lo.rank}, alpha {lo.alpha:g}, "
+                 f"on {', '.join(lo.targets)}), whole weights, not adapters (vLLM's CPU build has no LoRA "
+                 "kernel for experts)")
     return line
 
 

@@ -2,6 +2,8 @@
 merged weights W + (alpha/r) B A scoring in transformers as the adapted model does, and TP2 / EP2 / PP2
 equal to one rank (scores, losses, gradient norms, merged weights) in fp32."""
 
+import json
+
 import pytest
 import torch
 from train_jobs import B, S, batch_tensors, lora_job
@@ -62,12 +64,28 @@ def test_merged_weights_are_base_plus_scaled_BA_and_score_as_the_adapted_model(o
     assert float(((hf - hf_token_logprobs(tiny_qwen, ids)).abs() * valid()).max()) > 1e-3  # not the base
 
 
+def planned_adapters(tiny_qwen, layout: dict, stage: int) -> float:
+    """`moe-rl plan`'s count of one rank's adapter parameters."""
+    from moe_rl.plan import ModelShape, lora_params
+
+    shape = ModelShape.from_hf(json.loads((tiny_qwen / "config.json").read_text()))
+    return sum(lora_params(shape, 4, TARGETS, layout.get("tp", 1), layout.get("ep", 1), layout.get("pp", 1),
+                           stage))
+
+
+@pytest.mark.quick
+def test_the_plan_counts_the_adapters_the_model_has(one_rank, tiny_qwen):
+    assert planned_adapters(tiny_qwen, {}, 0) == one_rank["adapter_numel"]
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}])
 def test_layout_matches_single_rank(one_rank, tiny_qwen, layout):
     ref = one_rank
     results = run_ranks(lora_job, 2, (str(tiny_qwen), layout, TARGETS))
-    for res in results:
+    for rank, res in enumerate(results):
         assert res["base_same"]
+        # each rank's adapters as `moe-rl plan` counts them (rank 1 is stage 1 under PP2)
+        assert res["adapter_numel"] == planned_adapters(tiny_qwen, layout, rank if "pp" in layout else 0)
         for key in ("before", "after", "after_free"):
             torch.testing.assert_close(res[key].logp_BS * valid(), ref[key].logp_BS * valid(), **TOL, msg=key)
     for step in range(2):
