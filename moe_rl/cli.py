@@ -260,7 +260,8 @@ def _cmd_convert(args) -> int:
             done = convert.hf_to_mcore(args.src, args.out, layout, role="critic" if args.critic else "policy",
                                        dtype=args.dtype, value_head_from=args.value_head_from)
         else:
-            done = convert.mcore_to_hf(args.src, args.out, hf_config=args.hf_config, layout=layout)
+            done = convert.mcore_to_hf(args.src, args.out, hf_config=args.hf_config, layout=layout,
+                                       merge=args.merge)
     except (CheckpointError, ValueError, FileNotFoundError) as err:
         raise UserError(str(err)) from None
     print(convert.describe(done))
@@ -421,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf-to-mcore: storage dtype (default: the checkpoint's)")
     v.add_argument("--hf-config",
                    help="mcore-to-hf: base model directory (default: the checkpoint's hf_config/)")
+    v.add_argument("--merge", action="store_true",
+                   help="mcore-to-hf of a LoRA policy checkpoint (model.lora): write the merged model "
+                   "W + (alpha/r) B A instead of the PEFT adapter (adapter_config.json, "
+                   "adapter_model.safetensors) it writes by default")
     v.set_defaults(fn=_cmd_convert)
     return p
 

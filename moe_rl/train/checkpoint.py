@@ -152,7 +152,7 @@ def check_model_fits(module, path: str | Path) -> None:
 
 def model_sharded(module) -> dict:
     """The model's sharded state; with LoRA adapters, the adapters alone (the frozen base is the Hugging
-    Face checkpoint the run builds the model from, recorded as `lora_base`)."""
+    Face checkpoint the run builds the model from, recorded with the adapters' settings as `lora`)."""
     sd = module.sharded_state_dict()
     if lora.adapter_parameters(module):
         sd = {k: v for k, v in sd.items() if lora.is_adapter(k)}
@@ -205,10 +205,12 @@ def _save(state: dict, path: Path, record: dict) -> None:
 
 
 def save(worker, path: str | Path, extra: dict | None = None) -> None:
-    lora_base = {"lora_base": worker.spec.hf_path} if worker.spec.lora is not None else {}
+    spec, lo = worker.spec, worker.spec.lora
+    adapters = {} if lo is None else {"lora": {"base": spec.hf_path, "rank": lo.rank, "alpha": lo.alpha,
+                                               "targets": list(lo.targets), "dtype": spec.dtype}}
     _save(_sharded(worker, is_loading=False), Path(path),
           {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker),
-           "role": worker.role, **lora_base})
+           "role": worker.role, **adapters})
 
 
 def save_model(module, path: str | Path, extra: dict | None = None) -> None:

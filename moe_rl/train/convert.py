@@ -142,6 +142,62 @@ def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str
     return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb), progress.count
 
 
+def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layout: Layout, record: dict,
+               merge: bool, shard_mb: float):
+    """A LoRA checkpoint's rank: the base from its Hugging Face checkpoint, the adapters from `ckpt`; then
+    the merged model's tensors this rank owns (written as shards: {HF name: (file, bytes)}), or its
+    adapters in PEFT's naming ({name: tensor}, for the caller to write as one file)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_rl.train import checkpoint, hf_io, lora
+
+    bridge, module = _build(hf_config, record["dtype"], "policy", layout)
+    base = record["base"]
+    _check_hf_dir(Path(base))
+    hf_io.load_hf_weights(bridge, module, base)
+    settings = lora.LoraSettings(record["rank"], record["alpha"], tuple(record["targets"]))
+    lora.add_adapters(module, settings, hf_io.global_names(
+        module, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+        bridge.config.num_moe_experts), seed=0)
+    checkpoint.load_model(module, ckpt)
+    if merge:
+        merged = hf_io.export_hf_weights(bridge, module, owned_only=True)
+        return write_shards(merged, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb)
+    # a fused linear's A serves several HF modules: each gets its own copy (safetensors refuses shared ones)
+    return {name: t.cpu().clone() for name, t in hf_io.export_peft_adapters(bridge, module, owned_only=True)}
+
+
+def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: dict, merge: bool,
+               shard_mb: float) -> Converted:
+    """A LoRA policy checkpoint (adapters alone) as a PEFT adapter (adapter_config.json and
+    adapter_model.safetensors, which HF PEFT loads onto the base model), or with `merge` as a whole HF
+    checkpoint of W + (alpha/r) B A."""
+    from safetensors.torch import save_file
+
+    parts = _run(_lora_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, record, merge,
+                                                 shard_mb))
+    merged: dict = {}
+    for part in parts:
+        if merged.keys() & part.keys():
+            raise RuntimeError(f"two ranks exported {sorted(merged.keys() & part.keys())[:3]} (ownership "
+                               "bug)")
+        merged.update(part)
+    if merge:
+        copy_hf_config(hf_config, out)
+        write_index(out, merged)
+        return Converted(out, len(merged), sum(size for _, size in merged.values()), "policy (LoRA merged)",
+                         kind="Hugging Face tensors")
+    save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({n.split(".")[-3] for n in merged})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": record["base"],
+        "r": record["rank"], "lora_alpha": record["alpha"], "target_modules": modules, "lora_dropout": 0.0,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "inference_mode": True}, indent=2))
+    return Converted(out, len(merged), sum(t.numel() * t.element_size() for t in merged.values()),
+                     "policy (LoRA adapters, PEFT format)", kind="adapter tensors")
+
+
 def _run(fn, world: int, args: tuple):
     from moe_rl.train.launch_local import run_ranks
 
@@ -221,19 +277,33 @@ def checkpoint_role_and_dtype(ckpt: str | Path) -> tuple[str, str]:
 
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
-                layout: Layout | None = None, shard_mb: float = 4096) -> Converted:
-    """Export a Megatron dist checkpoint (converted, or a trained policy/critic) as an HF checkpoint."""
+                layout: Layout | None = None, shard_mb: float = 4096, merge: bool = False) -> Converted:
+    """Export a Megatron dist checkpoint (converted, or a trained policy/critic) as an HF checkpoint; a LoRA
+    policy's (adapters alone) as a PEFT adapter, or with `merge` as the merged model (`lora_to_hf`)."""
     ckpt, out, layout = Path(ckpt), Path(out), layout or Layout()
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: no such checkpoint directory")
+    from moe_rl.train.checkpoint import read_extra
+
+    record = read_extra(ckpt).get("lora")
     hf_config = Path(hf_config) if hf_config else ckpt / HF_CONFIG_DIR
+    if not hf_config.is_dir() and record is not None:  # a LoRA checkpoint names its base
+        hf_config = Path(record["base"])
     if not (hf_config / "config.json").is_file():
         raise CheckpointMismatch(f"no Hugging Face config for {ckpt}: it has no {HF_CONFIG_DIR}/ directory; "
                                  "name the base model's directory with --hf-config")
+    if merge and record is None:
+        raise CheckpointMismatch(f"{ckpt} holds whole weights, no LoRA adapters: there is nothing to merge")
     role, dtype = checkpoint_role_and_dtype(ckpt)
     if out.exists() and any(out.iterdir()):
         raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
     out.mkdir(parents=True, exist_ok=True)
+    if record is not None:
+        try:
+            return lora_to_hf(ckpt, out, hf_config, layout, record, merge, shard_mb)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
     try:
         parts = _run(_mcore_to_hf_rank, ranks_for(layout),
                      (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))

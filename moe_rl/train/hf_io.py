@@ -142,6 +142,52 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
         yield from zip(hf_names, tensors, strict=True)
 
 
+@torch.no_grad()
+def export_peft_adapters(bridge, model, owned_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (PEFT name, tensor) for the LoRA adapters of every linear this rank holds (TP shards
+    gathered), in Hugging Face PEFT's naming: for each HF module the linear's weight maps to,
+    `base_model.model.{module}.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. A fused Megatron
+    linear (q, k and v in linear_qkv; gate and up in linear_fc1) shares its A among its HF modules, and
+    its B rows split as its weight's rows do (mbridge's mapping, applied to B padded to the weight's
+    width). Experts come out per expert (`mlp.experts.{e}.gate_proj`, ...). Collective like
+    `export_hf_weights`."""
+    from megatron.core import parallel_state as ps
+
+    names = global_names(model, ps.get_expert_model_parallel_rank(),
+                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
+    owner = {False: owns_replica(False), True: owns_replica(True)}
+    for name, linear in _unwrap(model).named_modules():
+        if not hasattr(linear, "lora_A"):
+            continue
+        te = names[f"{name}.weight"]
+        _, size, group = _tp_info(te)
+        a, b = linear.lora_A.detach(), linear.lora_B.detach()
+        if lora.is_column(linear):  # B [out/tp, r] rows like the weight's: pad to its shape, merge, split
+            r, width = a.shape
+            if r > width:
+                raise CheckpointMismatch(f"'{te}': rank {r} is above the input width {width}; the export "
+                                         "pads B to the weight's width")
+            padded = torch.nn.functional.pad(b, (0, width - r))
+            if size > 1:
+                shards = [torch.empty_like(padded) for _ in range(size)]
+                dist.all_gather(shards, padded.contiguous(), group=group)
+                padded = _merge_tp(bridge, te, shards, linear.weight)
+            hf_names, parts = bridge._weight_to_hf_format(te, padded)
+            pairs = [(n, a, part[:, :r]) for n, part in zip(hf_names, parts, strict=True)]
+        else:  # row-parallel: A [r, in/tp] gathered along its columns, B [out, r] whole
+            if size > 1:
+                shards = [torch.empty_like(a) for _ in range(size)]
+                dist.all_gather(shards, a.contiguous(), group=group)
+                a = torch.cat(shards, dim=1)
+            pairs = [(n, a, b) for n in bridge._weight_name_mapping_mcore_to_hf(te)]
+        if owned_only and not owner[is_expert(te)]:
+            continue
+        for hf_name, a_hf, b_hf in pairs:
+            module = hf_name.removesuffix(".weight")
+            yield f"base_model.model.{module}.lora_A.weight", a_hf.contiguous()
+            yield f"base_model.model.{module}.lora_B.weight", b_hf.contiguous()
+
+
 def _merge_tp(bridge, te: str, shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
     # mbridge's merge assumes expert shards come from the expert-TP group; ours do
     if is_expert(te):

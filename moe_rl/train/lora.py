@@ -68,6 +68,11 @@ def _kind(module) -> str | None:
     return None
 
 
+def is_column(linear) -> bool:
+    """Whether an adapted linear is column-parallel (A whole, B sharded) rather than row-parallel."""
+    return _kind(linear) == "column"
+
+
 def _tp(module) -> tuple[int, int]:
     group = module.tp_group
     return group.rank(), group.size()

@@ -127,7 +127,8 @@ def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout
     keys = set(tensor_shapes(ckpt))
     model_keys = {k for k in keys if not k.startswith("optimizer")}
     assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), sorted(model_keys)[:5]
-    assert read_extra(ckpt)["lora_base"] == str(tiny_qwen)
+    assert read_extra(ckpt)["lora"] == {"base": str(tiny_qwen), "rank": 4, "alpha": 8.0,
+                                        "targets": list(TARGETS), "dtype": "float32"}
     world = 2 if "ep" in layout else 1  # a distributed optimizer's state resumes at the same DP size
     loaded = run_ranks(ckpt_job, world, (str(tiny_qwen), {} if world == 1 else layout, str(ckpt), "load",
                                          settings))
@@ -138,3 +139,56 @@ def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout
     if world == 1:
         with pytest.raises(RuntimeError, match="does not fit this model's architecture: missing"):
             run_ranks(ckpt_job, 1, (str(tiny_qwen), {}, str(ckpt), "load"))
+
+
+def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, tiny_qwen):
+    """Attention adapters trained in TP2, exported by `moe-rl convert mcore-to-hf` in PEFT's format:
+    HF PEFT loads them onto the transformers base model, which then scores as the trainer did; `--merge`
+    writes the merged model, which scores the same."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moe_rl.train.convert import mcore_to_hf
+    from moe_rl.train.hf_parity import hf_token_logprobs
+
+    ckpt = tmp_path / "ckpt"
+    trained = run_ranks(lora_job, 2, (str(tiny_qwen), {"tp": 2}, ("linear_qkv", "linear_proj"), False,
+                                      str(ckpt)))[0]["after_free"].logp_BS
+    done = mcore_to_hf(ckpt, tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"] and done.tensors == 2 * 4 * 2
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen), tmp_path / "peft")
+    ids, _, _, _ = batch_tensors()
+    with torch.no_grad():
+        lp = torch.log_softmax(peft_model(input_ids=ids).logits.float(), -1)
+    peft_logp = torch.zeros(B, S)
+    peft_logp[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(peft_logp * valid(), trained * valid(), **TOL)
+    mcore_to_hf(ckpt, tmp_path / "merged", merge=True)
+    merged = hf_token_logprobs(tmp_path / "merged", ids)
+    torch.testing.assert_close(merged * valid(), trained * valid(), **TOL)
+
+
+def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, tiny_qwen):
+    """Every target, experts included (EP2): each exported HF module's base weight + (alpha/r) B A is the
+    merged export's tensor, per expert (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, the
+    per-expert layout vLLM's MoE LoRA and Megatron-Bridge use)."""
+    from safetensors.torch import load_file
+
+    from moe_rl.train.convert import mcore_to_hf
+    from moe_rl.weights.hf import HFReader
+
+    ckpt = tmp_path / "ckpt"
+    run_ranks(lora_job, 2, (str(tiny_qwen), {"ep": 2}, TARGETS, False, str(ckpt)))
+    mcore_to_hf(ckpt, tmp_path / "peft", layout=None)
+    mcore_to_hf(ckpt, tmp_path / "merged", merge=True)
+    adapters, base, merged = (load_file(tmp_path / "peft" / "adapter_model.safetensors"), HFReader(tiny_qwen),
+                              HFReader(tmp_path / "merged"))
+    modules = {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in adapters}
+    assert len(modules) == 2 * (4 + 3 * 4)  # per layer: q, k, v, o and three per expert
+    assert "model.layers.1.mlp.experts.3.up_proj" in modules
+    for m in sorted(modules):
+        a, b = (adapters[f"base_model.model.{m}.lora_{x}.weight"].double() for x in "AB")
+        expected = base.get(f"{m}.weight").double() + 8.0 / 4 * b @ a
+        torch.testing.assert_close(merged.get(f"{m}.weight").double(), expected, atol=1e-6, rtol=0, msg=m)

@@ -355,11 +355,11 @@ def teacher_job(rank, world, hf_path, layout):
     return w.score(Batch(ids, lengths)).logp_BS
 
 
-def lora_job(rank, world, hf_path, layout, targets, recompute=False):
+def lora_job(rank, world, hf_path, layout, targets, recompute=False, ckpt_dir=None):
     """The policy with LoRA adapters (rank 4, alpha 8) on `targets` in `layout`: scores before, two PPO
     steps on the routes it recorded (this rank's data-parallel shard), scores after (replayed and free),
     whether every base parameter is bitwise unchanged, the numbers of trainable and optimizer elements,
-    and the merged Hugging Face weights this rank exports."""
+    and the merged Hugging Face weights this rank exports; saved to `ckpt_dir` where given."""
     from moe_rl.train import hf_io, lora, parallel
     from moe_rl.train.worker import TrainWorker
 
@@ -381,6 +381,10 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False):
         out["steps"].append(w.train_step(shard, policy_loss(), Denominator(mask)).figures)
     out["after"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(Batch(ids, lengths))
+    if ckpt_dir is not None:
+        from moe_rl.train import checkpoint
+
+        checkpoint.save(w, ckpt_dir)
     out["base_same"] = all(torch.equal(params[n], b) for n, b in base.items())
     out["trainable"] = sorted(n for n, p in params.items() if p.requires_grad)
     out["adapter_numel"] = sum(p.numel() for p in lora.adapter_parameters(w.module).values())
