@@ -46,6 +46,8 @@ VARIANTS: dict[str, list[str]] = {
                         "environment.options.guesses=3", "environment.max_turns=3"],
     "one_epoch_lr": ["trainer.epochs=1", "algorithm.lam=1.0", "run.steps=800", "trainer.eval_every=200",
                      "trainer.lr=2.5e-3"],
+    # LoRA (rank 16 of hidden 64) on the policy, the warm start included; the critic trains whole
+    "lora": ["model.lora.rank=16", "model.lora.alpha=32", "trainer.lr=5e-3", "trainer.warm_start_lr=1e-2"],
 }
 
 

@@ -1,6 +1,7 @@
 """LoRA adapters on megatron-core's parallel linears (the local layer spec): y = W x + (alpha/r) B A x.
 
-    n = add_adapters(module, LoraSettings(rank=8, alpha=16, targets=("linear_qkv", "linear_fc1")), names)
+    n = add_adapters(module, LoraSettings(rank=8, alpha=16, targets=("linear_qkv", "linear_fc1")), names,
+                     seed)
     merged_weight(linear)   # W + (alpha/r) B A, this rank's shard: what the engines get
 
 Each targeted ColumnParallelLinear / RowParallelLinear (attention's linear_qkv and linear_proj, the
