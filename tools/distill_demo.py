@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_all, run_one  # noqa: E402
+from quickstart_sweep import CONFIG, ROOT, run_all, train_and_export  # noqa: E402
 
 DISTILL = ROOT / "configs" / "distill_quickstart.yaml"
 CRITIC = ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=3.0e-3", "critic.value_clip=0.5"]
@@ -36,17 +35,8 @@ LARGER = ["model.tiny.hidden_size=96", "model.tiny.num_experts=8"]
 
 
 def train_teacher(out: Path, larger: bool) -> tuple[Path, float]:
-    """The quickstart trained (480 steps) and exported to out/teacher_hf; its held-out success after."""
-    name = "teacher_larger" if larger else "teacher"
-    row = run_one(CONFIG, name, LARGER if larger else [], 1234, out)
-    if row["rc"]:
-        raise SystemExit(f"the teacher's run failed: {row['error']}")
-    run_dir = out / name / "seed_1234"
-    hf = out / name / "hf"
-    if not (hf / "config.json").is_file():
-        subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "convert", "mcore-to-hf",
-                        str(run_dir / "checkpoints" / f"step_{row['steps']:06d}" / "policy"), str(hf)],
-                       check=True, cwd=ROOT)
+    """The quickstart trained (480 steps) and exported to out/teacher*/hf; its held-out success after."""
+    hf, row = train_and_export(out, "teacher_larger" if larger else "teacher", LARGER if larger else [])
     return hf, row["success_after"]
 
 

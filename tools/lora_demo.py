@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_all, run_one  # noqa: E402
+from quickstart_sweep import CONFIG, ROOT, run_all, train_and_export  # noqa: E402
 
 # the base has been warm-started: no warm start here (its settings back at their defaults)
 FROM_BASE = ["trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
@@ -29,15 +28,7 @@ MODES = {"lora": ["model.lora.rank=16", "model.lora.alpha=32", "trainer.lr=5e-3"
 
 def warm_started_base(out: Path) -> Path:
     """The quickstart after its warm start (and one RL step), exported to out/base/hf."""
-    row = run_one(CONFIG, "base", ["run.steps=1", "checkpoint.every=1"], 1234, out)
-    if row["rc"]:
-        raise SystemExit(f"the base's run failed: {row['error']}")
-    hf = out / "base" / "hf"
-    if not (hf / "config.json").is_file():
-        subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "convert", "mcore-to-hf",
-                        str(out / "base" / "seed_1234" / "checkpoints" / "step_000001" / "policy"), str(hf)],
-                       check=True, cwd=ROOT)
-    return hf
+    return train_and_export(out, "base", ["run.steps=1", "checkpoint.every=1"])[0]
 
 
 def main(argv: list[str] | None = None) -> int:

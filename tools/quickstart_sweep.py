@@ -77,6 +77,20 @@ def run_one(config: Path, variant: str, overrides: list[str], seed: int, out: Pa
                   "baselines": {n: b["eval/success_rate"] for n, b in summary.get("baselines", {}).items()}}
 
 
+def train_and_export(out: Path, name: str, overrides: list[str]) -> tuple[Path, dict]:
+    """The quickstart (seed 1234) with `overrides`, its last checkpoint's policy exported to Hugging Face
+    format (`moe-rl convert mcore-to-hf`) as out/name/hf; and the run's row."""
+    row = run_one(CONFIG, name, overrides, 1234, out)
+    if row["rc"]:
+        raise SystemExit(f"the {name} run failed: {row['error']}")
+    hf = out / name / "hf"
+    if not (hf / "config.json").is_file():
+        policy = out / name / "seed_1234" / "checkpoints" / f"step_{row['steps']:06d}" / "policy"
+        subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "convert", "mcore-to-hf", str(policy),
+                        str(hf)], check=True, cwd=ROOT)
+    return hf, row
+
+
 def run_all(runs: list[tuple[str, int]], setup, out: Path, extra=None) -> list[dict]:
     """Each (variant, seed) of `runs`, one after another, with a progress line before and after:
     run_one on setup(variant) = (config, overrides); `extra(row, run_dir)`, where given, adds to a
