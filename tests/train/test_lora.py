@@ -170,18 +170,21 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
     torch.testing.assert_close(merged * valid(), trained * valid(), **TOL)
 
 
-def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, tiny_qwen):
-    """Every target, experts included (EP2): each exported HF module's base weight + (alpha/r) B A is the
-    merged export's tensor, per expert (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, the
-    per-expert layout vLLM's MoE LoRA and Megatron-Bridge use)."""
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"tp": 2}])
+def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, tiny_qwen, layout):
+    """Every target, experts included (trained in EP2, or TP2: the experts' linears split over expert TP
+    too): each exported HF module's base weight + (alpha/r) B A is the merged export's tensor, per expert
+    (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, the per-expert layout vLLM's MoE LoRA and
+    Megatron-Bridge use)."""
     from safetensors.torch import load_file
 
     from moe_rl.train.convert import mcore_to_hf
+    from moe_rl.train.parallel import Layout
     from moe_rl.weights.hf import HFReader
 
     ckpt = tmp_path / "ckpt"
-    run_ranks(lora_job, 2, (str(tiny_qwen), {"ep": 2}, TARGETS, False, str(ckpt)))
-    mcore_to_hf(ckpt, tmp_path / "peft", layout=None)
+    run_ranks(lora_job, 2, (str(tiny_qwen), layout, TARGETS, False, str(ckpt)))
+    mcore_to_hf(ckpt, tmp_path / "peft", layout=Layout(**layout))  # exported in the same layout
     mcore_to_hf(ckpt, tmp_path / "merged", merge=True)
     adapters, base, merged = (load_file(tmp_path / "peft" / "adapter_model.safetensors"), HFReader(tiny_qwen),
                               HFReader(tmp_path / "merged"))
