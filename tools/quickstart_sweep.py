@@ -67,25 +67,33 @@ def run_one(config: Path, variant: str, overrides: list[str], seed: int, out: Pa
     (out / variant / f"seed_{seed}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return row | {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return row | figures(run_dir)
+
+
+def figures(run_dir: Path) -> dict:
+    """A finished run's held-out success by step and its baselines (its summary.json)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = {int(k): v for k, v in summary.get("evaluations", {}).items()}
     success = {k: v["eval/success_rate"] for k, v in sorted(evals.items())}
     last = max(success)
-    return row | {"success_before": success.get(0), "success_after": success[last], "steps": last,
-                  "success_best": max((v for k, v in success.items() if k > 0), default=None),
-                  "success_by_step": success,
-                  "baselines": {n: b["eval/success_rate"] for n, b in summary.get("baselines", {}).items()}}
+    return {"success_before": success.get(0), "success_after": success[last], "steps": last,
+            "success_best": max((v for k, v in success.items() if k > 0), default=None),
+            "success_by_step": success,
+            "baselines": {n: b["eval/success_rate"] for n, b in summary.get("baselines", {}).items()}}
 
 
 def train_and_export(out: Path, name: str, overrides: list[str]) -> tuple[Path, dict]:
     """The quickstart (seed 1234) with `overrides`, its last checkpoint's policy exported to Hugging Face
-    format (`moe-rl convert mcore-to-hf`) as out/name/hf; and the run's row."""
+    format (`moe-rl convert mcore-to-hf`) as out/name/hf; and the run's row. An export already there
+    (from an earlier call with the same `out`) is reused."""
+    hf, run_dir = out / name / "hf", out / name / "seed_1234"
+    if (hf / "config.json").is_file() and (run_dir / "summary.json").is_file():
+        return hf, {"variant": name, "seed": 1234, "rc": 0, **figures(run_dir)}
     row = run_one(CONFIG, name, overrides, 1234, out)
     if row["rc"]:
         raise SystemExit(f"the {name} run failed: {row['error']}")
-    hf = out / name / "hf"
     if not (hf / "config.json").is_file():
-        policy = out / name / "seed_1234" / "checkpoints" / f"step_{row['steps']:06d}" / "policy"
+        policy = run_dir / "checkpoints" / f"step_{row['steps']:06d}" / "policy"
         subprocess.run([str(Path(sys.executable).parent / "moe-rl"), "convert", "mcore-to-hf", str(policy),
                         str(hf)], check=True, cwd=ROOT)
     return hf, row
