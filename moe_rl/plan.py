@@ -199,13 +199,12 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
     """(non-expert, routed-expert) parameters of pipeline stage `stage`: `stage_layers`; the embedding on
     the first stage, final norm and output on the last."""
     dense, moe = stage_layers(shape, pp, stage)
-    layers = range(dense + moe)
     ends = 0
     if stage == 0:
         ends += shape.vocab * shape.hidden
     if stage == pp - 1:
         ends += shape.hidden + (0 if shape.tied and pp == 1 else shape.vocab * shape.hidden)
-    return (len(layers) * shape.attention + moe * shape.moe_shared + dense * shape.dense_mlp + ends,
+    return ((dense + moe) * shape.attention + moe * shape.moe_shared + dense * shape.dense_mlp + ends,
             moe * shape.experts * shape.expert)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_all, train_and_export  # noqa: E402
+from quickstart_sweep import CONFIG, ROOT, add_demo_arguments, run_all, train_and_export  # noqa: E402
 
 DISTILL = ROOT / "configs" / "distill_quickstart.yaml"
 CRITIC = ["algorithm.advantage=gae", "algorithm.lam=0.95", "critic.lr=3.0e-3", "critic.value_clip=0.5"]
@@ -50,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher", type=Path, help="a Hugging Face checkpoint; default: train the quickstart")
     p.add_argument("--teacher-success", type=float, help="its held-out success, with --teacher")
     p.add_argument("--larger-teacher", action="store_true", help="train a teacher of hidden 96, 8 experts")
-    p.add_argument("--mode", action="append", choices=sorted(MODES), help="repeatable; default: all")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "distill_demo")
+    add_demo_arguments(p, MODES, steps=120, eval_every=20, out="distill_demo")
     args = p.parse_args(argv)
     if args.teacher:
         teacher, teacher_success = args.teacher.resolve(), args.teacher_success

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart_sweep import CONFIG, ROOT, run_all, train_and_export  # noqa: E402
+from quickstart_sweep import CONFIG, add_demo_arguments, run_all, train_and_export  # noqa: E402
 
 # the base has been warm-started: no warm start here (its settings back at their defaults)
 FROM_BASE = ["trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.warm_start_batch=16"]
@@ -33,11 +33,7 @@ def warm_started_base(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", action="append", choices=sorted(MODES), help="repeatable; default: all")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
-    p.add_argument("--steps", type=int, default=480)
-    p.add_argument("--eval-every", type=int, default=120)
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "lora_demo")
+    add_demo_arguments(p, MODES, steps=480, eval_every=120, out="lora_demo")
     args = p.parse_args(argv)
     print("warm-starting the base (the quickstart, one RL step) ...", flush=True)
     base = warm_started_base(args.out)

@@ -147,8 +147,6 @@ def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layou
     """A LoRA checkpoint's rank: the base from its Hugging Face checkpoint, the adapters from `ckpt`; then
     the merged model's tensors this rank owns (written as shards: {HF name: (file, bytes)}), or its
     adapters in PEFT's naming ({name: tensor}, for the caller to write as one file)."""
-    from megatron.core import parallel_state as ps
-
     from moe_rl.train import checkpoint, hf_io, lora
 
     bridge, module = _build(hf_config, record["dtype"], "policy", layout)
@@ -156,9 +154,7 @@ def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layou
     _check_hf_dir(Path(base))
     hf_io.load_hf_weights(bridge, module, base)
     settings = lora.LoraSettings(record["rank"], record["alpha"], tuple(record["targets"]))
-    lora.add_adapters(module, settings, hf_io.global_names(
-        module, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-        bridge.config.num_moe_experts), seed=0)
+    lora.add_adapters(module, settings, hf_io.rank_names(module, bridge.config.num_moe_experts), seed=0)
     checkpoint.load_model(module, ckpt)
     if merge:
         merged = hf_io.export_hf_weights(bridge, module, owned_only=True)
@@ -176,12 +172,7 @@ def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: d
 
     parts = _run(_lora_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, record, merge,
                                                  shard_mb))
-    merged: dict = {}
-    for part in parts:
-        if merged.keys() & part.keys():
-            raise RuntimeError(f"two ranks exported {sorted(merged.keys() & part.keys())[:3]} (ownership "
-                               "bug)")
-        merged.update(part)
+    merged = _union(parts)
     if merge:
         copy_hf_config(hf_config, out)
         write_index(out, merged)
@@ -196,6 +187,17 @@ def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: d
         "inference_mode": True}, indent=2))
     return Converted(out, len(merged), sum(t.numel() * t.element_size() for t in merged.values()),
                      "policy (LoRA adapters, PEFT format)", kind="adapter tensors")
+
+
+def _union(parts: list[dict]) -> dict:
+    """The ranks' exports as one dict; each name must come from one rank only (its owner)."""
+    merged: dict = {}
+    for part in parts:
+        if merged.keys() & part.keys():
+            raise RuntimeError(f"two ranks exported {sorted(merged.keys() & part.keys())[:3]} (ownership "
+                               "bug)")
+        merged.update(part)
+    return merged
 
 
 def _run(fn, world: int, args: tuple):
@@ -294,7 +296,6 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
                                  "name the base model's directory with --hf-config")
     if merge and record is None:
         raise CheckpointMismatch(f"{ckpt} holds whole weights, no LoRA adapters: there is nothing to merge")
-    role, dtype = checkpoint_role_and_dtype(ckpt)
     if out.exists() and any(out.iterdir()):
         raise CheckpointMismatch(f"{out} exists and is not empty; choose a new output directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -304,18 +305,14 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
+    role, dtype = checkpoint_role_and_dtype(ckpt)
     try:
         parts = _run(_mcore_to_hf_rank, ranks_for(layout),
                      (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    written: dict[str, tuple[str, int]] = {}
-    for part, _ in parts:
-        if written.keys() & part.keys():
-            raise RuntimeError(f"two ranks exported {sorted(written.keys() & part.keys())[:3]} (ownership "
-                               "bug)")
-        written.update(part)
+    written: dict[str, tuple[str, int]] = _union([part for part, _ in parts])
     copy_hf_config(hf_config, out)
     if role == "critic":
         _critic_config(out / "config.json")

@@ -51,6 +51,21 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
     return out
 
 
+def rank_names(model, num_experts: int | None) -> dict[str, str]:
+    """`global_names` for this rank's place in megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return global_names(model, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                        num_experts)
+
+
+def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every rank's `t` of a (tensor-parallel) group, in rank order."""
+    shards = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(shards, t.contiguous(), group=group)
+    return shards
+
+
 def _tp_info(te_name: str):
     from megatron.core import parallel_state as ps
 
@@ -68,11 +83,9 @@ def load_hf_weights(bridge, model, hf_path: str | Path, skip_output_layer: bool 
 
     Returns the HF tensor names this rank read (callers check that nothing in the checkpoint is unused).
     """
-    from megatron.core import parallel_state as ps
 
     reader = HFReader(hf_path)
-    names = global_names(model, ps.get_expert_model_parallel_rank(),
-                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
+    names = rank_names(model, bridge.config.num_moe_experts)
     state = _unwrap(model).state_dict()
     used: set[str] = set()
     for local, te in progress(list(names.items())):
@@ -117,25 +130,22 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
     and experts; with owned_only, only the rank that `owns_replica` yields each tensor. Collective:
     all TP ranks must iterate together.
     """
-    from megatron.core import parallel_state as ps
 
-    names = global_names(model, ps.get_expert_model_parallel_rank(),
-                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
+    names = rank_names(model, bridge.config.num_moe_experts)
     params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
-    merged = {f"{name}.weight": lora.merged_weight(linear)  # W + (alpha/r) B A where adapted
-              for name, linear in _unwrap(model).named_modules() if hasattr(linear, "lora_A")}
+    adapted = {f"{name}.weight": linear for name, linear in _unwrap(model).named_modules()
+               if hasattr(linear, "lora_A")}
     owner = {False: owns_replica(False), True: owns_replica(True)}
     for local, te in progress(list(names.items())):
         if local.endswith("output_layer.weight") and skip_output_layer:
             continue
         param = params.get(local, state[local])
         _, size, group = _tp_info(te)
-        full = merged.get(local, param.detach())
+        # W + (alpha/r) B A where adapted, merged one weight at a time as it is exported
+        full = lora.merged_weight(adapted[local]) if local in adapted else param.detach()
         if size > 1 and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(full) for _ in range(size)]
-            dist.all_gather(shards, full.contiguous(), group=group)
-            full = _merge_tp(bridge, te, shards, param)
+            full = _merge_tp(bridge, te, _all_gather(full, size, group), param)
         if owned_only and not owner[is_expert(te)]:
             continue
         hf_names, tensors = bridge._weight_to_hf_format(te, full)
@@ -151,10 +161,8 @@ def export_peft_adapters(bridge, model, owned_only: bool = False) -> Iterator[tu
     its B rows split as its weight's rows do (mbridge's mapping, applied to B padded to the weight's
     width). Experts come out per expert (`mlp.experts.{e}.gate_proj`, ...). Collective like
     `export_hf_weights`."""
-    from megatron.core import parallel_state as ps
 
-    names = global_names(model, ps.get_expert_model_parallel_rank(),
-                         ps.get_expert_model_parallel_world_size(), bridge.config.num_moe_experts)
+    names = rank_names(model, bridge.config.num_moe_experts)
     owner = {False: owns_replica(False), True: owns_replica(True)}
     for name, linear in _unwrap(model).named_modules():
         if not hasattr(linear, "lora_A"):
@@ -169,16 +177,12 @@ def export_peft_adapters(bridge, model, owned_only: bool = False) -> Iterator[tu
                                          "pads B to the weight's width")
             padded = torch.nn.functional.pad(b, (0, width - r))
             if size > 1:
-                shards = [torch.empty_like(padded) for _ in range(size)]
-                dist.all_gather(shards, padded.contiguous(), group=group)
-                padded = _merge_tp(bridge, te, shards, linear.weight)
+                padded = _merge_tp(bridge, te, _all_gather(padded, size, group), linear.weight)
             hf_names, parts = bridge._weight_to_hf_format(te, padded)
             pairs = [(n, a, part[:, :r]) for n, part in zip(hf_names, parts, strict=True)]
         else:  # row-parallel: A [r, in/tp] gathered along its columns, B [out, r] whole
             if size > 1:
-                shards = [torch.empty_like(a) for _ in range(size)]
-                dist.all_gather(shards, a.contiguous(), group=group)
-                a = torch.cat(shards, dim=1)
+                a = torch.cat(_all_gather(a, size, group), dim=1)
             pairs = [(n, a, b) for n in bridge._weight_name_mapping_mcore_to_hf(te)]
         if owned_only and not owner[is_expert(te)]:
             continue

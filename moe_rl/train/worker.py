@@ -96,9 +96,7 @@ class TrainWorker:
             if role == "critic" and value_head_from and ps.is_pipeline_last_stage():
                 hf.load_value_head(module, value_head_from)
         if spec.lora is not None:  # the base frozen, adapters the only trainable parameters
-            lora.add_adapters(module, spec.lora, hf.global_names(
-                module, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                self.config.num_moe_experts), seed)
+            lora.add_adapters(module, spec.lora, hf.rank_names(module, self.config.num_moe_experts), seed)
         self.model, self.optimizer = module, None
         if trains:
             # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds
