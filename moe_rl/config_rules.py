@@ -81,6 +81,15 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("model.lora.rank", "adapters are built on megatron-core's own linears (layer_spec "
                           "local); on Transformer Engine's fused layers (the norm inside linear_qkv and fc1, "
                           "the grouped expert GEMMs) they are not built yet")
+    if cfg.model.lora.rank:
+        from moe_rl.rollout.engine_settings import resolve_lora_sync
+
+        lo = cfg.model.lora
+        try:  # adapters where vLLM cannot apply them: refused here
+            resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda_available, cfg.rollout.weight_transfer,
+                              cfg.rollout.engine_tp)
+        except ValueError as err:
+            raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
     if not cuda_available:
         if cfg.model.layer_spec == "transformer_engine":
             raise ConfigError("model.layer_spec",
@@ -302,7 +311,7 @@ SWITCHES = (
     Switch("reward_model.path", lambda c: bool(c.reward_model.path),
            ("reward_model.weight", "reward_model.rule_weight")),
     Switch("model.lora.rank > 0", lambda c: c.model.lora.rank > 0,
-           ("model.lora.alpha", "model.lora.targets")),
+           ("model.lora.alpha", "model.lora.targets", "model.lora.sync")),
     Switch("algorithm.distill_coef > 0", lambda c: c.algorithm.distill_coef > 0,
            ("teacher.path", "teacher.named", "teacher.tp", "teacher.pp", "teacher.ep", "teacher.dtype")),
 )

@@ -285,7 +285,7 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, f
     weights = shape.total * b / tp
     r = cfg.rollout
     reserve = ENGINE_RESERVE_GIB * GiB
-    from moe_rl.rollout.engine import GPU_MEMORY_UTILIZATION
+    from moe_rl.rollout.engine_settings import GPU_MEMORY_UTILIZATION
 
     util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None \
         else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]

@@ -47,7 +47,7 @@ def optim_settings(cfg: RunConfig, lr: float):
 
 
 def engine_settings(cfg: RunConfig, model_path: str):
-    from moe_rl.rollout.engine import EngineSettings
+    from moe_rl.rollout.engine_settings import EngineSettings
 
     r = cfg.rollout
     return EngineSettings(model_path, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=cfg.run.seed,
@@ -56,7 +56,16 @@ def engine_settings(cfg: RunConfig, model_path: str):
                           max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                           gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate,
                           sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp,
-                          expert_parallel=r.engine_ep)
+                          expert_parallel=r.engine_ep,
+                          lora=engine_lora(cfg))
+
+
+def engine_lora(cfg: RunConfig):
+    """The policy's adapters as the engines see them (None without model.lora)."""
+    from moe_rl.rollout.engine_settings import EngineLora
+
+    lo = cfg.model.lora
+    return EngineLora(lo.rank, lo.alpha, tuple(lo.targets), lo.sync) if lo.rank else None
 
 
 def agent_settings(cfg: RunConfig):

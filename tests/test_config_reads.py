@@ -51,7 +51,8 @@ OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_a
          "model.tiny.num_key_value_heads": 1,
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
-         "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]"}
+         "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]",
+         "model.lora.sync": "merged"}
 
 
 def field_type(path: str):

@@ -27,7 +27,7 @@ from moe_rl.config import (
     TrainerSection,
 )
 from moe_rl.rollout.agent import AgentSettings
-from moe_rl.rollout.engine import EngineSettings
+from moe_rl.rollout.engine_settings import EngineLora, EngineSettings
 from moe_rl.train.lora import LoraSettings
 from moe_rl.train.model import ModelSpec
 from moe_rl.train.objectives import PolicyLoss
@@ -38,7 +38,8 @@ CFG = RunConfig(
     run=RunSection(seed=4321),
     model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
                        moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                       lora=LoraSection(rank=8, alpha=4.0, targets=["linear_qkv", "linear_fc2"])),
+                       lora=LoraSection(rank=8, alpha=4.0, targets=["linear_qkv", "linear_fc2"],
+                                        sync="merged")),
     parallel=ParallelSection(distributed_optimizer=False),
     rollout=RolloutSection(max_model_len=999, max_new_tokens=77, temperature=0.7, top_p=0.9,
                            record_routes=False, route_source="capture", weight_transfer="nccl",
@@ -97,7 +98,12 @@ CASES = {
         "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
         "sleep": at("rollout.sleep_engines"), "tensor_parallel_size": at("rollout.engine_tp"),
         "expert_parallel": at("rollout.engine_ep"),
-    }, {"model_path"}),
+    }, {"model_path", "lora"}),  # lora: engine_settings.lora
+    "engine_settings.lora": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir").lora or EngineLora(
+        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets), cfg.model.lora.sync), EngineLora, {
+        "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),
+        "targets": lambda cfg: tuple(cfg.model.lora.targets), "sync": at("model.lora.sync"),
+    }, set()),
     "agent_settings": (settings.agent_settings, AgentSettings, {
         "max_turns": at("environment.max_turns"), "token_budget": at("environment.token_budget"),
         "max_model_len": at("rollout.max_model_len"), "max_tokens_per_turn": at("rollout.max_new_tokens"),

@@ -89,18 +89,21 @@ class RankActor:
 
         self.anchor = EwmaAnchor(self.worker.local_params(), beta)
 
-    def export_weights(self, bucket_mb: float) -> list:
+    def export_weights(self, bucket_mb: float, adapters: bool = False) -> list:
         """The tensors this rank owns (each (pp, ep) shard once) as buckets in Ray's object store
         (weights.sync.as_buffers), a ref each; all ranks take part (TP shards are gathered). The store
-        frees a bucket once the engines have loaded it and the driver lets go of its ref."""
-        from moe_rl.train.hf_io import export_hf_weights
+        frees a bucket once the engines have loaded it and the driver lets go of its ref. adapters: the
+        LoRA adapters alone (PEFT names), else the weights (merged with the adapters, where any)."""
+        from moe_rl.train.hf_io import export_hf_weights, export_peft_adapters
         from moe_rl.weights.sync import as_buffers, buckets
 
         offloaded = self.worker.offloaded  # a replacement engine's weights, asked for during a rollout
         if offloaded:
             self.onload()
         try:
-            named = export_hf_weights(self.worker.bridge, self.worker.module, owned_only=True)
+            w = self.worker
+            named = export_peft_adapters(w.bridge, w.module, owned_only=True) if adapters \
+                else export_hf_weights(w.bridge, w.module, owned_only=True)
             refs = []
             for i, b in enumerate(buckets(named, bucket_mb)):
                 # copied into the store here: the weights may change after

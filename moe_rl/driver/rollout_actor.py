@@ -130,6 +130,14 @@ class RolloutActor:
         return self.engine.update_weights_through_files(loaded(), version,
                                                         shm_dir() / f"moe_rl_update_{os.getpid()}_{version}")
 
+    async def update_adapters(self, buckets: list, version: int) -> int:
+        """Load the policy's LoRA adapters (refs to their buckets, as `update_weights` takes them) as a new
+        vLLM adapter for weight version `version` (the engine's lora_sync is adapters)."""
+        from moe_rl.weights.sync import from_buffers
+
+        sources = [await b for b in buckets]
+        return self.engine.update_adapters((t for src in sources for t in from_buffers(src)), version)
+
     def sleep(self) -> None:
         self.engine.sleep()
 
@@ -147,4 +155,5 @@ class RolloutActor:
         return {"top_k": self.engine.top_k, "num_experts": self.engine.num_experts,
                 "moe_layers": self.engine.num_moe_layers, "version": self.engine.version,
                 "node": ray.util.get_node_ip_address(), "threads": torch.get_num_threads(),
-                "workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size}
+                "workers": self.engine.llm.llm_engine.vllm_config.parallel_config.world_size,
+                "lora_sync": (self.engine.lora_sync, self.engine.lora_sync_why)}

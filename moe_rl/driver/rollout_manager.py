@@ -190,6 +190,8 @@ class Rollouts:
         self.top_k, self.num_experts, self.nodes = (infos[0]["top_k"], infos[0]["num_experts"],
                                                     [i["node"] for i in infos])
         self.workers, self.threads = [i["workers"] for i in infos], [i["threads"] for i in infos]
+        # a LoRA policy: "adapters" | "merged" (rollout.engine_settings.resolve_lora_sync) and why
+        self.lora_sync, self.lora_sync_why = infos[0]["lora_sync"]
 
     def _start_engine(self, i: int):
         cfg = self.cfg
@@ -374,10 +376,11 @@ class Rollouts:
         """The policy's weights, through Ray's object store, into the given engines, as version
         `self.version` (the store frees them once the refs are gone, after the update)."""
         t0 = time.perf_counter()
-        exported = policy.export_weights(self.cfg.rollout.weight_sync_bucket_mb)
+        adapters = self.lora_sync == "adapters"
+        exported = policy.export_weights(self.cfg.rollout.weight_sync_bucket_mb, adapters)
         t1 = time.perf_counter()
-        self._run([self._submit(Call(i, "update_weights", (exported, self.version), "weight update"))
-                   for i in engines],
+        method = "update_adapters" if adapters else "update_weights"
+        self._run([self._submit(Call(i, method, (exported, self.version), "weight update")) for i in engines],
                   settle)
         return {"timing/sync_export_s": t1 - t0, "timing/sync_load_s": time.perf_counter() - t1}
 

@@ -81,19 +81,24 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     session.check_interrupted()
     rollouts.connect(models.policy)
     phase("weight-sync connect")
-    say(sync_line(cfg))
+    say(sync_line(cfg, (rollouts.lora_sync, rollouts.lora_sync_why)))
     say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
         + ")")
     return models, rollouts
 
 
-def sync_line(cfg: RunConfig) -> str:
-    """How the engines get the policy's weights, as the start-up says it."""
-    line, lo = f"weight sync: {cfg.rollout.weight_transfer}", cfg.model.lora
-    if lo.rank:
+def sync_line(cfg: RunConfig, lora_sync: tuple[str | None, str] = (None, "")) -> str:
+    """How the engines get the policy's weights, as the start-up says it; `lora_sync`: what the engines
+    resolved for a LoRA policy (rollout.engine_settings.resolve_lora_sync), and why."""
+    lo, (mode, why) = cfg.model.lora, lora_sync
+    if mode == "adapters":
+        return (f"weight sync: LoRA adapters (rank {lo.rank}, alpha {lo.alpha:g}, on "
+                f"{', '.join(lo.targets)}) through the object store, each sync a new vLLM adapter "
+                "(LoRARequest); the base weights never move")
+    line = f"weight sync: {cfg.rollout.weight_transfer}"
+    if mode == "merged":
         line += (f", LoRA merged: the engines get W + (alpha/r) B A (rank {lo.rank}, alpha {lo.alpha:g}, "
-                 f"on {', '.join(lo.targets)}), whole weights, not adapters (vLLM's CPU build has no LoRA "
-                 "kernel for experts)")
+                 f"on {', '.join(lo.targets)}), whole weights, not adapters ({why})")
     return line
 
 

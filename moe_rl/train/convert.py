@@ -37,6 +37,7 @@ from moe_rl.weights.hf import (
     CheckpointMismatch,
     HFReader,
     copy_hf_config,
+    save_peft_adapter,
     write_index,
     write_shards,
 )
@@ -168,8 +169,6 @@ def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: d
     """A LoRA policy checkpoint (adapters alone) as a PEFT adapter (adapter_config.json and
     adapter_model.safetensors, which HF PEFT loads onto the base model), or with `merge` as a whole HF
     checkpoint of W + (alpha/r) B A."""
-    from safetensors.torch import save_file
-
     parts = _run(_lora_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, record, merge,
                                                  shard_mb))
     merged = _union(parts)
@@ -178,13 +177,7 @@ def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: d
         write_index(out, merged)
         return Converted(out, len(merged), sum(size for _, size in merged.values()), "policy (LoRA merged)",
                          kind="Hugging Face tensors")
-    save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    modules = sorted({n.split(".")[-3] for n in merged})
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": record["base"],
-        "r": record["rank"], "lora_alpha": record["alpha"], "target_modules": modules, "lora_dropout": 0.0,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "inference_mode": True}, indent=2))
+    save_peft_adapter(merged, out, record["base"], record["rank"], record["alpha"])
     return Converted(out, len(merged), sum(t.numel() * t.element_size() for t in merged.values()),
                      "policy (LoRA adapters, PEFT format)", kind="adapter tensors")
 

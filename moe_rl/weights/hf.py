@@ -179,3 +179,23 @@ def save_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], out_dir: str |
     tokenizer files of `config_from`. Rank-local: call where the full set of tensors is available."""
     out = copy_hf_config(config_from, out_dir)
     return write_index(out, write_shards(named, out, shard_mb=shard_mb))
+
+
+def save_peft_adapter(tensors: dict[str, torch.Tensor], out_dir: str | Path, base: str, rank: int,
+                      alpha: float) -> Path:
+    """A LoRA adapter in Hugging Face PEFT's format, which HF PEFT and vLLM's LoRARequest load:
+    adapter_model.safetensors (`tensors`, named `base_model.model.{module}.lora_A.weight` / `.lora_B.weight`,
+    as hf_io.export_peft_adapters yields them) and adapter_config.json (its target modules: the names those
+    modules end with)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "target_modules": sorted({n.split(".")[-3] for n in tensors}),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "inference_mode": True}, indent=2))
+    return out

