@@ -180,6 +180,7 @@ class Plan:
     sync_bytes: int  # what one weight sync moves
     problems: list[str]
     adapter_params: int = 0  # LoRA's trained parameters in the whole policy (0: no adapters)
+    lora_sync: tuple[str, str] = ("", "")  # adapters | merged, and why (engine_settings.resolve_lora_sync)
 
 
 def dtype_bytes(cfg) -> int:
@@ -344,11 +345,18 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
-    sync_bytes = shape.total * dtype_bytes(cfg)  # with LoRA too: the engines get merged weights
-    lora = cfg.model.lora
+    lora, lora_sync = cfg.model.lora, ("", "")
     adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
+    if lora.rank:  # on the GPU engines a plan is for
+        from moe_rl.rollout.engine_settings import resolve_lora_sync
+
+        lora_sync = resolve_lora_sync(lora.sync, lora.rank, lora.targets, True, cfg.rollout.weight_transfer,
+                                      cfg.rollout.engine_tp)
+    # a sync moves the adapters alone where the engines apply them, else the whole (merged) model
+    sync_bytes = (adapters if lora_sync[0] == "adapters" else shape.total) * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
-                math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters)
+                math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters,
+                lora_sync)
 
 
 def _count(n: int) -> str:
@@ -371,7 +379,9 @@ def render(plan: Plan) -> str:
     if plan.adapter_params:
         lines.append(f"LoRA: {_count(plan.adapter_params)} adapter parameters "
                      f"({plan.adapter_params / s.total:.2%} of the model) train, the base is frozen; the "
-                     "engines get merged weights (the sync above)")
+                     + ("engines apply the adapters: a sync moves them alone (above)"
+                        if plan.lora_sync[0] == "adapters" else
+                        f"engines get merged weights (the sync above: {plan.lora_sync[1]})"))
     return "\n".join(lines)
 
 

@@ -169,6 +169,15 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     assert policy["gradients"] == (dense + expert) * 4
     # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over one expert-data-parallel rank
     assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12)
-    assert policy["optimizer"] < whole["optimizer"] / 25 and plan.sync_bytes == full.sync_bytes
+    assert policy["optimizer"] < whole["optimizer"] / 25
     assert plan.roles[1].per_gpu == full.roles[1].per_gpu  # the critic trains whole
     assert "LoRA: 639.37 M adapter parameters (2.09% of the model) train" in render(plan)  # 48 layers' worth
+    # the recipe's NCCL weight transfer moves merged weights; through the object store, the GPU engines
+    # apply the adapters and a sync moves them alone, the whole model's: per layer 16 (2048 + 5120) qkv +
+    # 16 (4096 + 2048) proj + 128 experts x (16 (2048 + 1536) + 16 (768 + 2048)) = 13,320,192, x 48, in bf16
+    assert plan.sync_bytes == full.sync_bytes and "rollout.weight_transfer is nccl" in render(plan)
+    store = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [
+        "model.layer_spec=local", "model.fp8=none", "model.lora.rank=16", "rollout.weight_transfer=store"],
+        cuda_available=True), QWEN3_30B_A3B)
+    assert store.sync_bytes == store.adapter_params * 2 == 639_369_216 * 2
+    assert "engines apply the adapters: a sync moves them alone" in render(store)
