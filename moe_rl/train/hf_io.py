@@ -134,8 +134,7 @@ def export_hf_weights(bridge, model, skip_output_layer: bool = False, owned_only
     names = rank_names(model, bridge.config.num_moe_experts)
     params = dict(_unwrap(model).named_parameters())  # Parameters carry the tensor_model_parallel tag
     state = _unwrap(model).state_dict()
-    adapted = {f"{name}.weight": linear for name, linear in _unwrap(model).named_modules()
-               if hasattr(linear, "lora_A")}
+    adapted = dict(lora.adapted_weights(_unwrap(model)))
     owner = {False: owns_replica(False), True: owns_replica(True)}
     for local, te in progress(list(names.items())):
         if local.endswith("output_layer.weight") and skip_output_layer:
@@ -164,24 +163,22 @@ def export_peft_adapters(bridge, model, owned_only: bool = False) -> Iterator[tu
 
     names = rank_names(model, bridge.config.num_moe_experts)
     owner = {False: owns_replica(False), True: owns_replica(True)}
-    for name, linear in _unwrap(model).named_modules():
-        if not hasattr(linear, "lora_A"):
-            continue
-        te = names[f"{name}.weight"]
+    for local, adapter in lora.adapted_weights(_unwrap(model)):
+        te = names[local]
         _, size, group = _tp_info(te)
-        a, b = linear.lora_A.detach(), linear.lora_B.detach()
-        if lora.is_column(linear):  # B [out/tp, r] rows like the weight's: pad to its shape, merge, split
+        a, b = adapter.a.detach(), adapter.b.detach()
+        if adapter.split == "column":  # B [out/tp, r] rows like the weight's: pad to its shape, merge, split
             r, width = a.shape
             if r > width:
                 raise CheckpointMismatch(f"'{te}': rank {r} is above the input width {width}; the export "
                                          "pads B to the weight's width")
             padded = torch.nn.functional.pad(b, (0, width - r))
             if size > 1:
-                padded = _merge_tp(bridge, te, _all_gather(padded, size, group), linear.weight)
+                padded = _merge_tp(bridge, te, _all_gather(padded, size, group), adapter.weight)
             hf_names, parts = bridge._weight_to_hf_format(te, padded)
             pairs = [(n, a, part[:, :r]) for n, part in zip(hf_names, parts, strict=True)]
-        else:  # row-parallel: A [r, in/tp] gathered along its columns, B [out, r] whole
-            if size > 1:
+        else:  # row-parallel: A [r, in/tp] gathered along its columns, B [out, r] whole (router: both whole)
+            if size > 1 and adapter.split == "row":
                 a = torch.cat(_all_gather(a, size, group), dim=1)
             pairs = [(n, a, b) for n in bridge._weight_name_mapping_mcore_to_hf(te)]
         if owned_only and not owner[is_expert(te)]:

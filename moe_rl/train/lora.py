@@ -1,15 +1,24 @@
-"""LoRA adapters on megatron-core's parallel linears (the local layer spec): y = W x + (alpha/r) B A x.
+"""LoRA adapters on megatron-core's linears and routers: y = W x + (alpha/r) B A x.
 
     n = add_adapters(module, LoraSettings(rank=8, alpha=16, targets=("linear_qkv", "linear_fc1")), names,
                      seed)
-    merged_weight(linear)   # W + (alpha/r) B A, this rank's shard: what the engines get
+    for name, adapter in adapted_weights(module):   # each adapted weight's local name, its adapter
+        merged_weight(adapter)                       # W + (alpha/r) B A, this rank's shard: what engines get
 
-Each targeted ColumnParallelLinear / RowParallelLinear (attention's linear_qkv and linear_proj, the
-dense MLP's and every expert's linear_fc1 and linear_fc2: SequentialMLP builds one pair per expert, so
-the adapters are per expert, grouped like the experts' weights) gets two parameters beside its weight,
-`lora_A` [r, in] and `lora_B` [out, r], and a forward hook that adds the adapter's output to the layer's.
-The base stays the same module with the same parameter names, so loading, export and routing replay are
-unchanged; every base parameter is frozen (no gradient, so no gradient buffer and no optimizer state).
+Targets, by module name: attention's linear_qkv and linear_proj, the dense MLPs' and every expert's
+linear_fc1 and linear_fc2 (one adapter per expert, grouped like the experts' weights), and the MoE
+router. Each adapted weight gets two parameters beside it, `lora_A` [r, in] and `lora_B` [out, r] (a
+grouped expert linear, whose weights are weight0, weight1, ...: lora_A0, lora_B0, ...), and the module
+a hook that adds the adapter's output to its own. The base stays the same module with the same parameter
+names, so loading, export and routing replay are unchanged; every base parameter is frozen (no gradient,
+so no gradient buffer and no optimizer state).
+
+Both layer specs: the local spec's ColumnParallelLinear / RowParallelLinear (SequentialMLP: an expert's
+linears are modules of their own), and Transformer Engine's linears (matched by class name: TE needs
+CUDA): TELayerNormColumnParallelLinear, whose adapter reads the norm's output (TE returns it:
+`return_layernorm_output`), TEColumnParallelLinear, TERowParallelLinear, and TEGroupedMLP's grouped
+linears, whose input the hook splits by the tokens each expert got. The router's adapter adds to its
+logits (`Router.gating`): R3 replays which experts tokens go to, and the gates' weights come from these.
 
 Sharding follows the weight. A column-parallel W [out/tp, in] keeps A whole (replicated) and shards B
 [out/tp, r]; the adapter sees the layer's full input (under sequence parallelism it gathers the
@@ -18,28 +27,39 @@ shards A [r, in/tp] and keeps B whole; each rank's adapter output is a partial s
 layer's (reduce-scatter under sequence parallelism; experts: left to the token dispatcher, as megatron
 leaves their output), and each rank's B gradient is a partial sum. The replicated factor is tagged
 `sequence_parallel`, so megatron's finalize_model_grads sums its gradient over the tensor-parallel group
-(sequence parallelism is on whenever tp > 1 here), as it does for the norms. Expert adapters are tagged
-`allreduce=False` like the experts' weights (DDP reduces them over the expert-data-parallel group).
+(sequence parallelism is on whenever tp > 1 here), as it does for the norms and the router. Expert
+adapters take their weight's `allreduce` tag (DDP reduces them over the expert-data-parallel group).
 
 Initialisation is PEFT's: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt(5)), B = 0, so the
-model starts as the base. A is drawn whole from a generator seeded by the run's seed and the layer's
-global name, then sliced: every layout (TP, PP, EP) starts from the same adapters.
+model starts as the base. A is drawn whole from a generator seeded by the run's seed and the weight's
+global name, then sliced: every layout (TP, PP, EP) starts from the same adapters. Checkpoint layouts:
+train/lora_checkpoint.py.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from moe_rl.train.lora_checkpoint import add_checkpoint_layouts, tp_group
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router")
+
+# Transformer Engine's linears in megatron-core (extensions/transformer_engine.py), by class name
+_TE_SPLITS = {"TELayerNormColumnParallelLinear": "column", "TEColumnParallelLinear": "column",
+              "TERowParallelLinear": "row", "TEColumnParallelGroupedLinear": "column",
+              "TERowParallelGroupedLinear": "row"}
+_ADAPTER = re.compile(r"\.lora_[AB]\d*$")
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """Built from model.lora by moe_rl.settings.model_spec."""
+    """Built from model.lora by moe_rl.settings.policy_spec."""
 
     rank: int  # r
     alpha: float  # the adapter's output is scaled by alpha / r
@@ -56,36 +76,85 @@ def adapter_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith((".lora_A", ".lora_B"))
+    return _ADAPTER.search(name) is not None
 
 
-def _kind(module) -> str | None:
+def split_of(module) -> str | None:
+    """How an adaptable module's weight is split over tensor parallelism: "column" (output rows: A whole,
+    B sharded), "row" (input columns: A sharded, B whole), "replicated" (the MoE router: both whole);
+    None for a module adapters do not go on."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import Router
 
+    for cls in type(module).__mro__:
+        if cls.__name__ in _TE_SPLITS:
+            return _TE_SPLITS[cls.__name__]
     if isinstance(module, ColumnParallelLinear):
         return "column"
     if isinstance(module, RowParallelLinear):
         return "row"
+    if isinstance(module, Router):
+        return "replicated"
     return None
 
 
-def is_column(linear) -> bool:
-    """Whether an adapted linear is column-parallel (A whole, B sharded) rather than row-parallel."""
-    return _kind(linear) == "column"
+@dataclass(frozen=True)
+class Adapter:
+    """One adapted weight of `module`: `weight` and its factors (index: a grouped linear's expert)."""
+
+    module: torch.nn.Module
+    index: str = ""  # "" or a grouped linear's gemm index, as in its weight0, weight1, ...
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return getattr(self.module, f"weight{self.index}")
+
+    @property
+    def a(self) -> torch.nn.Parameter:
+        return getattr(self.module, f"lora_A{self.index}")
+
+    @property
+    def b(self) -> torch.nn.Parameter:
+        return getattr(self.module, f"lora_B{self.index}")
+
+    @property
+    def split(self) -> str:
+        return self.module.lora_split
 
 
-def _tp(module) -> tuple[int, int]:
-    group = module.tp_group
-    return group.rank(), group.size()
+def adapted_weights(model) -> Iterator[tuple[str, Adapter]]:
+    """(local name of the adapted weight, its Adapter) for every adapter of `model`."""
+    for name, module in model.named_modules():
+        for index in getattr(module, "lora_indices", ()):
+            yield f"{name}.weight{index}", Adapter(module, index)
+
+
+@torch.no_grad()
+def merged_weight(adapter: Adapter) -> torch.Tensor:
+    """W + (alpha/r) B A for this rank's shard of an adapted weight."""
+    w = adapter.weight
+    delta = adapter.module.lora_scale * adapter.b.double() @ adapter.a.double()
+    return (w.double() + delta).to(w.dtype)
+
+
+def _unpack(output) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(output, bias, the norm's output or None) of a linear: (out, bias); TE's LayerNormLinear with
+    return_layernorm_output gives ((out, normed), bias), or (out, bias, normed) where it returns a bias."""
+    if len(output) == 3:
+        return output
+    out, bias = output
+    if isinstance(out, tuple):
+        return out[0], bias, out[1]
+    return out, bias, None
 
 
 def _column_hook(module, args, kwargs, output):
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    x = args[0] if args else kwargs["input_"]
-    if module.sequence_parallel and not module.explicit_expert_comm:  # the layer gathers its input so
-        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=module.tp_group)
-    out, bias = output
+    out, bias, normed = _unpack(output)
+    x = normed if normed is not None else args[0] if args else kwargs["input_"]
+    if x.shape[0] != out.shape[0]:  # a sequence-parallel input, which the layer gathered: so does the adapter
+        x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=tp_group(module))
     return out + adapter_delta(x, module.lora_A, module.lora_B, module.lora_scale), bias
 
 
@@ -97,18 +166,44 @@ def _row_hook(module, args, kwargs, output):
 
     x = args[0] if args else kwargs["input_"]
     partial = adapter_delta(x, module.lora_A, module.lora_B, module.lora_scale)
-    if module.explicit_expert_comm:  # megatron leaves an expert's partial output to the dispatcher
-        delta = partial
+    group = tp_group(module)
+    if getattr(module, "explicit_expert_comm", False) or group.size() == 1:
+        delta = partial  # experts: megatron leaves their partial output to the dispatcher
     elif module.sequence_parallel:
-        delta = reduce_scatter_to_sequence_parallel_region(partial, group=module.tp_group)
+        delta = reduce_scatter_to_sequence_parallel_region(partial, group=group)
     else:
-        delta = reduce_from_tensor_model_parallel_region(partial, group=module.tp_group)
+        delta = reduce_from_tensor_model_parallel_region(partial, group=group)
     out, bias = output
     return out + delta, bias
 
 
+def _grouped_hook(module, args, kwargs, output):
+    """A grouped expert linear (TE GroupedLinear: forward(x, m_splits), x [tokens, in] sorted by expert):
+    each expert's tokens through its own adapter. Outputs are partial under expert TP, left to the
+    dispatcher as the layer's are."""
+    x = args[0] if args else kwargs["x"]
+    splits = args[1] if len(args) > 1 else kwargs["m_splits"]
+    parts = torch.split(x, [int(n) for n in splits])
+    delta = torch.cat([adapter_delta(part, getattr(module, f"lora_A{i}"), getattr(module, f"lora_B{i}"),
+                                     module.lora_scale) for i, part in enumerate(parts)])
+    out, bias = output
+    return out + delta, bias
+
+
+def _adapted_gating(router):
+    """The router's gating with its adapter: logits W x + (alpha/r) B A x, in the router's dtype."""
+    gating = router.gating
+
+    def adapted(x):
+        logits = gating(x)
+        dtype = logits.dtype
+        return logits + adapter_delta(x.to(dtype), router.lora_A.to(dtype), router.lora_B.to(dtype),
+                                      router.lora_scale)
+    return adapted
+
+
 def _initial_a(global_name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
-    """The whole A [rank, fan_in] of one layer, the same in every layout."""
+    """The whole A [rank, fan_in] of one weight, the same in every layout."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
     bound = 1.0 / math.sqrt(fan_in)
     return (torch.rand(rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1) * bound
@@ -123,87 +218,62 @@ def _carry_gradients(embedding, args, output):
     return output
 
 
+def _add_factors(module, index: str, split: str, settings: LoraSettings, global_name: str, seed: int) -> None:
+    """lora_A{index} and lora_B{index} beside weight{index}, sharded and tagged like it."""
+    weight = getattr(module, f"weight{index}")
+    group = tp_group(module)
+    rank, size = group.rank(), group.size()
+    out_local, in_local = weight.shape
+    sharded_input = split == "row" and size > 1
+    a = _initial_a(global_name, settings.rank, in_local * size if sharded_input else in_local, seed)
+    if sharded_input:
+        a = a.chunk(size, dim=1)[rank]
+    opts = dict(dtype=weight.dtype, device=weight.device)
+    a = torch.nn.Parameter(a.to(**opts).contiguous())
+    b = torch.nn.Parameter(torch.zeros(out_local, settings.rank, **opts))
+    setattr(module, f"lora_A{index}", a)
+    setattr(module, f"lora_B{index}", b)
+    for p in (a, b):
+        p.allreduce = getattr(weight, "allreduce", True)
+    if split == "replicated":  # the router: whole on every TP rank, each seeing its sequence shard
+        a.sequence_parallel = b.sequence_parallel = size > 1  # as megatron tags the router's weight
+        return
+    sharded, replicated = (b, a) if split == "column" else (a, b)
+    if size > 1:
+        sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = \
+            True, 0 if split == "column" else 1, 1
+        replicated.sequence_parallel = True  # finalize_model_grads sums its gradient over TP
+
+
 def add_adapters(module, settings: LoraSettings, global_names: dict[str, str], seed: int) -> int:
-    """Freeze every parameter of `module` (one pipeline stage), then give each targeted linear its
-    adapters (trainable) and hook. `global_names`: local parameter name -> global name
-    (hf_io.global_names), which seeds each layer's A. Returns the number of adapted linears."""
+    """Freeze every parameter of `module` (one pipeline stage), then give each targeted weight its
+    adapters (trainable) and each targeted module its hook. `global_names`: local parameter name ->
+    global name (hf_io.global_names), which seeds each weight's A. Returns the number of adapted
+    weights."""
     for p in module.parameters():
         p.requires_grad_(False)
     if getattr(module, "embedding", None) is not None:  # the first pipeline stage
         module.embedding.register_forward_hook(_carry_gradients)
     adapted = 0
-    for name, linear in list(module.named_modules()):
-        kind = _kind(linear)
-        if kind is None or name.rsplit(".", 1)[-1] not in settings.targets:
+    for name, target in list(module.named_modules()):
+        split = split_of(target)
+        if split is None or name.rsplit(".", 1)[-1] not in settings.targets:
             continue
-        weight = linear.weight
-        rank, size = _tp(linear)
-        out_local, in_local = weight.shape
-        sharded_input = kind == "row" and size > 1
-        fan_in = in_local * size if sharded_input else in_local
-        a = _initial_a(global_names[f"{name}.weight"], settings.rank, fan_in, seed)
-        if sharded_input:
-            a = a.chunk(size, dim=1)[rank]
-        opts = dict(dtype=weight.dtype, device=weight.device)
-        linear.lora_A = torch.nn.Parameter(a.to(**opts).contiguous())
-        linear.lora_B = torch.nn.Parameter(torch.zeros(out_local, settings.rank, **opts))
-        linear.lora_scale = settings.scale
-        sharded, replicated = (linear.lora_B, linear.lora_A) if kind == "column" else \
-            (linear.lora_A, linear.lora_B)
-        for p in (linear.lora_A, linear.lora_B):
-            p.allreduce = getattr(weight, "allreduce", True)
-        if size > 1:
-            sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = \
-                True, 0 if kind == "column" else 1, 1
-            replicated.sequence_parallel = True  # finalize_model_grads sums its gradient over TP
-        linear.register_forward_hook(_column_hook if kind == "column" else _row_hook, with_kwargs=True)
-        linear.sharded_state_dict = _checkpoint_layout(linear, kind)
-        adapted += 1
-    for mlp in module.modules():  # a gated MLP's fc1 holds [gate; up] per TP shard: its B rows do too
-        fc1 = getattr(mlp, "linear_fc1", None)
-        if hasattr(fc1, "lora_B") and getattr(mlp.config, "gated_linear_unit", False):
-            mlp.sharded_state_dict = _gated_checkpoint_layout(mlp)
+        grouped = getattr(target, "num_gemms", None)
+        target.lora_indices = tuple(str(i) for i in range(grouped)) if grouped else ("",)
+        target.lora_scale, target.lora_split = settings.scale, split
+        for index in target.lora_indices:
+            _add_factors(target, index, split, settings, global_names[f"{name}.weight{index}"], seed)
+        adapted += len(target.lora_indices)
+        if split == "replicated":
+            target.gating = _adapted_gating(target)
+            continue
+        if hasattr(target, "return_layernorm_output"):  # TE's fused norm: hand the adapter the norm's output
+            target.return_layernorm_output = True
+        hook = _grouped_hook if grouped else _column_hook if split == "column" else _row_hook
+        target.register_forward_hook(hook, with_kwargs=True)
+    add_checkpoint_layouts(module)
     return adapted
-
-
-def _checkpoint_layout(linear, kind: str):
-    """The linear's sharded_state_dict with its adapters sharded like its weight (megatron's own treats
-    any other tensor as replicated across TP): B along the output rows of a column-parallel linear, A
-    along the input columns of a row-parallel one."""
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    axes = {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column" else {"weight": 1, "lora_A": 1}
-
-    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
-        return make_sharded_tensors_for_checkpoint(linear.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=linear.tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
-    return sharded_state_dict
-
-
-def _gated_checkpoint_layout(mlp):
-    """A gated MLP's sharded_state_dict with fc1's B split into its gate and up halves, as megatron
-    splits fc1's weight, so that a checkpoint reshards across TP."""
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-    original = mlp.sharded_state_dict
-
-    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
-        out = original(prefix, sharded_offsets, metadata)
-        key = f"{prefix}linear_fc1.lora_B"
-        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
-                                                (metadata or {}).get("singleton_local_shards", False))
-        return out
-    return sharded_state_dict
-
-
-@torch.no_grad()
-def merged_weight(linear) -> torch.Tensor:
-    """W + (alpha/r) B A for this rank's shard of an adapted linear (its weight alone if not adapted)."""
-    if not hasattr(linear, "lora_A"):
-        return linear.weight.detach()
-    delta = linear.lora_scale * linear.lora_B.double() @ linear.lora_A.double()
-    return (linear.weight.double() + delta).to(linear.weight.dtype)
 
 
 def adapter_parameters(module) -> dict[str, torch.Tensor]:

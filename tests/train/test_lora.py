@@ -30,8 +30,8 @@ def test_only_adapters_train_and_the_base_stays_bitwise(one_rank):
     res = one_rank
     assert res["base_same"]
     assert res["trainable"] and all(n.endswith((".lora_A", ".lora_B")) for n in res["trainable"])
-    # attention's two linears and, per layer, every expert's fc1 and fc2 (2 layers, 4 experts)
-    assert sum(n.endswith(".lora_A") for n in res["trainable"]) == 2 * (2 + 2 * 4)
+    # per layer (2): attention's two linears, every expert's fc1 and fc2 (4 experts), the router
+    assert sum(n.endswith(".lora_A") for n in res["trainable"]) == 2 * (2 + 2 * 4 + 1)
     assert res["optimizer_numel"] == res["adapter_numel"] > 0
     moved = (res["after"].logp_BS - res["before"].logp_BS).abs() * valid()
     assert float(moved.max()) > 1e-3  # the adapters learned something
@@ -172,10 +172,10 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
 
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"tp": 2}])
 def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, tiny_qwen, layout):
-    """Every target, experts included (trained in EP2, or TP2: the experts' linears split over expert TP
-    too): each exported HF module's base weight + (alpha/r) B A is the merged export's tensor, per expert
-    (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, the per-expert layout vLLM's MoE LoRA and
-    Megatron-Bridge use)."""
+    """Every target, experts and routers included (trained in EP2, or TP2: the experts' linears split over
+    expert TP too): each exported HF module's base weight + (alpha/r) B A is the merged export's tensor,
+    per expert (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, the per-expert layout vLLM's MoE LoRA
+    and Megatron-Bridge use) and per router (`mlp.gate`)."""
     from safetensors.torch import load_file
 
     from moe_rl.train.convert import mcore_to_hf
@@ -189,8 +189,8 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
     adapters, base, merged = (load_file(tmp_path / "peft" / "adapter_model.safetensors"), HFReader(tiny_qwen),
                               HFReader(tmp_path / "merged"))
     modules = {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in adapters}
-    assert len(modules) == 2 * (4 + 3 * 4)  # per layer: q, k, v, o and three per expert
-    assert "model.layers.1.mlp.experts.3.up_proj" in modules
+    assert len(modules) == 2 * (4 + 3 * 4 + 1)  # per layer: q, k, v, o, three per expert, the router
+    assert {"model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.gate"} <= modules
     for m in sorted(modules):
         a, b = (adapters[f"base_model.model.{m}.lora_{x}.weight"].double() for x in "AB")
         expected = base.get(f"{m}.weight").double() + 8.0 / 4 * b @ a

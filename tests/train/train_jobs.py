@@ -392,9 +392,9 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False, ckpt_dir=No
     out["optimizer_numel"] = sum(p.numel() for opt in optimizers for g in opt.optimizer.param_groups
                                  for p in g["params"])
     out["merged"] = dict(hf_io.export_hf_weights(w.bridge, w.module))
-    adapted = {n: m for n, m in w.module.named_modules() if hasattr(m, "lora_A")}
+    adapted = dict(lora.adapted_weights(w.module))
     out["merged_by_formula"] = {
-        n: (m.weight.double() + settings.scale * m.lora_B.double() @ m.lora_A.double()).float()
+        n: (m.weight.double() + settings.scale * m.b.double() @ m.a.double()).float()
         for n, m in adapted.items()}
     out["merged_local"] = {n: lora.merged_weight(m) for n, m in adapted.items()}
     return out
