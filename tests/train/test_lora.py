@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from train_jobs import B, S, batch_tensors, lora_job
+from train_jobs import B, S, batch_tensors, lora_gradient_job, lora_job
 
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.train.lora import TARGETS
@@ -195,3 +195,16 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
         a, b = (adapters[f"base_model.model.{m}.lora_{x}.weight"].double() for x in "AB")
         expected = base.get(f"{m}.weight").double() + 8.0 / 4 * b @ a
         torch.testing.assert_close(merged.get(f"{m}.weight").double(), expected, atol=1e-6, rtol=0, msg=m)
+
+
+def test_adapter_gradients_are_the_merged_models_by_the_chain_rule(tmp_path, tiny_qwen):
+    """With W' = W + s B A (s = alpha / r), dL/dB = s dL/dW' A^T and dL/dA = s B^T dL/dW': the adapters'
+    gradients of a PPO loss (every target, the routers' included, routes replayed) equal those of the
+    merged model's whole weights carried through the chain rule (fp32)."""
+    grads = run_ranks(lora_gradient_job, 1, (str(tiny_qwen), str(tmp_path / "merged")))[0]
+    assert len(grads) == 2 * (2 + 2 * 4 + 1)
+    s = 8.0 / 4
+    for name, (da, db, dw, a, b) in grads.items():
+        assert dw.abs().max() > 0, name
+        torch.testing.assert_close(db, s * dw @ a.T, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(da, s * b.T @ dw, atol=1e-6, rtol=1e-4, msg=name)

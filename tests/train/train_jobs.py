@@ -398,3 +398,38 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False, ckpt_dir=No
         for n, m in adapted.items()}
     out["merged_local"] = {n: lora.merged_weight(m) for n, m in adapted.items()}
     return out
+
+
+def lora_gradient_job(rank, world, hf_path, merged_dir):
+    """One PPO loss's gradients two ways: the adapters' (B drawn nonzero, so both factors get one) and the
+    whole weights' of the merged model W + (alpha/r) B A (saved to `merged_dir`, a second model built
+    from it). Returns {weight name: (dA, dB, dW, A, B)} for every adapted weight (grad clipping off)."""
+    from moe_rl.train import hf_io, lora, parallel
+    from moe_rl.train.worker import TrainWorker
+    from moe_rl.weights.hf import save_hf_checkpoint
+
+    parallel.init_distributed(parallel.Layout())
+    settings = lora.LoraSettings(rank=4, alpha=8.0, targets=lora.TARGETS)
+    optim = optim_settings(0.0, grad_clip=0.0, micro_batch_tokens=24)
+    w = TrainWorker(model_spec(hf_path, lora=settings), optim=optim)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, adapter in lora.adapted_weights(w.module):
+            adapter.b.copy_(torch.randn(adapter.b.shape, generator=g) * 0.1)
+    save_hf_checkpoint(hf_io.export_hf_weights(w.bridge, w.module), merged_dir, hf_path)
+    whole = TrainWorker(model_spec(merged_dir), optim=optim)
+    ids, lengths, mask, adv = batch_tensors()
+    grads, routes = [], w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+    for worker in (w, whole):
+        logp = worker.score(Batch(ids, lengths, routes)).logp_BS
+        worker.train_step(Batch(ids, lengths, routes, **policy_tensors(logp, mask, adv)), policy_loss(),
+                          Denominator(mask))
+        grads.append({n: p.main_grad.detach().clone() for n, p in worker.module.named_parameters()
+                      if getattr(p, "main_grad", None) is not None})
+    adapter_grads, whole_grads = grads
+    out = {}
+    for name, adapter in lora.adapted_weights(w.module):
+        prefix = name.rsplit(".weight", 1)[0]
+        out[name] = (adapter_grads[f"{prefix}.lora_A"], adapter_grads[f"{prefix}.lora_B"], whole_grads[name],
+                     adapter.a.detach(), adapter.b.detach())
+    return out
