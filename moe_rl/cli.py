@@ -65,6 +65,18 @@ def _cmd_check_config(args) -> int:
           f"dp {par.dp} (ep {par.ep}); critic {'on' if cfg.critic_enabled else 'off'}; actors: {actors}; on "
           f"GPUs it needs {cfg.gpus} GPU(s) ({shared})",
           file=sys.stderr)
+    lo = cfg.model.lora
+    if lo.rank:
+        import torch
+
+        from moe_rl.rollout.engine_settings import resolve_lora_sync
+
+        cuda = args.assume_cuda or torch.cuda.is_available()
+        mode, why = resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, cfg.rollout.weight_transfer,
+                                      cfg.rollout.engine_tp)
+        gets = "the adapters (vLLM applies them)" if mode == "adapters" else f"merged weights ({why})"
+        print(f"# LoRA: rank {lo.rank} on {', '.join(lo.targets)} ({cfg.model.layer_spec} layers); the "
+              f"engines get {gets}", file=sys.stderr)
     if sized:
         print(sized, file=sys.stderr)
     return 0

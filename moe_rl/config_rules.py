@@ -77,10 +77,6 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
-    if cfg.model.lora.rank and cfg.model.layer_spec != "local":
-        raise ConfigError("model.lora.rank", "adapters are built on megatron-core's own linears (layer_spec "
-                          "local); on Transformer Engine's fused layers (the norm inside linear_qkv and fc1, "
-                          "the grouped expert GEMMs) they are not built yet")
     if cfg.model.lora.rank:
         from moe_rl.rollout.engine_settings import resolve_lora_sync
 

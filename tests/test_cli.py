@@ -303,3 +303,18 @@ def test_settings_vllm_refuses_at_engine_start_are_one_line_exit_2(tmp_path):
     line = one_line_error(out)
     assert line.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the "
                            "cache blocks"), line
+
+
+@pytest.mark.parametrize("overrides, engines_get", [
+    # the recipe's NCCL transfer moves whole weights; through the object store, vLLM's GPU LoRA applies them
+    ([], "merged weights (adapters travel through Ray's object store, and rollout.weight_transfer is nccl)"),
+    (["rollout.weight_transfer=store"], "the adapters (vLLM applies them)"),
+])
+def test_check_config_takes_lora_on_the_qwen3_recipe(overrides, engines_get):
+    """The Qwen3 recipe as shipped (Transformer Engine layers, FP8) with LoRA: accepted, and check-config
+    says how the engines will get the policy."""
+    out = run("check-config", "configs/qwen3_30b_a3b_gspo.yaml", "--assume-cuda", "model.lora.rank=16",
+              *overrides)
+    assert out.returncode == 0, out.stderr
+    assert ("# LoRA: rank 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2 (transformer_engine layers); "
+            f"the engines get {engines_get}") in out.stderr

@@ -154,12 +154,11 @@ def test_a_teacher_is_counted_with_its_own_shape_and_no_training_state(tmp_path)
 
 
 def test_lora_trains_the_adapters_alone_worked_by_hand():
-    """Qwen3-30B-A3B in the shipped layout (tp 2, pp 2, ep 8) with rank-16 adapters on every linear (the
-    local layer spec: adapters are not built on Transformer Engine's). Per layer on one rank: linear_qkv
+    """Qwen3-30B-A3B, the shipped recipe (tp 2, pp 2, ep 8; Transformer Engine, FP8) with rank-16 adapters
+    on every linear. Per layer on one rank: linear_qkv
     16 (2048 + 5120 / 2) = 73,728, linear_proj 16 (4096 / 2 + 2048) = 65,536; each of the 128 / 8 = 16
     experts fc1 16 (2048 + 1536 / 2) = 45,056 and fc2 16 (768 / 2 + 2048) = 38,912; 24 layers a stage."""
-    cfg = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", ["model.layer_spec=local", "model.fp8=none",
-                                                                  "model.lora.rank=16"], cuda_available=True)
+    cfg = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", ["model.lora.rank=16"], cuda_available=True)
     full = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", cuda_available=True),
                      QWEN3_30B_A3B)
     plan = make_plan(cfg, QWEN3_30B_A3B)
@@ -177,7 +176,7 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     # 16 (4096 + 2048) proj + 128 experts x (16 (2048 + 1536) + 16 (768 + 2048)) = 13,320,192, x 48, in bf16
     assert plan.sync_bytes == full.sync_bytes and "rollout.weight_transfer is nccl" in render(plan)
     store = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [
-        "model.layer_spec=local", "model.fp8=none", "model.lora.rank=16", "rollout.weight_transfer=store"],
+        "model.lora.rank=16", "rollout.weight_transfer=store"],
         cuda_available=True), QWEN3_30B_A3B)
     assert store.sync_bytes == store.adapter_params * 2 == 639_369_216 * 2
     assert "engines apply the adapters: a sync moves them alone" in render(store)
