@@ -208,3 +208,29 @@ def test_adapter_gradients_are_the_merged_models_by_the_chain_rule(tmp_path, tin
         assert dw.abs().max() > 0, name
         torch.testing.assert_close(db, s * dw @ a.T, atol=1e-6, rtol=1e-4, msg=name)
         torch.testing.assert_close(da, s * b.T @ dw, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.quick
+def test_transformer_engine_outputs_unpack_and_grouped_experts_split_by_their_tokens():
+    """The Transformer Engine paths' own logic, on plain tensors (TE itself needs CUDA): a fused norm-linear
+    returning its norm's output in either of TE's two forms, and a grouped expert linear's adapters applied
+    expert by expert to the tokens m_splits gives each, against a token-by-token reference."""
+    from moe_rl.train.lora import _grouped_hook, _unpack
+
+    out, bias, normed = torch.ones(2), torch.zeros(2), torch.full((2,), 3.0)
+    assert _unpack((out, bias)) == (out, bias, None)
+    assert _unpack(((out, normed), None)) == (out, None, normed)  # return_layernorm_output, no bias
+    assert _unpack((out, bias, normed)) == (out, bias, normed)  # ... with the bias returned
+    g = torch.Generator().manual_seed(0)
+    experts, rank, d_in, d_out, splits = 3, 2, 5, 4, [2, 0, 3]
+    module = torch.nn.Module()
+    module.lora_scale = 1.5
+    for e in range(experts):
+        setattr(module, f"lora_A{e}", torch.nn.Parameter(torch.randn(rank, d_in, generator=g)))
+        setattr(module, f"lora_B{e}", torch.nn.Parameter(torch.randn(d_out, rank, generator=g)))
+    x, base = torch.randn(sum(splits), d_in, generator=g), torch.randn(sum(splits), d_out, generator=g)
+    got, _ = _grouped_hook(module, (x, splits), {}, (base, None))
+    owner = [e for e, n in enumerate(splits) for _ in range(n)]
+    want = torch.stack([base[t] + 1.5 * getattr(module, f"lora_B{e}") @ (getattr(module, f"lora_A{e}") @ x[t])
+                        for t, e in enumerate(owner)])
+    torch.testing.assert_close(got, want)
