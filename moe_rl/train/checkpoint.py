@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.train import lora
-from moe_rl.weights.hf import CheckpointError
+from moe_rl.weights.hf import CheckpointError, fingerprint
 
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_FILE = "moe_rl_extra.pt"
@@ -206,11 +206,22 @@ def _save(state: dict, path: Path, record: dict) -> None:
 
 def save(worker, path: str | Path, extra: dict | None = None) -> None:
     spec, lo = worker.spec, worker.spec.lora
-    adapters = {} if lo is None else {"lora": {"base": spec.hf_path, "rank": lo.rank, "alpha": lo.alpha,
-                                               "targets": list(lo.targets), "dtype": spec.dtype}}
+    adapters = {} if lo is None else {"lora": {
+        "base": spec.hf_path, "base_fingerprint": fingerprint(spec.hf_path), "rank": lo.rank,
+        "alpha": lo.alpha, "targets": list(lo.targets), "dtype": spec.dtype}}
     _save(_sharded(worker, is_loading=False), Path(path),
           {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker),
            "role": worker.role, **adapters})
+
+
+def check_lora_base(record: dict, base: str | Path, path: str | Path) -> None:
+    """Adapters apply to the base they were trained on: refuse a base whose weights differ from the
+    checkpoint's record (weights.hf.fingerprint; a record without one, from before it was kept, passes)."""
+    saved = record.get("base_fingerprint")
+    if saved is not None and saved != fingerprint(base):
+        raise CheckpointError(f"{path}: its LoRA adapters were trained on a base whose weights differ from "
+                              f"those at {base} (fingerprint {fingerprint(base)}, the checkpoint's {saved}): "
+                              "the base changed since; resume on the base the adapters were trained on")
 
 
 def save_model(module, path: str | Path, extra: dict | None = None) -> None:
@@ -256,6 +267,8 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
                               "data-parallel size, or load weights only")
     check_files(path)
     check_model_fits(worker.module, path)
+    if worker.spec.lora is not None:
+        check_lora_base(meta.get("lora", {}), worker.spec.hf_path, path)
     try:
         state = dist_checkpointing.load(_sharded(worker, is_loading=True, with_optimizer=optimizer),
                                         str(path))

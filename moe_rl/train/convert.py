@@ -153,6 +153,7 @@ def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layou
     bridge, module = _build(hf_config, record["dtype"], "policy", layout)
     base = record["base"]
     _check_hf_dir(Path(base))
+    checkpoint.check_lora_base(record, base, ckpt)
     hf_io.load_hf_weights(bridge, module, base)
     settings = lora.LoraSettings(record["rank"], record["alpha"], tuple(record["targets"]))
     lora.add_adapters(module, settings, hf_io.rank_names(module, bridge.config.num_moe_experts), seed=0)

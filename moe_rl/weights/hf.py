@@ -199,3 +199,25 @@ def save_peft_adapter(tensors: dict[str, torch.Tensor], out_dir: str | Path, bas
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True}, indent=2))
     return out
+
+
+FINGERPRINT_SAMPLES, FINGERPRINT_CHUNK = 64, 64 * 1024
+
+
+def fingerprint(path: str | Path) -> str:
+    """A fingerprint of a Hugging Face checkpoint's weights, independent of where it lies: sha256 over each
+    safetensors file's name, size and FINGERPRINT_SAMPLES evenly spaced chunks of FINGERPRINT_CHUNK bytes
+    (the header and the end included), at most 4 MiB read a file. Weights changed anywhere a sample falls
+    (any retraining changes nearly every sample) change it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        last = max(size - FINGERPRINT_CHUNK, 0)
+        with file.open("rb") as f:
+            for k in range(FINGERPRINT_SAMPLES):
+                f.seek(last * k // (FINGERPRINT_SAMPLES - 1))
+                digest.update(f.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()[:16]

@@ -120,6 +120,7 @@ def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout
 
     from moe_rl.train.checkpoint import read_extra, tensor_shapes
     from moe_rl.train.lora import LoraSettings
+    from moe_rl.weights.hf import fingerprint
 
     settings = LoraSettings(rank=4, alpha=8.0, targets=TARGETS)
     ckpt = tmp_path / "ckpt"
@@ -127,8 +128,8 @@ def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout
     keys = set(tensor_shapes(ckpt))
     model_keys = {k for k in keys if not k.startswith("optimizer")}
     assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), sorted(model_keys)[:5]
-    assert read_extra(ckpt)["lora"] == {"base": str(tiny_qwen), "rank": 4, "alpha": 8.0,
-                                        "targets": list(TARGETS), "dtype": "float32"}
+    assert read_extra(ckpt)["lora"] == {"base": str(tiny_qwen), "base_fingerprint": fingerprint(tiny_qwen),
+                                        "rank": 4, "alpha": 8.0, "targets": list(TARGETS), "dtype": "float32"}
     world = 2 if "ep" in layout else 1  # a distributed optimizer's state resumes at the same DP size
     loaded = run_ranks(ckpt_job, world, (str(tiny_qwen), {} if world == 1 else layout, str(ckpt), "load",
                                          settings))
@@ -234,3 +235,31 @@ def test_transformer_engine_outputs_unpack_and_grouped_experts_split_by_their_to
     want = torch.stack([base[t] + 1.5 * getattr(module, f"lora_B{e}") @ (getattr(module, f"lora_A{e}") @ x[t])
                         for t, e in enumerate(owner)])
     torch.testing.assert_close(got, want)
+
+
+def test_adapters_refuse_a_base_that_changed(tmp_path, tiny_qwen):
+    """A LoRA checkpoint records its base's fingerprint: resuming it, or converting it, on a base whose
+    weights changed since (here one tensor retrained in place) is refused in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from train_jobs import ckpt_job
+
+    from moe_rl.train.checkpoint import CheckpointError
+    from moe_rl.train.convert import mcore_to_hf
+    from moe_rl.train.lora import LoraSettings
+
+    base, ckpt = tmp_path / "base", tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen, base)
+    settings = LoraSettings(rank=4, alpha=8.0, targets=("linear_qkv",))
+    run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "save", settings))
+    run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "load", settings))  # the same base: resumes
+    (file,) = base.glob("*.safetensors")
+    tensors = load_file(file)
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="its LoRA adapters were trained on a base whose weights differ"):
+        run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "load", settings))
+    with pytest.raises(CheckpointError, match="the base changed since"):
+        mcore_to_hf(ckpt, tmp_path / "peft")
