@@ -109,8 +109,11 @@ class Adapters:
 
         lo = self.lora
         path = save_peft_adapter(tensors, self.root / f"v{version}", self.base, lo.rank, lo.alpha)
-        request = LoRARequest(f"policy-v{version}", version + 1, str(path))
-        if not engine.add_lora(request):
+        name, adapter_id = f"policy-v{version}", version + 1
+        # in place: a version synced again (a retried sync) replaces what vLLM holds under its id; requests
+        # carry a plain request (vLLM reloads an in-place one at every step that schedules it)
+        request = LoRARequest(name, adapter_id, str(path))
+        if not engine.add_lora(LoRARequest(name, adapter_id, str(path), load_inplace=True)):
             raise RuntimeError(f"vLLM did not load the adapters of weight version {version} ({path})")
         self.paths[request.lora_int_id], self.current = path, request
         keep = {v + 1 for v in in_use} | {request.lora_int_id}

@@ -78,6 +78,8 @@ def vllm_lora_job(rank, world, model_path, exported):
     engine.update_adapters(exported["adapters"], version=3)
     out["v3"] = engine.generate([PROMPTS[0]], long)[0]  # v1's adapters again, a new adapter
     out["held_after"], out["vllm_holds"] = sorted(engine.adapters.paths), sorted(engine.engine.list_loras())
+    engine.update_adapters(zeros, version=3)  # v3 synced again (a retry), other tensors: they replace it
+    out["v3_again"] = engine.generate([PROMPTS[0]], long)[0]
     engine.shutdown()
     merged = RolloutEngine(engine_settings(model_path, seed=0))
     out["merged_mode"] = merged.lora_sync

@@ -68,6 +68,8 @@ def test_a_running_request_keeps_its_adapter_and_unused_ones_go(synced):
     # v1's adapter (id 2) was held while its request ran, beside v2's (id 3); after v3, only v3's (id 4)
     assert gen["held_while_running"] == [2, 3]
     assert gen["held_after"] == gen["vllm_holds"] == [4]
+    # a version synced again replaces its adapter (here with the base's zeros), not keeps the first
+    assert gen["v3_again"].token_ids == gen["base_again"].token_ids != gen["v3"].token_ids
 
 
 @pytest.mark.quick
