@@ -235,6 +235,17 @@ def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1,
             moe * shape.experts / ep * mlp(shape.moe_ffn))
 
 
+def peft_export_params(shape: ModelShape, rank: int, targets) -> int:
+    """The whole policy's adapter tensors as an adapter sync moves them (hf_io.export_peft_adapters, PEFT's
+    naming): `lora_params`, plus the copies of A a fused linear hands each of its Hugging Face modules
+    (linear_qkv's A to q, k and v: two more; linear_fc1's to gate and up: one more, every MLP and expert)."""
+    dense, expert = lora_params(shape, rank, targets)
+    mlps = shape.dense_layers * bool(shape.dense_ffn) + shape.moe_layers * (bool(shape.shared_ffn)
+                                                                              + shape.experts)
+    copies = (2 * shape.layers if "linear_qkv" in targets else 0) + (mlps if "linear_fc1" in targets else 0)
+    return round(dense + expert + copies * rank * shape.hidden)
+
+
 def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     """Bytes on the busiest rank of a trainer: policy and critic train, the reference, the reward model
     and the distillation teachers only score (no gradients, no optimizer state); under PPO-EWMA the
@@ -355,7 +366,8 @@ def make_plan(cfg, hf_config: dict) -> Plan:
         lora_sync = resolve_lora_sync(lora.sync, lora.rank, lora.targets, True, cfg.rollout.weight_transfer,
                                       cfg.rollout.engine_tp)
     # a sync moves the adapters alone where the engines apply them, else the whole (merged) model
-    sync_bytes = (adapters if lora_sync[0] == "adapters" else shape.total) * dtype_bytes(cfg)
+    synced = peft_export_params(shape, lora.rank, lora.targets) if lora_sync[0] == "adapters" else shape.total
+    sync_bytes = synced * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
                 math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters,
                 lora_sync)

@@ -173,10 +173,13 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     assert "LoRA: 639.37 M adapter parameters (2.09% of the model) train" in render(plan)  # 48 layers' worth
     # the recipe's NCCL weight transfer moves merged weights; through the object store, the GPU engines
     # apply the adapters and a sync moves them alone, the whole model's: per layer 16 (2048 + 5120) qkv +
-    # 16 (4096 + 2048) proj + 128 experts x (16 (2048 + 1536) + 16 (768 + 2048)) = 13,320,192, x 48, in bf16
+    # 16 (4096 + 2048) proj + 128 experts x (16 (2048 + 1536) + 16 (768 + 2048)) = 13,320,192, x 48; in
+    # PEFT's naming linear_qkv's A goes to q, k and v (two copies more) and each fc1's A to gate and up (one
+    # more): (2 + 128) x 16 x 2048 = 4,259,840 a layer, x 48; in bf16
     assert plan.sync_bytes == full.sync_bytes and "rollout.weight_transfer is nccl" in render(plan)
     store = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [
         "model.lora.rank=16", "rollout.weight_transfer=store"],
         cuda_available=True), QWEN3_30B_A3B)
-    assert store.sync_bytes == store.adapter_params * 2 == 639_369_216 * 2
+    assert store.adapter_params == 639_369_216
+    assert store.sync_bytes == (639_369_216 + 48 * 4_259_840) * 2
     assert "engines apply the adapters: a sync moves them alone" in render(store)

@@ -179,6 +179,7 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
     and Megatron-Bridge use) and per router (`mlp.gate`)."""
     from safetensors.torch import load_file
 
+    from moe_rl.plan import ModelShape, peft_export_params
     from moe_rl.train.convert import mcore_to_hf
     from moe_rl.train.parallel import Layout
     from moe_rl.weights.hf import HFReader
@@ -192,6 +193,9 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
     modules = {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in adapters}
     assert len(modules) == 2 * (4 + 3 * 4 + 1)  # per layer: q, k, v, o, three per expert, the router
     assert {"model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.gate"} <= modules
+    # what an adapter sync moves is what the plan says it moves
+    shape = ModelShape.from_hf(json.loads((tiny_qwen / "config.json").read_text()))
+    assert sum(t.numel() for t in adapters.values()) == peft_export_params(shape, 4, TARGETS)
     for m in sorted(modules):
         a, b = (adapters[f"base_model.model.{m}.lora_{x}.weight"].double() for x in "AB")
         expected = base.get(f"{m}.weight").double() + 8.0 / 4 * b @ a
