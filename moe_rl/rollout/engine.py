@@ -97,7 +97,7 @@ class Adapters:
         self.lora, self.base = lora, base
         self.root = Path(tempfile.mkdtemp(prefix="moe_rl_adapters_"))
         self.paths: dict[int, Path] = {}  # adapter id -> its files, while vLLM holds it
-        self.current = None
+        self.current, self.syncs = None, 0
 
     def load(self, engine, tensors: dict[str, torch.Tensor], version: int, in_use: Collection[int]) -> None:
         """`tensors` (PEFT names) as weight version `version`'s adapter in vLLM's `engine` (an LLMEngine),
@@ -107,15 +107,20 @@ class Adapters:
 
         from moe_rl.weights.hf import save_peft_adapter
 
-        lo = self.lora
-        path = save_peft_adapter(tensors, self.root / f"v{version}", self.base, lo.rank, lo.alpha)
+        lo, self.syncs = self.lora, self.syncs + 1
+        # a directory of its own per sync: vLLM's prefix cache keys blocks by the adapter's path too, so a
+        # version synced again never meets the cached blocks of its first tensors
+        path = save_peft_adapter(tensors, self.root / f"v{version}.{self.syncs}", self.base, lo.rank,
+                                 lo.alpha)
         name, adapter_id = f"policy-v{version}", version + 1
         # in place: a version synced again (a retried sync) replaces what vLLM holds under its id; requests
         # carry a plain request (vLLM reloads an in-place one at every step that schedules it)
         request = LoRARequest(name, adapter_id, str(path))
         if not engine.add_lora(LoRARequest(name, adapter_id, str(path), load_inplace=True)):
             raise RuntimeError(f"vLLM did not load the adapters of weight version {version} ({path})")
-        self.paths[request.lora_int_id], self.current = path, request
+        if adapter_id in self.paths:  # vLLM may reload an adapter from its files later: keep the new ones
+            shutil.rmtree(self.paths[adapter_id], ignore_errors=True)
+        self.paths[adapter_id], self.current = path, request
         keep = {v + 1 for v in in_use} | {request.lora_int_id}
         for old in [i for i in self.paths if i not in keep]:
             engine.remove_lora(old)
@@ -391,7 +396,7 @@ class RolloutEngine:
     def update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """The policy's LoRA adapters (PEFT names: hf_io.export_peft_adapters) as weight version `version`,
         where the engine gets adapters (lora_sync adapters): a new vLLM adapter that every request
-        submitted from now on runs with (rollout/engine_lora.py); the base weights stay. Requests already
+        submitted from now on runs with (`Adapters`); the base weights stay. Requests already
         running finish on the adapter they started with (their tokens keep its version) and need no cache
         reset: vLLM's prefix cache keys blocks by adapter. Returns the tensors loaded."""
         if self.adapters is None:

@@ -96,7 +96,14 @@ def resolve_lora_sync(sync: str, rank: int, targets: Iterable[str], cuda: bool, 
                       f"{weight_transfer}")
     if rank > VLLM_LORA_RANKS[-1]:
         cannot.append(f"vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}, not {rank}")
-    if not cuda and {"linear_fc1", "linear_fc2"} & set(targets):
+    experts = {"linear_fc1", "linear_fc2"} & set(targets)
+    if cuda and len(experts) == 1:
+        cannot.append("vLLM's fused MoE LoRA takes every expert's gate, up and down adapters together: "
+                      "target linear_fc1 and linear_fc2 both")
+    if cuda and experts and "router" in targets:
+        cannot.append("with the experts adapted, vLLM 0.32 wires the router's adapter onto its LoRA wrapper, "
+                      "not the MoE runner that routes, so tokens would be routed by the base router")
+    if not cuda and experts:
         cannot.append("vLLM's CPU build has no LoRA kernel for the experts' linear_fc1 / linear_fc2 (its "
                       "fused MoE LoRA is a Triton kernel, GPU only)")
     if not cuda and tensor_parallel_size > 1:

@@ -75,9 +75,16 @@ def test_a_running_request_keeps_its_adapter_and_unused_ones_go(synced):
 @pytest.mark.quick
 def test_adapters_go_where_vllm_can_apply_them():
     attention = ("linear_qkv", "linear_proj")
-    every = (*attention, "linear_fc1", "linear_fc2")
+    every = (*attention, "linear_fc1", "linear_fc2", "router")
     assert resolve_lora_sync("auto", 16, attention, False, "store", 1) == ("adapters", "vLLM applies them")
-    assert resolve_lora_sync("auto", 16, every, True, "store", 2) == ("adapters", "vLLM applies them")
+    experts = (*attention, "linear_fc1", "linear_fc2")
+    assert resolve_lora_sync("auto", 16, experts, True, "store", 2) == ("adapters", "vLLM applies them")
+    # on GPU: vLLM's MoE LoRA needs fc1 and fc2 together, and misses the router's adapter beside the experts'
+    mode, why = resolve_lora_sync("auto", 16, (*attention, "linear_fc1"), True, "store", 1)
+    assert mode == "merged" and "target linear_fc1 and linear_fc2 both" in why
+    mode, why = resolve_lora_sync("auto", 16, every, True, "store", 1)
+    assert mode == "merged" and "routed by the base router" in why
+    assert resolve_lora_sync("auto", 16, (*attention, "router"), True, "store", 1)[0] == "adapters"
     mode, why = resolve_lora_sync("auto", 16, every, False, "store", 1)
     assert mode == "merged" and "no LoRA kernel for the experts" in why
     mode, why = resolve_lora_sync("auto", 16, attention, True, "nccl", 1)
@@ -89,7 +96,8 @@ def test_adapters_go_where_vllm_can_apply_them():
         resolve_lora_sync("adapters", 16, every, False, "store", 1)
     kwargs = lora_kwargs(type("Lora", (), {"rank": 12, "targets": every})())
     assert kwargs["max_lora_rank"] == 16 and kwargs["max_loras"] == 2
-    assert kwargs["lora_target_modules"] == ["down_proj", "experts", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert kwargs["lora_target_modules"] == ["down_proj", "experts", "gate", "gate_up_proj", "o_proj",
+                                             "qkv_proj"]
 
 
 @pytest.mark.quick
