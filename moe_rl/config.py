@@ -89,7 +89,7 @@ class RunConfig:
         """The run's actors: trainer ranks per model (0 where the algorithm needs none) and engines."""
         n = self.parallel.world_size
         return {"policy": n, "critic": n if self.critic_enabled else 0,
-                "reference": n if self.uses_reference else 0,
+                "reference": n if self.uses_reference and not self.model.lora.rank else 0,
                 "reward_model": n if self.reward_model.path else 0,
                 **{slot: n for slot in self.teachers}, "engine": self.rollout.num_engines}
 
@@ -119,7 +119,8 @@ class RunConfig:
 
     @property
     def uses_reference(self) -> bool:
-        """A KL term (in the reward or the loss) reads the reference policy."""
+        """A KL term (in the reward or the loss) reads the reference policy: a model of its own, or with
+        model.lora the policy's frozen base (the policy scored with its adapters off)."""
         return bool(self.algorithm.kl_loss_coef or self.algorithm.kl_reward_coef)
 
 

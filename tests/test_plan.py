@@ -183,3 +183,16 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     assert store.adapter_params == 639_369_216
     assert store.sync_bytes == (639_369_216 + 48 * 4_259_840) * 2
     assert "engines apply the adapters: a sync moves them alone" in render(store)
+
+
+def test_a_lora_policys_reference_is_its_base_not_a_copy():
+    """With model.lora a KL term's reference is the policy's frozen base (scored with the adapters off):
+    no reference ranks, and nothing of a reference in the plan."""
+    kl = ["algorithm.kl_loss_coef=0.05"]
+    whole = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", kl, cuda_available=True)
+    lora = load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [*kl, "model.lora.rank=16"],
+                       cuda_available=True)
+    assert whole.actors["reference"] == 32 and lora.actors["reference"] == 0 and lora.uses_reference
+    assert lora.gpus == whole.gpus - 32
+    assert "reference" in {r.role for r in make_plan(whole, QWEN3_30B_A3B).roles}
+    assert "reference" not in {r.role for r in make_plan(lora, QWEN3_30B_A3B).roles}

@@ -43,14 +43,14 @@ class RankActor:
         """(this rank's node IP, its CPU threads)."""
         return ray.util.get_node_ip_address(), torch.get_num_threads()
 
-    def score(self, batch, record_routes: bool = False, anchor: bool = False):
+    def score(self, batch, record_routes: bool = False, anchor: bool = False, adapters: bool = True):
         """train.results.ScoreResult of this rank's shard (with its wall time); `anchor`: with the EWMA
-        anchor's weights."""
+        anchor's weights; adapters=False: a LoRA policy as its frozen base."""
         t0 = time.perf_counter()
         if anchor and self.anchor is not None:
             out = self.worker.score_with(self.anchor.params, batch)
         else:
-            out = self.worker.score(batch, record_routes=record_routes)
+            out = self.worker.score(batch, record_routes=record_routes, adapters=adapters)
         out.seconds = time.perf_counter() - t0
         return out
 

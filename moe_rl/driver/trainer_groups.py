@@ -313,8 +313,9 @@ class Models:
         self.cfg = cfg
         self.policy = PolicyGroup(cfg, place, "policy", settings.policy_spec(cfg, model_path), cfg.run.seed)
         self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
-        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) if cfg.uses_reference \
-            else None
+        # a LoRA policy's reference is its own frozen base: scored with the adapters off, no copy
+        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) \
+            if cfg.actors["reference"] else None
         self.reward_model = None
         # scores only: like a critic (value head from its score.weight), routing freely
         if cfg.reward_model.path:
@@ -351,8 +352,9 @@ class Models:
         if diagnostics and batch.routes_BSLK is not None:
             free = self.policy.score(batch.model_inputs(routes=False), record_routes=True)
             scores.free_logp_BS, scores.free_routes_BSLK = free.logp_BS, free.routes_BSLK
-        if self.reference:
-            scores.logp_ref_BS = self.reference.score(batch.model_inputs()).logp_BS
+        if self.cfg.uses_reference:
+            scores.logp_ref_BS = (self.reference.score(batch.model_inputs()) if self.reference
+                                  else self.policy.score(batch.model_inputs(), adapters=False)).logp_BS
         if self.critic:
             scores.critic_out_BS = self.critic.score(batch.model_inputs(routes=False)).critic_out_BS
         if self.teachers:

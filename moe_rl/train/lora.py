@@ -38,6 +38,7 @@ train/lora_checkpoint.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -148,9 +149,25 @@ def _unpack(output) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | N
     return out, bias, None
 
 
+@contextlib.contextmanager
+def adapters_off(model):
+    """Within it, every adapter of `model` adds nothing: the model is its frozen base (the KL reference of
+    a LoRA policy, scored without a copy of its own)."""
+    adapted = [m for m in model.modules() if getattr(m, "lora_indices", None)]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
+
+
 def _column_hook(module, args, kwargs, output):
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
+    if module.lora_off:
+        return _unpack(output)[:2]
     out, bias, normed = _unpack(output)
     x = normed if normed is not None else args[0] if args else kwargs["input_"]
     if x.shape[0] != out.shape[0]:  # a sequence-parallel input, which the layer gathered: so does the adapter
@@ -164,6 +181,8 @@ def _row_hook(module, args, kwargs, output):
         reduce_scatter_to_sequence_parallel_region,
     )
 
+    if module.lora_off:
+        return output
     x = args[0] if args else kwargs["input_"]
     partial = adapter_delta(x, module.lora_A, module.lora_B, module.lora_scale)
     group = tp_group(module)
@@ -181,6 +200,8 @@ def _grouped_hook(module, args, kwargs, output):
     """A grouped expert linear (TE GroupedLinear: forward(x, m_splits), x [tokens, in] sorted by expert):
     each expert's tokens through its own adapter. Outputs are partial under expert TP, left to the
     dispatcher as the layer's are."""
+    if module.lora_off:
+        return output
     x = args[0] if args else kwargs["x"]
     splits = args[1] if len(args) > 1 else kwargs["m_splits"]
     parts = torch.split(x, [int(n) for n in splits])
@@ -196,6 +217,8 @@ def _adapted_gating(router):
 
     def adapted(x):
         logits = gating(x)
+        if router.lora_off:
+            return logits
         dtype = logits.dtype
         return logits + adapter_delta(x.to(dtype), router.lora_A.to(dtype), router.lora_B.to(dtype),
                                       router.lora_scale)
@@ -261,7 +284,7 @@ def add_adapters(module, settings: LoraSettings, global_names: dict[str, str], s
             continue
         grouped = getattr(target, "num_gemms", None)
         target.lora_indices = tuple(str(i) for i in range(grouped)) if grouped else ("",)
-        target.lora_scale, target.lora_split = settings.scale, split
+        target.lora_scale, target.lora_split, target.lora_off = settings.scale, split, False
         for index in target.lora_indices:
             _add_factors(target, index, split, settings, global_names[f"{name}.weight{index}"], seed)
         adapted += len(target.lora_indices)

@@ -23,6 +23,7 @@ factor also divides out the cp megatron multiplies in.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -266,19 +267,20 @@ class TrainWorker:
         return mbs
 
     @torch.no_grad()
-    def score(self, batch: Batch, record_routes: bool = False) -> ScoreResult:
+    def score(self, batch: Batch, record_routes: bool = False, adapters: bool = True) -> ScoreResult:
         """Forward only: logp_BS and entropy_BS (policy) or critic_out_BS (critic), [B, S], on every rank.
 
         batch.routes_BSLK, when given, is replayed. With record_routes=True the routers choose freely and
         the result also holds routes_BSLK: [B, S, L, K] (uint8 / int16, as rollout routes), the trainer's own
-        top-k for every position.
+        top-k for every position. adapters=False: a LoRA policy scores as its frozen base.
         """
         self._resident()
         self.module.eval()
         mbs = [mb.to(self.device) for mb in self._microbatches(batch)]  # split on the host, then moved
         self._recording = [] if record_routes else None
         try:
-            results = self._run(mbs, forward_only=True)
+            with contextlib.nullcontext() if adapters else lora.adapters_off(self.module):
+                results = self._run(mbs, forward_only=True)
             recorded = self._recording
         finally:
             self._recording = None

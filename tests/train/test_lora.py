@@ -37,6 +37,15 @@ def test_only_adapters_train_and_the_base_stays_bitwise(one_rank):
     assert float(moved.max()) > 1e-3  # the adapters learned something
 
 
+def test_with_adapters_off_the_policy_is_its_base(one_rank):
+    """The KL reference of a LoRA policy is its frozen base, scored with the adapters off: after training it
+    scores as the policy did before (exactly: the same computation), and the adapters are back after."""
+    res = one_rank
+    assert torch.equal(res["base_after"].logp_BS, res["before"].logp_BS)
+    assert torch.equal(res["after_again"].logp_BS, res["after_free"].logp_BS)
+    assert not torch.allclose(res["after_free"].logp_BS * valid(), res["before"].logp_BS * valid(), atol=1e-3)
+
+
 @pytest.mark.quick
 def test_adapters_start_as_the_base_model(one_rank, tiny_qwen):
     """B = 0 at the start: the first scores are the base model's, as transformers computes them."""

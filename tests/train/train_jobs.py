@@ -381,6 +381,8 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False, ckpt_dir=No
         out["steps"].append(w.train_step(shard, policy_loss(), Denominator(mask)).figures)
     out["after"] = w.score(Batch(ids, lengths, routes))
     out["after_free"] = w.score(Batch(ids, lengths))
+    out["base_after"] = w.score(Batch(ids, lengths), adapters=False)  # the KL reference: the frozen base
+    out["after_again"] = w.score(Batch(ids, lengths))
     if ckpt_dir is not None:
         from moe_rl.train import checkpoint
 
