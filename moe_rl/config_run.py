@@ -83,7 +83,7 @@ class TinyModel:
                               f"num_attention_heads={self.num_attention_heads}")
 
 
-LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router", "output_layer"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class LoraSection:
                                                                "linear_fc2"])
     """Megatron's modules that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2
     (the dense MLPs' and every expert's: one adapter per expert), router (each MoE layer's router: an
-    adapter on its logits)."""
+    adapter on its logits), output_layer (the LM head, untied from the embeddings: B has a row per token)."""
     sync: Literal["auto", "adapters", "merged"] = "auto"
     """How the engines get the policy after each update: adapters (vLLM applies them: each sync is a new
     adapter, the base weights never move, a sync moves the adapters alone) or merged (W + (alpha/r) B A loaded

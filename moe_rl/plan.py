@@ -231,8 +231,9 @@ def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1,
     dense, moe = stage_layers(shape, pp, stage)
     attention = column(h, q + 2 * kv, "linear_qkv") + row(q, h, "linear_proj")
     router = rank * (h + shape.experts) if "router" in targets else 0.0  # whole on every rank
-    return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * (mlp(shape.shared_ffn) + router),
-            moe * shape.experts / ep * mlp(shape.moe_ffn))
+    head = column(h, shape.vocab, "output_layer") if stage == pp - 1 else 0.0  # the last stage's
+    return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * (mlp(shape.shared_ffn) + router)
+            + head, moe * shape.experts / ep * mlp(shape.moe_ffn))
 
 
 def peft_export_params(shape: ModelShape, rank: int, targets) -> int:

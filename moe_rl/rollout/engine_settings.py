@@ -77,7 +77,7 @@ def resolve_route_source(source: str, cuda_available: bool) -> str:
 # the vLLM modules each of Megatron's adapted linears is (vLLM's fused MoE layer is `experts`)
 VLLM_LORA_MODULES = {"linear_qkv": ("qkv_proj",), "linear_proj": ("o_proj",),
                      "linear_fc1": ("gate_up_proj", "experts"), "linear_fc2": ("down_proj", "experts"),
-                     "router": ("gate",)}
+                     "router": ("gate",), "output_layer": ("lm_head",)}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices of max_lora_rank
 LORA_SLOTS = 2  # adapters in one engine batch: the new version's and the one before (requests still running)
 
@@ -103,6 +103,8 @@ def resolve_lora_sync(sync: str, rank: int, targets: Iterable[str], cuda: bool, 
     if cuda and experts and "router" in targets:
         cannot.append("with the experts adapted, vLLM 0.32 wires the router's adapter onto its LoRA wrapper, "
                       "not the MoE runner that routes, so tokens would be routed by the base router")
+    if "output_layer" in targets:
+        cannot.append("the engines here apply no adapter to the LM head (output_layer)")
     if not cuda and experts:
         cannot.append("vLLM's CPU build has no LoRA kernel for the experts' linear_fc1 / linear_fc2 (its "
                       "fused MoE LoRA is a Triton kernel, GPU only)")

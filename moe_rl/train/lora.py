@@ -6,10 +6,11 @@
         merged_weight(adapter)                       # W + (alpha/r) B A, this rank's shard: what engines get
 
 Targets, by module name: attention's linear_qkv and linear_proj, the dense MLPs' and every expert's
-linear_fc1 and linear_fc2 (one adapter per expert, grouped like the experts' weights), and the MoE
-router. Each adapted weight gets two parameters beside it, `lora_A` [r, in] and `lora_B` [out, r] (a
-grouped expert linear, whose weights are weight0, weight1, ...: lora_A0, lora_B0, ...), and the module
-a hook that adds the adapter's output to its own. The base stays the same module with the same parameter
+linear_fc1 and linear_fc2 (one adapter per expert, grouped like the experts' weights), the MoE router and
+the output layer (a column-parallel linear over the vocabulary: its B has a row per token). Each adapted
+weight gets two parameters beside it, `lora_A` [r, in] and `lora_B` [out, r] (a grouped expert linear,
+whose weights are weight0, weight1, ...: lora_A0, lora_B0, ...), and the module a hook that adds the
+adapter's output to its own. The base stays the same module with the same parameter
 names, so loading, export and routing replay are unchanged; every base parameter is frozen (no gradient,
 so no gradient buffer and no optimizer state).
 
@@ -49,7 +50,7 @@ import torch
 
 from moe_rl.train.lora_checkpoint import add_checkpoint_layouts, tp_group
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router")
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router", "output_layer")
 
 # Transformer Engine's linears in megatron-core (extensions/transformer_engine.py), by class name
 _TE_SPLITS = {"TELayerNormColumnParallelLinear": "column", "TEColumnParallelLinear": "column",
@@ -244,6 +245,9 @@ def _carry_gradients(embedding, args, output):
 def _add_factors(module, index: str, split: str, settings: LoraSettings, global_name: str, seed: int) -> None:
     """lora_A{index} and lora_B{index} beside weight{index}, sharded and tagged like it."""
     weight = getattr(module, f"weight{index}")
+    if weight is None:  # the output layer of a model whose embeddings are tied to it
+        raise ValueError(f"LoRA target '{global_name}' has no weight of its own (the model ties its output "
+                         "layer to its embeddings); drop output_layer from model.lora.targets")
     group = tp_group(module)
     rank, size = group.rank(), group.size()
     out_local, in_local = weight.shape

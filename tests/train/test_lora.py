@@ -30,8 +30,8 @@ def test_only_adapters_train_and_the_base_stays_bitwise(one_rank):
     res = one_rank
     assert res["base_same"]
     assert res["trainable"] and all(n.endswith((".lora_A", ".lora_B")) for n in res["trainable"])
-    # per layer (2): attention's two linears, every expert's fc1 and fc2 (4 experts), the router
-    assert sum(n.endswith(".lora_A") for n in res["trainable"]) == 2 * (2 + 2 * 4 + 1)
+    # per layer (2): attention's two linears, every expert's fc1 and fc2 (4 experts), the router; the head
+    assert sum(n.endswith(".lora_A") for n in res["trainable"]) == 2 * (2 + 2 * 4 + 1) + 1
     assert res["optimizer_numel"] == res["adapter_numel"] > 0
     moved = (res["after"].logp_BS - res["before"].logp_BS).abs() * valid()
     assert float(moved.max()) > 1e-3  # the adapters learned something
@@ -200,8 +200,9 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
     adapters, base, merged = (load_file(tmp_path / "peft" / "adapter_model.safetensors"), HFReader(tiny_qwen),
                               HFReader(tmp_path / "merged"))
     modules = {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in adapters}
-    assert len(modules) == 2 * (4 + 3 * 4 + 1)  # per layer: q, k, v, o, three per expert, the router
-    assert {"model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.gate"} <= modules
+    # per layer: q, k, v, o, three per expert, the router; and the LM head
+    assert len(modules) == 2 * (4 + 3 * 4 + 1) + 1
+    assert {"model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.gate", "lm_head"} <= modules
     # what an adapter sync moves is what the plan says it moves
     shape = ModelShape.from_hf(json.loads((tiny_qwen / "config.json").read_text()))
     assert sum(t.numel() for t in adapters.values()) == peft_export_params(shape, 4, TARGETS)
@@ -216,7 +217,7 @@ def test_adapter_gradients_are_the_merged_models_by_the_chain_rule(tmp_path, tin
     gradients of a PPO loss (every target, the routers' included, routes replayed) equal those of the
     merged model's whole weights carried through the chain rule (fp32)."""
     grads = run_ranks(lora_gradient_job, 1, (str(tiny_qwen), str(tmp_path / "merged")))[0]
-    assert len(grads) == 2 * (2 + 2 * 4 + 1)
+    assert len(grads) == 2 * (2 + 2 * 4 + 1) + 1
     s = 8.0 / 4
     for name, (da, db, dw, a, b) in grads.items():
         assert dw.abs().max() > 0, name
@@ -238,7 +239,7 @@ def test_transformer_engine_outputs_unpack_and_grouped_experts_split_by_their_to
     g = torch.Generator().manual_seed(0)
     experts, rank, d_in, d_out, splits = 3, 2, 5, 4, [2, 0, 3]
     module = torch.nn.Module()
-    module.lora_scale = 1.5
+    module.lora_scale, module.lora_off = 1.5, False
     for e in range(experts):
         setattr(module, f"lora_A{e}", torch.nn.Parameter(torch.randn(rank, d_in, generator=g)))
         setattr(module, f"lora_B{e}", torch.nn.Parameter(torch.randn(d_out, rank, generator=g)))
