@@ -326,6 +326,7 @@ def _critic_config(path: Path) -> None:
 
 
 def describe(result: Converted) -> str:
+    source = f", from the {result.parameters} Megatron parameters of rank 0" if result.parameters else ""
     return (f"{result.role} checkpoint written to {result.out}: {result.tensors} {result.kind}, "
-            f"{result.bytes / 2**20:.1f} MiB, from the {result.parameters} Megatron parameters of rank 0")
+            f"{result.bytes / 2**20:.1f} MiB{source}")
 
