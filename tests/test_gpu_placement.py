@@ -171,6 +171,7 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
 
         class Rollouts:
             nodes, threads = ["n"], [1]
+            lora_sync, lora_sync_why = None, ""  # no LoRA policy
 
             def __init__(self, *args):
                 events.append("engines start")
