@@ -69,11 +69,9 @@ def _cmd_check_config(args) -> int:
     if lo.rank:
         import torch
 
-        from moe_rl.rollout.engine_settings import resolve_lora_sync
+        from moe_rl.rollout.engine_settings import config_lora_sync
 
-        cuda = args.assume_cuda or torch.cuda.is_available()
-        mode, why = resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, cfg.rollout.weight_transfer,
-                                      cfg.rollout.engine_tp)
+        mode, why = config_lora_sync(cfg, args.assume_cuda or torch.cuda.is_available())
         gets = "the adapters (vLLM applies them)" if mode == "adapters" else f"merged weights ({why})"
         print(f"# LoRA: rank {lo.rank} on {', '.join(lo.targets)} ({cfg.model.layer_spec} layers); the "
               f"engines get {gets}", file=sys.stderr)

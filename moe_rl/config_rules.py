@@ -78,12 +78,10 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
     if cfg.model.lora.rank:
-        from moe_rl.rollout.engine_settings import resolve_lora_sync
+        from moe_rl.rollout.engine_settings import config_lora_sync
 
-        lo = cfg.model.lora
         try:  # adapters where vLLM cannot apply them: refused here
-            resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda_available, cfg.rollout.weight_transfer,
-                              cfg.rollout.engine_tp)
+            config_lora_sync(cfg, cuda_available)
         except ValueError as err:
             raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
     if not cuda_available:

@@ -362,10 +362,9 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     lora, lora_sync = cfg.model.lora, ("", "")
     adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
     if lora.rank:  # on the GPU engines a plan is for
-        from moe_rl.rollout.engine_settings import resolve_lora_sync
+        from moe_rl.rollout.engine_settings import config_lora_sync
 
-        lora_sync = resolve_lora_sync(lora.sync, lora.rank, lora.targets, True, cfg.rollout.weight_transfer,
-                                      cfg.rollout.engine_tp)
+        lora_sync = config_lora_sync(cfg, True)
     # a sync moves the adapters alone where the engines apply them, else the whole (merged) model
     synced = peft_export_params(shape, lora.rank, lora.targets) if lora_sync[0] == "adapters" else shape.total
     sync_bytes = synced * dtype_bytes(cfg)

@@ -117,6 +117,12 @@ def resolve_lora_sync(sync: str, rank: int, targets: Iterable[str], cuda: bool, 
     return "adapters", "vLLM applies them"
 
 
+def config_lora_sync(cfg, cuda: bool) -> tuple[str, str]:
+    """`resolve_lora_sync` for a run config with model.lora (a RunConfig: read, not imported)."""
+    lo, r = cfg.model.lora, cfg.rollout
+    return resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, r.weight_transfer, r.engine_tp)
+
+
 def lora_sync(settings: EngineSettings, cuda: bool) -> tuple[str | None, str]:
     """`resolve_lora_sync` for an engine's settings: (None, "") without a LoRA policy."""
     lo = settings.lora
