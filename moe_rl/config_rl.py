@@ -295,7 +295,17 @@ class TrainerSection:
     held-out evaluation and pi_old's forward pass."""
 
     lr: float = 1e-5
-    """The policy's learning rate (Adam)."""
+    """The policy's learning rate (Adam): its peak under a schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The policy's learning rate by RL step, after lr_warmup_steps: held at trainer.lr ("constant"), or
+    decayed from it to lr_min by step lr_decay_steps ("linear", "cosine"), then held there. A step's epochs
+    and minibatches share its rate; the critic's stays critic.lr."""
+    lr_warmup_steps: int = 0
+    """RL steps of linear warmup to trainer.lr (0: none)."""
+    lr_decay_steps: int = 0
+    """The step at which the decay reaches lr_min (0: run.steps)."""
+    lr_min: float = 0.0
+    """The learning rate at the end of the decay."""
     weight_decay: float = 0.0
     """Adam's decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -346,6 +356,9 @@ class TrainerSection:
 
     def check(self) -> None:
         in_range("trainer.lr", self.lr, 0.0, None, lo_open=True)
+        in_range("trainer.lr_warmup_steps", self.lr_warmup_steps, 0, None)
+        in_range("trainer.lr_decay_steps", self.lr_decay_steps, 0, None)
+        in_range("trainer.lr_min", self.lr_min, 0.0, self.lr)
         in_range("trainer.warm_start_steps", self.warm_start_steps, 0, None)
         in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
         positive("trainer.warm_start_batch", self.warm_start_batch)

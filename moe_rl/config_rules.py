@@ -203,6 +203,11 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if tr.eval_greedy and tr.eval_samples > 1:
         raise ConfigError("trainer.eval_samples", f"{tr.eval_samples} greedy samples of a prompt are one "
                           "answer repeated (trainer.eval_greedy=true): use 1")
+    decay_end = tr.lr_decay_steps or cfg.run.steps
+    if tr.lr_schedule != "constant" and tr.lr_warmup_steps >= decay_end:
+        raise ConfigError("trainer.lr_decay_steps", f"the decay ends at step {decay_end}"
+                          f"{'' if tr.lr_decay_steps else ' (run.steps)'}, not after the "
+                          f"trainer.lr_warmup_steps={tr.lr_warmup_steps}: leave it room to decay")
     if cfg.reward_model.path and cfg.environment.dynamic_sampling:
         raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all "
                           "equal, before the reward model scores them (reward_model.path): use one or the "
@@ -294,6 +299,8 @@ SWITCHES = (
            ("environment.max_resample_rounds",)),
     Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
            ("trainer.warm_start_lr", "trainer.warm_start_batch")),
+    Switch("trainer.lr_schedule=linear or cosine", lambda c: c.trainer.lr_schedule != "constant",
+           ("trainer.lr_decay_steps", "trainer.lr_min")),
     Switch("evaluation (trainer.eval_prompts > 0)", lambda c: c.trainer.eval_prompts > 0,
            ("trainer.eval_every", "trainer.eval_dataset", "trainer.eval_samples", "trainer.eval_greedy")),
     # packing is for variable-length rows of one CP rank: CP splits rows into chunks, and megatron-core's

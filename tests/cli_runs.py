@@ -14,7 +14,10 @@ SMALL = ["run.steps=3", "checkpoint.every=1", "trainer.warm_start_steps=2", "tra
          "trainer.eval_prompts=0", "trainer.eval_every=0",
          "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
          "logging.progress_bar=false", "cluster.num_cpus=2", "logging.routing_diagnostics_every=3",
-         "logging.heatmap_every=3"]
+         "logging.heatmap_every=3",
+         # the policy's learning rate decays linearly to 0 at run.steps: each step has its own (the fault
+         # tests' resumed runs take the schedule up where it was)
+         "trainer.lr_schedule=linear"]
 
 
 # switches turned off from the quickstart: the settings only they read go back to their defaults (a

@@ -37,6 +37,7 @@ SWITCH_CASES = {
     "algorithm.distill_coef > 0": (["algorithm.distill_coef=1", "teacher.path=/teachers/one"], [[]]),
     "environment.dynamic_sampling=true": (["environment.dynamic_sampling=true"], [[]]),
     "trainer.warm_start_steps > 0": (["trainer.warm_start_steps=1"], [[]]),
+    "trainer.lr_schedule=linear or cosine": (["trainer.lr_schedule=cosine"], [[]]),
     "evaluation (trainer.eval_prompts > 0)": (["trainer.eval_prompts=4"], [[]]),
     "parallel.cp=1 without model.moe_dispatcher=allgather under parallel.ep > 1": (
         [], [["parallel.cp=2", "parallel.world_size=2"],
@@ -52,7 +53,7 @@ OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_a
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
          "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]",
-         "model.lora.sync": "merged"}
+         "model.lora.sync": "merged", "trainer.lr_min": 1e-6}
 
 
 def field_type(path: str):
@@ -179,6 +180,8 @@ def test_every_setting_has_a_reader():
     (["model.path=/checkpoints/base", "model.tiny.hidden_size=128"], "model.tiny.hidden_size"),
     (["trainer.warm_start_steps=0", "trainer.warm_start_lr=0.01"], "trainer.warm_start_lr"),
     (["trainer.warm_start_steps=0", "trainer.warm_start_batch=8"], "trainer.warm_start_batch"),
+    (["trainer.lr_min=1e-6"], "trainer.lr_min"),
+    (["trainer.lr_schedule=constant", "trainer.lr_decay_steps=100"], "trainer.lr_decay_steps"),
     (["parallel.cp=2", "parallel.world_size=2", "trainer.pack_sequences=false"], "trainer.pack_sequences"),
     (["model.moe_dispatcher=allgather", "parallel.ep=2", "parallel.world_size=2",
       "trainer.pack_sequences=false"],

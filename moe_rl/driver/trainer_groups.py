@@ -24,6 +24,7 @@ from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
 from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.plan import hf_config_of
+from moe_rl.train.lr_schedule import lr_at
 from moe_rl.train.objectives import SftLoss
 from moe_rl.train.results import ScoreResult, UpdateResult
 
@@ -200,6 +201,18 @@ class PolicyGroup(TrainerGroup):
         super().__init__(cfg, place, slot, spec, "policy", settings.optim_settings(cfg, cfg.trainer.lr), seed,
                          trains=slot != "reference")
         self.cfg, self.loss, self.params = cfg, settings.policy_loss(cfg), settings.target_params(cfg)
+        self.lr = cfg.trainer.lr  # the optimizer's learning rate now
+
+    def set_lr(self, lr: float) -> None:
+        if lr != self.lr:
+            self.call("set_lr", lr)
+            self.lr = lr
+
+    def scheduled_lr(self, step: int) -> float:
+        """trainer.lr_schedule's learning rate of RL step `step` (train.lr_schedule.lr_at)."""
+        tr = self.cfg.trainer
+        return lr_at(step, tr.lr, tr.lr_schedule, tr.lr_warmup_steps, tr.lr_decay_steps or self.cfg.run.steps,
+                     tr.lr_min)
 
     def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
         """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures, and with
@@ -209,6 +222,7 @@ class PolicyGroup(TrainerGroup):
         Under PPO-EWMA update n uses pi_{theta_bar_{n-1}}, the anchor as it is after the previous
         update: it is scored, and the correction recomputed, per minibatch (guide 000 section 7.2)."""
         cfg, p, t0 = self.cfg, self.params, time.perf_counter()
+        self.set_lr(self.scheduled_lr(step))
         full = batch.with_targets(t)
         updates, corrections, masks, skipped, gap = [], [], [], 0, None
         logp = torch.zeros(batch.input_ids_BS.shape) if cfg.proximal_from_update else None
@@ -262,11 +276,10 @@ class PolicyGroup(TrainerGroup):
         the first and last NLL, the steps, the learning rate the optimizer used)."""
         from tqdm import tqdm
 
-        self.call("set_lr", lr)
+        self.set_lr(lr)
         updates = [self.train(b, SftLoss(), b.mask_BS.sum().double())
                    for b in tqdm(batches, desc="warm start", unit="step",
                                  disable=not self.cfg.logging.progress_bar, leave=False)]
-        self.call("set_lr", self.cfg.trainer.lr)
         nll = [u.figures.get("nll", float("nan")) for u in updates]
         return {"warm_start/nll_first": nll[0], "warm_start/nll_last": nll[-1], "warm_start/steps": len(nll),
                 "warm_start/lr": updates[-1].figures["lr"]}
