@@ -31,8 +31,9 @@ and exp(z - max) kept for backward (8) plus the four fp32 temporaries their back
 the gradients of
 the entropy's exp(z) * z with respect to both factors, the gather's zeros and its scatter_add), more than
 the forward's peak (b for the model's logits + 12 for z, exp(z) and exp(z) * z); the model's logits are
-freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp, then the KV
-cache of what is left, 2 * layers * n_kv * d * b bytes per token.
+freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp (where the engines apply LoRA adapters,
+vLLM's buffers for two adapters too: `engine_lora_params`), then the KV cache of what is left,
+2 * layers * n_kv * d * b bytes per token.
 
 cluster.gpu_memory_gb is a GPU's memory as its maker names it (H100 80GB: 80, H200 141GB: 141), and GPU
 makers' GB are binary: the plan reads it as GiB (2**30 bytes), the unit of every figure it prints (CUDA
@@ -236,15 +237,33 @@ def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1,
             + head, moe * shape.experts / ep * mlp(shape.moe_ffn))
 
 
+def fused_a_copies(shape: ModelShape, rank: int, targets, experts: float) -> float:
+    """The A's that a fused linear hands each of its Hugging Face modules beyond its own, with `experts`
+    routed experts a layer: linear_qkv's to q, k and v (two more a layer), linear_fc1's to gate and up (one
+    more, every MLP and expert)."""
+    mlps = shape.dense_layers * bool(shape.dense_ffn) + shape.moe_layers * (bool(shape.shared_ffn) + experts)
+    copies = (2 * shape.layers if "linear_qkv" in targets else 0) + (mlps if "linear_fc1" in targets else 0)
+    return copies * rank * shape.hidden
+
+
 def peft_export_params(shape: ModelShape, rank: int, targets) -> int:
     """The whole policy's adapter tensors as an adapter sync moves them (hf_io.export_peft_adapters, PEFT's
-    naming): `lora_params`, plus the copies of A a fused linear hands each of its Hugging Face modules
-    (linear_qkv's A to q, k and v: two more; linear_fc1's to gate and up: one more, every MLP and expert)."""
-    dense, expert = lora_params(shape, rank, targets)
-    mlps = shape.dense_layers * bool(shape.dense_ffn) + shape.moe_layers * (bool(shape.shared_ffn)
-                                                                              + shape.experts)
-    copies = (2 * shape.layers if "linear_qkv" in targets else 0) + (mlps if "linear_fc1" in targets else 0)
-    return round(dense + expert + copies * rank * shape.hidden)
+    naming): `lora_params` and `fused_a_copies`."""
+    return round(sum(lora_params(shape, rank, targets)) + fused_a_copies(shape, rank, targets, shape.experts))
+
+
+def engine_lora_params(shape: ModelShape, rank: int, targets, tp: int, ep: bool) -> float:
+    """Elements of the LoRA buffers vLLM keeps on one engine GPU for one adapter slot (vLLM 0.32's
+    create_lora_weights: every targeted module holds max_lora_rank wide A and B, whatever the adapter's
+    rank): a module per Hugging Face module, so the fused ones' A's are there per slice (`fused_a_copies`);
+    linears shard over the engine's tp as the trainer's do (`lora_params`), and so do the experts' linears,
+    or with rollout.engine_ep the experts split over the tp GPUs and stay whole."""
+    from moe_rl.rollout.engine_settings import VLLM_LORA_RANKS
+
+    r = min(v for v in VLLM_LORA_RANKS if v >= rank)
+    dense, _ = lora_params(shape, r, targets, tp=tp)
+    _, expert = lora_params(shape, r, targets, tp=1, ep=tp) if ep else lora_params(shape, r, targets, tp=tp)
+    return dense + expert + fused_a_copies(shape, r, targets, shape.experts / tp if ep else shape.experts)
 
 
 def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
@@ -293,19 +312,21 @@ def logit_bytes(model_bytes: int, trains: bool) -> int:
     return 24 if trains else model_bytes + 12
 
 
-def engine_memory(shape: ModelShape, cfg, gpu_bytes: float) -> tuple[dict[str, float], float]:
+def engine_memory(shape: ModelShape, cfg, gpu_bytes: float, adapters: bool) -> tuple[dict[str, float], float]:
     """(bytes per engine GPU, KV-cache tokens an engine holds). An engine spans rollout.engine_tp GPUs,
-    each with 1/engine_tp of the weights and of the KV heads."""
-    b, tp = dtype_bytes(cfg), cfg.rollout.engine_tp
-    weights = shape.total * b / tp
-    r = cfg.rollout
-    reserve = ENGINE_RESERVE_GIB * GiB
-    from moe_rl.rollout.engine_settings import GPU_MEMORY_UTILIZATION
+    each with 1/engine_tp of the weights and of the KV heads; `adapters` (the engines apply the policy's
+    LoRA adapters): its LORA_SLOTS slots of LoRA buffers (`engine_lora_params`) too, before the KV cache."""
+    from moe_rl.rollout.engine_settings import GPU_MEMORY_UTILIZATION, LORA_SLOTS
 
+    b, tp, r, lo = dtype_bytes(cfg), cfg.rollout.engine_tp, cfg.rollout, cfg.model.lora
+    held = {"weights": shape.total * b / tp}
+    if adapters:
+        held["lora_buffers"] = LORA_SLOTS * engine_lora_params(shape, lo.rank, lo.targets, tp, r.engine_ep) * b
+    held["runtime"] = ENGINE_RESERVE_GIB * GiB
     util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None \
         else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
-    kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None else max(0.0, util * gpu_bytes - weights - reserve)
-    return {"weights": weights, "runtime": reserve, "kv_cache": kv}, kv / shape.kv_bytes_per_token(b, tp)
+    kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None else max(0.0, util * gpu_bytes - sum(held.values()))
+    return held | {"kv_cache": kv}, kv / shape.kv_bytes_per_token(b, tp)
 
 
 def make_plan(cfg, hf_config: dict) -> Plan:
@@ -325,7 +346,12 @@ def make_plan(cfg, hf_config: dict) -> Plan:
             own = dataclasses.replace(cfg, parallel=cfg.teacher_parallel, model=dataclasses.replace(
                 cfg.model, dtype=cfg.teacher.dtype or cfg.model.dtype)) if role in cfg.teachers else cfg
             roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), own, role)))
-    engine, kv_tokens = engine_memory(shape, cfg, gpu)
+    lora, lora_sync = cfg.model.lora, ("", "")
+    if lora.rank:  # on the GPU engines a plan is for
+        from moe_rl.rollout.engine_settings import config_lora_sync
+
+        lora_sync = config_lora_sync(cfg, True)
+    engine, kv_tokens = engine_memory(shape, cfg, gpu, lora_sync[0] == "adapters")
     engines = RolePlan("engine", actors["engine"] * cfg.rollout.engine_tp, engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} "
                         f"sequences of max_model_len={cfg.rollout.max_model_len})"])
@@ -359,12 +385,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
-    lora, lora_sync = cfg.model.lora, ("", "")
     adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
-    if lora.rank:  # on the GPU engines a plan is for
-        from moe_rl.rollout.engine_settings import config_lora_sync
-
-        lora_sync = config_lora_sync(cfg, True)
     # a sync moves the adapters alone where the engines apply them, else the whole (merged) model
     synced = peft_export_params(shape, lora.rank, lora.targets) if lora_sync[0] == "adapters" else shape.total
     sync_bytes = synced * dtype_bytes(cfg)

@@ -183,6 +183,22 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     assert store.adapter_params == 639_369_216
     assert store.sync_bytes == (639_369_216 + 48 * 4_259_840) * 2
     assert "engines apply the adapters: a sync moves them alone" in render(store)
+    # vLLM holds two adapters' buffers (LORA_SLOTS) at max_lora_rank 16, a module per Hugging Face module:
+    # with one engine GPU, the sync's tensors twice; merged weights need none
+    engine, merged_engine = store.roles[-1].per_gpu, plan.roles[-1].per_gpu
+    assert engine["lora_buffers"] == 2 * (639_369_216 + 48 * 4_259_840) * 2 and "lora_buffers" not in merged_engine
+    assert engine["kv_cache"] == pytest.approx(merged_engine["kv_cache"] - engine["lora_buffers"])
+    # rollout.engine_tp=2, per layer on a GPU: qkv A 3 x 16 x 2048 = 98,304 (one per q, k, v) and B
+    # 16 x 5120 / 2 = 40,960; o_proj A 16 x 4096 / 2 and B 16 x 2048 (32,768 each); each of the 128 experts
+    # (intermediate 768 / 2 = 384 a GPU) gate and up A 2 x 16 x 2048 = 65,536, their B 2 x 384 x 16 =
+    # 12,288, down A 16 x 384 = 6,144 and B 2048 x 16 = 32,768: 116,736; with rollout.engine_ep the GPU
+    # holds 64 whole experts: 65,536 + 2 x 768 x 16 + 16 x 768 + 32,768 = 135,168 each
+    attention = 98_304 + 40_960 + 2 * 32_768
+    for extra, experts in ((["rollout.engine_tp=2"], 128 * 116_736),
+                           (["rollout.engine_tp=2", "rollout.engine_ep=true"], 64 * 135_168)):
+        tp2 = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [
+            "model.lora.rank=16", "rollout.weight_transfer=store", *extra], cuda_available=True), QWEN3_30B_A3B)
+        assert tp2.roles[-1].per_gpu["lora_buffers"] == 2 * 48 * (attention + experts) * 2, extra
 
 
 def test_a_lora_policys_reference_is_its_base_not_a_copy():
