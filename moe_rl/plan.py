@@ -31,9 +31,9 @@ and exp(z - max) kept for backward (8) plus the four fp32 temporaries their back
 the gradients of
 the entropy's exp(z) * z with respect to both factors, the gather's zeros and its scatter_add), more than
 the forward's peak (b for the model's logits + 12 for z, exp(z) and exp(z) * z); the model's logits are
-freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp (where the engines apply LoRA adapters,
-vLLM's buffers for two adapters too: `engine_lora_params`), then the KV cache of what is left,
-2 * layers * n_kv * d * b bytes per token.
+freed before the backward. Scoring (no gradients): b + 12. Engines: weights / engine_tp (where the
+engines apply LoRA adapters, vLLM's buffers for two adapters too: `engine_lora_params`), then the KV cache
+of what is left, 2 * layers * n_kv * d * b bytes per token.
 
 cluster.gpu_memory_gb is a GPU's memory as its maker names it (H100 80GB: 80, H200 141GB: 141), and GPU
 makers' GB are binary: the plan reads it as GiB (2**30 bytes), the unit of every figure it prints (CUDA
@@ -321,7 +321,8 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float, adapters: bool) -> t
     b, tp, r, lo = dtype_bytes(cfg), cfg.rollout.engine_tp, cfg.rollout, cfg.model.lora
     held = {"weights": shape.total * b / tp}
     if adapters:
-        held["lora_buffers"] = LORA_SLOTS * engine_lora_params(shape, lo.rank, lo.targets, tp, r.engine_ep) * b
+        per_slot = engine_lora_params(shape, lo.rank, lo.targets, tp, r.engine_ep)
+        held["lora_buffers"] = LORA_SLOTS * per_slot * b
     held["runtime"] = ENGINE_RESERVE_GIB * GiB
     util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None \
         else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]

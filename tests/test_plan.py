@@ -186,7 +186,8 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     # vLLM holds two adapters' buffers (LORA_SLOTS) at max_lora_rank 16, a module per Hugging Face module:
     # with one engine GPU, the sync's tensors twice; merged weights need none
     engine, merged_engine = store.roles[-1].per_gpu, plan.roles[-1].per_gpu
-    assert engine["lora_buffers"] == 2 * (639_369_216 + 48 * 4_259_840) * 2 and "lora_buffers" not in merged_engine
+    assert engine["lora_buffers"] == 2 * (639_369_216 + 48 * 4_259_840) * 2
+    assert "lora_buffers" not in merged_engine
     assert engine["kv_cache"] == pytest.approx(merged_engine["kv_cache"] - engine["lora_buffers"])
     # rollout.engine_tp=2, per layer on a GPU: qkv A 3 x 16 x 2048 = 98,304 (one per q, k, v) and B
     # 16 x 5120 / 2 = 40,960; o_proj A 16 x 4096 / 2 and B 16 x 2048 (32,768 each); each of the 128 experts
