@@ -198,7 +198,8 @@ def test_lora_trains_the_adapters_alone_worked_by_hand():
     for extra, experts in ((["rollout.engine_tp=2"], 128 * 116_736),
                            (["rollout.engine_tp=2", "rollout.engine_ep=true"], 64 * 135_168)):
         tp2 = make_plan(load_config(ROOT / "configs/qwen3_30b_a3b_gspo.yaml", [
-            "model.lora.rank=16", "rollout.weight_transfer=store", *extra], cuda_available=True), QWEN3_30B_A3B)
+            "model.lora.rank=16", "rollout.weight_transfer=store", *extra], cuda_available=True),
+            QWEN3_30B_A3B)
         assert tp2.roles[-1].per_gpu["lora_buffers"] == 2 * 48 * (attention + experts) * 2, extra
 
 
