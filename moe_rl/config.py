@@ -75,6 +75,11 @@ class RunConfig:
         return self.algorithm.uses_critic if self.critic.enabled is None else self.critic.enabled
 
     @property
+    def lr_decay_end(self) -> int:
+        """The RL step at which the policy's learning-rate decay reaches trainer.lr_min."""
+        return self.trainer.lr_decay_steps or self.run.steps
+
+    @property
     def proximal_from_update(self) -> bool:
         """pi_old is the single update's own forward (trainer.proximal_pass=auto, when it applies)."""
         from moe_rl.algos import registry

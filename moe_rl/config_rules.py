@@ -203,9 +203,8 @@ def check_compatible(cfg, cuda_available: bool) -> None:
     if tr.eval_greedy and tr.eval_samples > 1:
         raise ConfigError("trainer.eval_samples", f"{tr.eval_samples} greedy samples of a prompt are one "
                           "answer repeated (trainer.eval_greedy=true): use 1")
-    decay_end = tr.lr_decay_steps or cfg.run.steps
-    if tr.lr_schedule != "constant" and tr.lr_warmup_steps >= decay_end:
-        raise ConfigError("trainer.lr_decay_steps", f"the decay ends at step {decay_end}"
+    if tr.lr_schedule != "constant" and tr.lr_warmup_steps >= cfg.lr_decay_end:
+        raise ConfigError("trainer.lr_decay_steps", f"the decay ends at step {cfg.lr_decay_end}"
                           f"{'' if tr.lr_decay_steps else ' (run.steps)'}, not after the "
                           f"trainer.lr_warmup_steps={tr.lr_warmup_steps}: leave it room to decay")
     if cfg.reward_model.path and cfg.environment.dynamic_sampling:

@@ -261,8 +261,9 @@ def engine_lora_params(shape: ModelShape, rank: int, targets, tp: int, ep: bool)
     from moe_rl.rollout.engine_settings import VLLM_LORA_RANKS
 
     r = min(v for v in VLLM_LORA_RANKS if v >= rank)
-    dense, _ = lora_params(shape, r, targets, tp=tp)
-    _, expert = lora_params(shape, r, targets, tp=1, ep=tp) if ep else lora_params(shape, r, targets, tp=tp)
+    dense, expert = lora_params(shape, r, targets, tp=tp)
+    if ep:
+        _, expert = lora_params(shape, r, targets, tp=1, ep=tp)
     return dense + expert + fused_a_copies(shape, r, targets, shape.experts / tp if ep else shape.experts)
 
 

@@ -211,8 +211,7 @@ class PolicyGroup(TrainerGroup):
     def scheduled_lr(self, step: int) -> float:
         """trainer.lr_schedule's learning rate of RL step `step` (train.lr_schedule.lr_at)."""
         tr = self.cfg.trainer
-        return lr_at(step, tr.lr, tr.lr_schedule, tr.lr_warmup_steps, tr.lr_decay_steps or self.cfg.run.steps,
-                     tr.lr_min)
+        return lr_at(step, tr.lr, tr.lr_schedule, tr.lr_warmup_steps, self.cfg.lr_decay_end, tr.lr_min)
 
     def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
         """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures, and with
