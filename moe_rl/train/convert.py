@@ -83,12 +83,11 @@ class _Progress:
 def _build(hf_config: str, dtype: str, role: str, layout: Layout):
     from moe_rl import settings
     from moe_rl.config import ModelSection, RunConfig
-    from moe_rl.train import cpu_compat, parallel
     from moe_rl.train import model as M
+    from moe_rl.train import parallel
 
     parallel.init_distributed(layout)
-    if not torch.cuda.is_available():
-        cpu_compat.seed_model_parallel(0)
+    parallel.seed_model_parallel(0)
     # the default config's model settings in the checkpoint's dtype; conversion replays no routes
     spec = replace(settings.model_spec(RunConfig(model=ModelSection(dtype=dtype)), hf_config),
                    routing_replay=False)

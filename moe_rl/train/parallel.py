@@ -127,6 +127,22 @@ def init_distributed(layout: Layout, rank: int | None = None, world_size: int | 
     )
 
 
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker, whose data-, tensor- and expert-parallel streams
+    the layers' weight init and dropout draw from: megatron's `model_parallel_cuda_manual_seed` with CUDA
+    (without it, building a model on a GPU stops on "cuda rng state model-parallel-rng is not added"), the
+    same streams on CPU generators without (cpu_compat). After init_distributed: the offsets read the
+    rank's place in the groups."""
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        from moe_rl.train import cpu_compat
+
+        cpu_compat.seed_model_parallel(seed)
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from moe_rl.batch import Batch
 from moe_rl.metrics import reduce_updates
-from moe_rl.train import cpu_compat, lora, replay
+from moe_rl.train import cpu_compat, lora, parallel, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
 from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
@@ -79,12 +79,7 @@ class TrainWorker:
             raise ValueError("a LoRA policy's frozen base is its Hugging Face checkpoint (checkpoints hold "
                              "the adapters alone): load_weights must be on")
         cpu_compat.apply()
-        if not torch.cuda.is_available():
-            cpu_compat.seed_model_parallel(seed)
-        else:
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(seed)
+        parallel.seed_model_parallel(seed)
         self.spec, self.role, self.optim_settings = spec, role, optim
         RouterReplay.clear_global_router_replay_instances()  # process-wide registry: one model per process
         self.bridge = model_lib.make_bridge(spec)

@@ -166,3 +166,26 @@ def test_cli_and_tool_script(tmp_path, tiny_qwen):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (f"moe-rl: error: {tmp_path / 'nothing'}: no such checkpoint "
                                                  "directory")
+
+
+def test_convert_seeds_megatrons_rng_streams_on_a_gpu_machine(monkeypatch, tiny_qwen):
+    """On a GPU, megatron-core's weight init draws from the CUDA RNG tracker's model-parallel stream:
+    `moe-rl convert` must seed it (megatron's model_parallel_cuda_manual_seed), as the trainer ranks do,
+    or the model's build stops on "cuda rng state model-parallel-rng is not added". A CPU machine posing as
+    a GPU one (torch.cuda.is_available) up to the seeding, which stops the build."""
+    from megatron.core import tensor_parallel
+
+    from moe_rl.train import convert, parallel
+
+    class Seeded(Exception):
+        pass
+
+    def megatron_seed(seed):
+        raise Seeded(seed)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(parallel, "init_distributed", lambda layout: None)
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", megatron_seed)
+    with pytest.raises(Seeded) as seeded:
+        convert._build(str(tiny_qwen), "float32", "policy", Layout())
+    assert seeded.value.args == (0,)
