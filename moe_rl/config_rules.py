@@ -123,6 +123,13 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same "
                           f"tensors, which happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use "
                           "'nccl' or 'store'")
+    engine_gpus = cfg.rollout.num_engines * cfg.rollout.engine_tp
+    if cfg.rollout.weight_transfer == "ipc" and engine_gpus > par.world_size:
+        raise ConfigError("rollout.weight_transfer", f"'ipc' needs a policy rank on every engine GPU (vLLM "
+                          "looks its GPU's IPC handle up among those the trainer ranks send), but "
+                          f"rollout.num_engines x engine_tp = {cfg.rollout.num_engines} x {cfg.rollout.engine_tp}"
+                          f" = {engine_gpus} GPUs > parallel.world_size = {par.world_size}; use fewer engine "
+                          "GPUs, more trainer ranks, or 'store'")
     if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
         raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one "
                           "NCCL group, and NCCL refuses two ranks on one GPU, which cluster.colocate=true "

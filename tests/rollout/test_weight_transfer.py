@@ -55,6 +55,14 @@ def test_weight_transfer_choice():
         from_dict({}, ["rollout.weight_transfer=ipc"], cuda_available=False)
     assert from_dict({}, ["rollout.weight_transfer=ipc"],
                      cuda_available=True).rollout.weight_transfer == "ipc"
+    # colocated ipc: every engine GPU must hold a policy rank (its IPC handle comes from that rank)
+    ipc2 = ["rollout.weight_transfer=ipc", "parallel.world_size=2", "parallel.tp=2"]
+    assert from_dict({}, [*ipc2, "rollout.num_engines=2"], cuda_available=True).rollout.num_engines == 2
+    assert from_dict({}, [*ipc2, "rollout.engine_tp=2"], cuda_available=True).rollout.engine_tp == 2
+    for more in (["rollout.num_engines=3"], ["rollout.num_engines=2", "rollout.engine_tp=2"]):
+        with pytest.raises(ConfigError, match=r"'ipc' needs a policy rank on every engine GPU .* GPUs > "
+                                              r"parallel.world_size = 2"):
+            from_dict({}, [*ipc2, *more], cuda_available=True)
 
 
 def test_ipc_transfer_is_packed_into_one_bounded_buffer():
