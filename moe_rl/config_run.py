@@ -4,6 +4,7 @@ each section checks its own fields (`check`); the rules between sections are con
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -299,6 +300,11 @@ class ClusterSection:
     where the driver's environment sets it"""
     engine_threads: int | None = None
     """CPU threads of each engine worker; null: counted as for trainer_threads."""
+
+    @property
+    def ray_address(self) -> str:
+        """The Ray cluster the run joins: `address`, else RAY_ADDRESS; empty: the run starts its own Ray."""
+        return self.address or os.environ.get("RAY_ADDRESS", "")
 
     def check(self) -> None:
         if self.num_cpus is not None:

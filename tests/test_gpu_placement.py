@@ -196,3 +196,52 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
 
     assert order(True) == ["engines start", "engines ready", "ranks start", "ranks ready", "connect"]
     assert order(False) == ["ranks start", "engines start", "ranks ready", "engines ready", "connect"]
+
+
+# GPU-only settings a cluster's GPU nodes take, though the driver's own machine has no GPU
+GPU_ONLY = ("model.layer_spec=transformer_engine", "model.fp8=blockwise", "rollout.weight_transfer=ipc",
+            "rollout.route_source=vllm", "rollout.sleep_engines=true", "rollout.gpu_memory_utilization=0.5")
+JOIN_AND_CHECK = """
+import sys
+from moe_rl.config import ConfigError, load_config
+from moe_rl.driver import session
+cfg = load_config(sys.argv[1], sys.argv[2:])  # a driver on a CPU-only login or head node
+try:
+    session.start_ray(cfg)
+    print("joined, GPU settings taken")
+except ConfigError as err:
+    print(f"refused: {err}")
+finally:
+    session.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_driver_checks_gpu_settings_against_the_cluster_it_joins(four_gpus):
+    """The driver's machine (this CPU box, as a login node) decides nothing about GPUs when the run joins a
+    Ray cluster: the config loads, and once joined (session.start_ray) the cluster's GPUs decide, in both
+    directions, in one line naming the cluster."""
+    import subprocess
+    import sys
+
+    from moe_rl.config import ConfigError
+    from moe_rl.config_rules import check_machine
+
+    address = ray.get_runtime_context().gcs_address
+    with pytest.raises(ConfigError, match="'transformer_engine' needs CUDA, and this machine has none"):
+        config(*GPU_ONLY)  # the run would start its own Ray here, on this CPU machine
+
+    def join(*overrides):
+        out = subprocess.run([sys.executable, "-c", JOIN_AND_CHECK, str(ROOT / "configs" / "quickstart.yaml"),
+                              f"cluster.address={address}", *overrides], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT)
+        return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+
+    assert join(*GPU_ONLY) == "joined, GPU settings taken"  # the cluster has 4 GPUs
+    assert join("rollout.route_source=capture") == (
+        "refused: rollout.route_source: 'capture' hooks vLLM's CPU model runner, which GPU builds do not use "
+        "(Model Runner V2); use 'vllm' or 'auto' with CUDA")
+    # a cluster without GPUs (the same rules as this machine's, named after the cluster)
+    with pytest.raises(ConfigError, match="model.layer_spec: 'transformer_engine' needs CUDA, and the Ray "
+                                          "cluster at h:6379 has none; use 'local'"):
+        check_machine(config(*GPU_ONLY, "cluster.address=h:6379"), False, "the Ray cluster at h:6379")

@@ -168,7 +168,7 @@ def check_fits_locally(cfg: RunConfig) -> None:
 
     from moe_rl.driver.placement import PlacementError
 
-    if cfg.cluster.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+    if cfg.cluster.ray_address or ray.is_initialized():
         return
     counts = {role: n for role, n in cfg.actors.items() if n}
     actors, per_actor = sum(counts.values()), 0.01 if cfg.cluster.colocate else 1.0

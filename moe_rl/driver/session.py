@@ -158,11 +158,12 @@ def start_ray(cfg: RunConfig) -> None:
     # the driver waits on every remote call through `gather`, which reports the failure that matters; the
     # calls it then abandons (a dead rank's peers, failing with it) would print their tracebacks at exit
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    address = cfg.cluster.ray_address
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
         _RAY_OF_RUN.append("connected")
         ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False, _node_ip_address=node_ip)
+        check_cluster_devices(cfg, address)
     # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
     else:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
@@ -174,3 +175,12 @@ def start_ray(cfg: RunConfig) -> None:
     if signal.getsignal(signal.SIGINT) is _on_signal:  # ray.init replaced the SIGTERM handler with its own
         handle_signals()
     check_interrupted()
+
+
+def check_cluster_devices(cfg: RunConfig, address: str) -> None:
+    """The GPU-only settings against the GPUs of the Ray cluster the run joined, which its workers use (the
+    driver's own machine, a login or head node, may have none): ConfigError in one line where they need
+    GPUs the cluster does not offer, or a CPU-only setting meets GPUs."""
+    from moe_rl.config_rules import check_machine
+
+    check_machine(cfg, ray.cluster_resources().get("GPU", 0) > 0, f"the Ray cluster at {address}")
