@@ -66,7 +66,8 @@ def four_gpus():
         def gpus(self) -> dict:
             return {"ray": [str(i) for i in ray.get_gpu_ids()],
                     "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    "job_env": os.environ.get("MOE_RL_JOB_ENV")}
+                    "job_env": os.environ.get("MOE_RL_JOB_ENV"),
+                    "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
 
     yield ray.remote(Report)
     ray.shutdown()
@@ -90,6 +91,8 @@ def placed(report, cfg) -> tuple[Placement, dict[str, list[list[str]]]]:
     for role, reports in seen.items():
         for r in reports:
             assert r["job_env"] == "kept"  # an actor's own environment adds to the run's, never replaces it
+            # trainer ranks: one hardware queue per GPU (megatron's TP / SP communication overlap)
+            assert r["max_connections"] == (None if role == "engine" else "1"), (role, r)
             devices = r["visible"].split(",")
             assert len(devices) == (tp if role == "engine" else 1), (role, r)
             if not (role == "engine" and tp > 1):  # Ray set it: its ids are the devices

@@ -206,6 +206,9 @@ class Placement:
             self.devices[a] = [ids[order[g]] for g in gpus]
             # Ray counts GPU shares in ten-thousandths: equal shares that sum to at most one
             self.resources[a]["num_gpus"] = (10_000 // sharers[gpus[0]]) / 10_000
+            if self.roles[a] != "engine":  # a trainer rank: megatron's TP / SP communication overlap needs
+                # its kernels queued in issue order, on one hardware queue (Megatron-LM sets it for each rank)
+                self.resources[a]["runtime_env"] = {"env_vars": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}}
             if len(gpus) > 1:
                 nodes = {self.node_of[order[g]] for g in gpus}
                 if len(nodes) > 1:
