@@ -36,7 +36,25 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
         and figures["train_tokens_per_s"] > 0
     assert {"torch", "megatron_core", "mbridge", "transformers", "python", "mfu",
             "logp_max_abs_diff_fp32"} <= set(figures)
+    # no GPU, no peak: no MFU rather than one against another GPU's peak
+    assert figures["mfu"] is None and figures["peak_flops_source"].startswith("none (CPU dry run): not in")
     assert "problem" not in out and out.rstrip().splitlines()[-1].startswith("gpu_check: dry run OK in")
+
+
+def test_the_mfu_peak_is_the_measured_gpus_own(monkeypatch):
+    """The peak FLOP/s under the MFU is the datasheet figure of the GPU torch names (the source says which
+    GPU it measured), --peak-tflops where given; no MFU for a GPU outside the table."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from gpu_check import peak_bf16_flops
+
+    for name, tflops, model in (("NVIDIA H100 80GB HBM3", 989, "H100 SXM"), ("NVIDIA H100 PCIe", 756,
+                                "H100 PCIe"), ("NVIDIA H100 NVL", 835, "H100 NVL"), ("NVIDIA GH200 480GB", 989, "GH200"), ("NVIDIA H200", 989, "H200"),
+                                ("NVIDIA A100-SXM4-80GB", 312, "A100"), ("NVIDIA H20", 148, "H20"),
+                                ("NVIDIA B200", 2250, "B200")):
+        peak, source = peak_bf16_flops(name)
+        assert peak == tflops * 1e12 and source.startswith(f"{name}: {model} dense bf16"), (name, source)
+    assert peak_bf16_flops("NVIDIA H200", 900.0) == (900e12, "--peak-tflops 900 for NVIDIA H200")
+    assert peak_bf16_flops("NVIDIA RTX 6000 Ada Generation")[0] is None
 
 
 def test_prepare_builds_the_wheel_cache_and_says_its_size():

@@ -13,7 +13,9 @@ PPO loss and value loss.
 
 Figures (medians of timed calls after warm-up calls, each call ending in torch.cuda.synchronize):
   train_tokens_per_s, mfu   policy step (routes replayed): tokens / time, and
-                            6 * active params * tokens / time / PEAK_BF16_FLOPS (attention scores uncounted)
+                            6 * active params * tokens / time / the GPU's dense bf16 peak (attention scores
+                            uncounted; peak_bf16_flops: the datasheet figure of the GPU torch names, which
+                            peak_flops_source says, or --peak-tflops)
   policy_step_s, critic_step_s
   replay_score_ratio        scoring with the recorded routes replayed / scoring with free routing
                             (median of the ratios of pairs run in alternating order)
@@ -58,7 +60,27 @@ from bench._timing import median_time, timed
 from moe_rl.config import TinyModel
 from moe_rl.tiny import VOCAB_SIZE
 
-PEAK_BF16_FLOPS = 989e12  # H200 (as H100 SXM): dense bf16 tensor-core peak of NVIDIA's datasheet
+# dense bf16 tensor-core peaks of NVIDIA's datasheets (without sparsity), by what torch.cuda.get_device_name
+# holds: the first entry whose words all appear in the name
+PEAK_BF16_FLOPS = [
+    (("H100", "PCIe"), 756e12, "H100 PCIe"), (("H100", "NVL"), 835e12, "H100 NVL"),
+    (("H100",), 989e12, "H100 SXM"), (("GH200",), 989e12, "GH200"), (("H200",), 989e12, "H200"),
+    (("H800",), 989e12, "H800"), (("H20",), 148e12, "H20"), (("GB200",), 2500e12, "GB200"),
+    (("B200",), 2250e12, "B200"), (("A100",), 312e12, "A100"), (("L40S",), 362e12, "L40S"),
+]
+
+
+def peak_bf16_flops(gpu_name: str, given_tflops: float | None = None) -> tuple[float | None, str]:
+    """The GPU's dense bf16 peak (FLOP/s) and where the figure comes from, naming the GPU: `given_tflops`
+    (--peak-tflops) where set, else the datasheet figure of the model torch names; (None, why) for a GPU
+    not in the table (no MFU then)."""
+    if given_tflops:
+        return given_tflops * 1e12, f"--peak-tflops {given_tflops:g} for {gpu_name}"
+    for words, flops, model in PEAK_BF16_FLOPS:
+        if all(w in gpu_name for w in words):
+            return flops, f"{gpu_name}: {model} dense bf16 tensor-core peak, {flops / 1e12:g} TFLOP/s " \
+                          "(datasheet)"
+    return None, f"{gpu_name}: not in gpu_check.PEAK_BF16_FLOPS; give --peak-tflops for an MFU"
 MEASURED = TinyModel(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=384,
                      max_position_embeddings=4096)
@@ -99,8 +121,8 @@ def train_flops(active: int, tokens: int) -> float:
     return 6.0 * active * tokens
 
 
-def mfu(active: int, tokens: int, seconds: float, peak: float = PEAK_BF16_FLOPS) -> float:
-    return train_flops(active, tokens) / seconds / peak
+def mfu(active: int, tokens: int, seconds: float, peak: float | None) -> float | None:
+    return None if peak is None else train_flops(active, tokens) / seconds / peak
 
 
 def arithmetic_problems(spec: TinyModel) -> list[str]:
@@ -119,8 +141,8 @@ def arithmetic_problems(spec: TinyModel) -> list[str]:
     if active_params(hand, vocab=10) != 312:
         problems.append(f"active_params of the hand-worked case is {active_params(hand, vocab=10)}, not 312")
     # 6 * 312 * 100 tokens = 187200 FLOP in 1 us = 1.872e11 FLOP/s, / 989e12
-    if abs(mfu(312, 100, 1e-6) / (1.872e11 / 989e12) - 1) > 1e-12:
-        problems.append(f"mfu of the hand-worked case is {mfu(312, 100, 1e-6):.6g}, not "
+    if abs(mfu(312, 100, 1e-6, 989e12) / (1.872e11 / 989e12) - 1) > 1e-12:
+        problems.append(f"mfu of the hand-worked case is {mfu(312, 100, 1e-6, 989e12):.6g}, not "
                         f"{1.872e11 / 989e12:.6g}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(spec, 0, 0))
@@ -256,8 +278,8 @@ def describe(spec: TinyModel, plan: Plan) -> str:
         f"timed after {plan.warmup} warm-up calls each: {plan.pairs} free/replay scoring pairs, {plan.steps} "
         f"policy steps (PPO, routes replayed), {plan.steps} critic steps",
         f"MFU = 6 x {active / 1e6:.1f}M x {plan.tokens} tokens = {flops / 1e12:.2f} TFLOP per policy step "
-        f"/ step time / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (10% MFU: {flops / (0.1 * PEAK_BF16_FLOPS):.3f} "
-        "s a step)",
+        "/ step time / the GPU's dense bf16 peak (H100 SXM / H200: 989 TFLOP/s, where 10% MFU is "
+        f"{flops / (0.1 * 989e12):.3f} s a step)",
         f"parity: tiny Qwen3-MoE (hidden {PARITY.hidden_size}, {PARITY.num_experts} experts) vs transformers "
         f"on the GPU, fp32 and bf16, {PARITY_SHAPE[0]} x {PARITY_SHAPE[1]} tokens",
     ])
@@ -290,7 +312,8 @@ def versions() -> dict[str, str]:
             "transformers": version("transformers")}
 
 
-def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = None) -> dict:
+def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = None,
+            peak_tflops: float | None = None) -> dict:
     """The figures (moe_rl's trainer on `device` against transformers'), one JSON line printed as soon
     as the trainer's are in (`partial`), and returned whole."""
     from moe_rl.tiny import build_tiny_checkpoint
@@ -299,9 +322,11 @@ def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = No
 
     start = time.perf_counter()
     active = active_params(spec)
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU dry run)"
+    peak, peak_source = peak_bf16_flops(gpu, peak_tflops)
     out = {"check": "gpu_local_spec",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none",
+           "device": device, "gpu": gpu,
            **versions(), "model": dataclasses.asdict(spec) | {"active_params": active},
            "plan": dataclasses.asdict(plan), "dtype": "bfloat16", **tests_outcomes(tests_xml)}
     with tempfile.TemporaryDirectory(prefix="moe_rl_gpu_check_") as tmp:
@@ -312,8 +337,8 @@ def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = No
         print(f"measuring (checkpoints built in {out['checkpoint_build_s']:.1f} s)", file=sys.stderr)
         figures = run_ranks(measure_job, 1, (str(measured), plan))[0]
         out |= {"train_tokens_per_s": plan.tokens / figures["policy_step_s"],
-                "mfu": mfu(active, plan.tokens, figures["policy_step_s"]), "peak_flops": PEAK_BF16_FLOPS,
-                "peak_flops_source": "H200 dense bf16 tensor-core peak (datasheet)", **figures}
+                "mfu": mfu(active, plan.tokens, figures["policy_step_s"], peak), "peak_flops": peak,
+                "peak_flops_source": peak_source, **figures}
         print(json.dumps(out | {"partial": True, "wall_s": time.perf_counter() - start}), flush=True)
         print("parity with transformers", file=sys.stderr)
         ids = torch.randint(0, VOCAB_SIZE, PARITY_SHAPE, generator=torch.Generator().manual_seed(1))
@@ -336,6 +361,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=Plan.rows)
     ap.add_argument("--seq", type=int, default=Plan.seq)
     ap.add_argument("--steps", type=int, default=Plan.steps)
+    ap.add_argument("--peak-tflops", type=float,
+                    help="the GPU's dense bf16 peak for the MFU (default: the datasheet figure of the GPU "
+                         "torch names, from PEAK_BF16_FLOPS)")
     args = ap.parse_args()
     spec = dataclasses.replace(MEASURED, num_layers=args.layers,
                                max_position_embeddings=max(args.seq, MEASURED.max_position_embeddings))
@@ -352,13 +380,14 @@ def main() -> int:
         print(f"the same measurement on the CPU: {PARITY.num_layers}-layer tiny model, {DRY_PLAN.rows} x "
               f"{DRY_PLAN.seq} "
               "tokens (figures meaningless; every step of the GPU run)")
-        print(json.dumps(measure(PARITY, DRY_PLAN, "cpu", args.tests_xml) | {"dry_run": True}))
+        dry = measure(PARITY, DRY_PLAN, "cpu", args.tests_xml, args.peak_tflops)
+        print(json.dumps(dry | {"dry_run": True}))
         return 0
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device here; use --dry-run", file=sys.stderr)
         return 2
     print(describe(spec, plan), file=sys.stderr)
-    print(json.dumps(measure(spec, plan, "cuda", args.tests_xml)))
+    print(json.dumps(measure(spec, plan, "cuda", args.tests_xml, args.peak_tflops)))
     return 0
 
 
