@@ -47,10 +47,11 @@ def test_the_mfu_peak_is_the_measured_gpus_own(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     from gpu_check import peak_bf16_flops
 
-    for name, tflops, model in (("NVIDIA H100 80GB HBM3", 989, "H100 SXM"), ("NVIDIA H100 PCIe", 756,
-                                "H100 PCIe"), ("NVIDIA H100 NVL", 835, "H100 NVL"), ("NVIDIA GH200 480GB", 989, "GH200"), ("NVIDIA H200", 989, "H200"),
-                                ("NVIDIA A100-SXM4-80GB", 312, "A100"), ("NVIDIA H20", 148, "H20"),
-                                ("NVIDIA B200", 2250, "B200")):
+    cases = [("NVIDIA H100 80GB HBM3", 989, "H100 SXM"), ("NVIDIA H100 PCIe", 756, "H100 PCIe"),
+             ("NVIDIA H100 NVL", 835, "H100 NVL"), ("NVIDIA GH200 480GB", 989, "GH200"),
+             ("NVIDIA H200", 989, "H200"), ("NVIDIA A100-SXM4-80GB", 312, "A100"), ("NVIDIA H20", 148, "H20"),
+             ("NVIDIA B200", 2250, "B200")]
+    for name, tflops, model in cases:
         peak, source = peak_bf16_flops(name)
         assert peak == tflops * 1e12 and source.startswith(f"{name}: {model} dense bf16"), (name, source)
     assert peak_bf16_flops("NVIDIA H200", 900.0) == (900e12, "--peak-tflops 900 for NVIDIA H200")
