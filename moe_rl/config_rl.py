@@ -138,6 +138,9 @@ class EnvironmentSection:
     path/to/file.py:Class (docs/environments.md)"""
     dataset: str = ""
     """JSONL or Parquet prompts; empty: the environment generates its own"""
+    dataset_fields: dict[str, str] = field(default_factory=dict)
+    """the dataset's own names for fields the environment reads, e.g. {prompt: problem} for rows of problem
+    and answer (environment.dataset and trainer.eval_dataset alike); empty: the environment's names"""
     reward_fn: str = ""
     """the single_turn environment's scorer: package.module:function or path/to/file.py:function, called with
     (row, response), returning a float or a dict with a `reward`"""

@@ -63,6 +63,14 @@ def check_environment(env) -> None:
     except (ValueError, EnvImportError) as err:
         raise ConfigError("environment.reward_fn" if "reward_fn" in str(err) or env.reward_fn
                           else "environment", str(err)) from None
+    for ours, theirs in env.dataset_fields.items():
+        if ours not in cls.required_fields:
+            reads = ", ".join(cls.required_fields) or "none"
+            raise ConfigError(f"environment.dataset_fields.{ours}", f"environment '{env.name}' reads no "
+                              f"field '{ours}' from its rows; it reads {reads}")
+        if not isinstance(theirs, str) or not theirs:
+            raise ConfigError(f"environment.dataset_fields.{ours}", f"{theirs!r}: the dataset's name for "
+                              "it, a non-empty string")
     if not env.dataset and not cls.generates_prompts():
         raise ConfigError("environment.dataset", f"environment '{env.name}' makes no prompts of its own: "
                           "give a JSONL or Parquet file of rows")
@@ -312,6 +320,8 @@ SWITCHES = (
            ("rollout.max_staleness", "rollout.async_depth")),
     Switch("environment.dynamic_sampling=true", lambda c: c.environment.dynamic_sampling,
            ("environment.max_resample_rounds",)),
+    Switch("a dataset (environment.dataset or trainer.eval_dataset)",
+           lambda c: bool(c.environment.dataset or c.trainer.eval_dataset), ("environment.dataset_fields",)),
     Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
            ("trainer.warm_start_lr", "trainer.warm_start_batch")),
     Switch("trainer.lr_schedule=linear or cosine", lambda c: c.trainer.lr_schedule != "constant",

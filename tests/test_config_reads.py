@@ -45,6 +45,8 @@ SWITCH_CASES = {
     "reward_model.path": (["reward_model.path=/checkpoints/rm"], [[]]),
     "parallel.dp > 1": (["parallel.world_size=2"], [[], ["parallel.tp=2", "parallel.world_size=2"]]),
     "model.lora.rank > 0": (["model.lora.rank=4"], [[]]),
+    "a dataset (environment.dataset or trainer.eval_dataset)": (
+        ["trainer.eval_prompts=4", "trainer.eval_dataset=held_out.jsonl"], [[]]),
 }
 
 # a valid value other than the default, where the type alone does not give one
@@ -53,7 +55,8 @@ OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_a
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
          "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]",
-         "model.lora.sync": "merged", "trainer.lr_min": 1e-6}
+         "model.lora.sync": "merged", "trainer.lr_min": 1e-6,
+         "environment.dataset_fields": "{secret: number}"}
 
 
 def field_type(path: str):

@@ -99,7 +99,7 @@ def dataset_rows(cfg: RunConfig, path: str) -> list[dict]:
     from moe_rl.rollout.envs import get_env
 
     env_cls = get_env(cfg.environment.name)
-    return load_prompts(path, env_cls.required_fields, env_cls.check_row)
+    return load_prompts(path, env_cls.required_fields, env_cls.check_row, cfg.environment.dataset_fields)
 
 
 def generated_prompts(cfg: RunConfig, n: int, seed: int) -> list[dict]:

@@ -16,9 +16,12 @@ class DatasetError(ValueError):
 
 
 def load_prompts(path: str | Path, required: tuple[str, ...] = (),
-                 check: Callable[[dict], str | None] | None = None) -> list[dict]:
+                 check: Callable[[dict], str | None] | None = None,
+                 fields: dict[str, str] | None = None) -> list[dict]:
     """The rows of `path`; each must carry the `required` fields and pass `check` (None: fine, else what
-    is wrong)."""
+    is wrong). `fields`: {field the environment reads: the file's name for it} (a dataset's `problem` read
+    as `prompt`), renamed as each row loads."""
+    fields = fields or {}
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset '{path}' does not exist")
@@ -46,10 +49,15 @@ def load_prompts(path: str | Path, required: tuple[str, ...] = (),
     for i, row in rows:
         if not isinstance(row, dict):
             raise DatasetError(f"{path}:{i}: a row must be an object, got {type(row).__name__}")
-        missing = [k for k in required if k not in row]
+        theirs = [fields.get(k, k) for k in required]
+        missing = [k for k in theirs if k not in row]
         if missing:
+            named = "; environment.dataset_fields: " + ", ".join(f"{k} as {v}" for k, v in fields.items())
             raise DatasetError(f"{path}:{i}: missing field(s) {', '.join(missing)} (the environment reads "
-                               f"{', '.join(required)}; the row has {', '.join(map(str, row)) or 'none'})")
+                               f"{', '.join(required)}{named if fields else ''}; the row has "
+                               f"{', '.join(map(str, row)) or 'none'})")
+        row = {**{k: v for k, v in row.items() if k not in fields.values()},
+               **{k: row[v] for k, v in fields.items() if v in row}}
         problem = check(row) if check is not None else None
         if problem:
             raise DatasetError(f"{path}:{i}: {problem}")

@@ -86,6 +86,41 @@ def test_rows_are_checked_for_prompt_and_answer(tmp_path):
             load_prompts(rows, MathEnv.required_fields, MathEnv.check_row)
 
 
+def test_a_dataset_with_its_own_field_names(tmp_path):
+    """environment.dataset_fields: rows of `problem` and `answer` (as published math sets have them) read
+    as the environment's `prompt`; the production loader (dataset_rows) with the run's config, and the
+    config's rules for the setting."""
+    import json
+
+    from moe_rl.config import ConfigError, from_dict
+    from moe_rl.driver.rollout_manager import dataset_rows
+    from moe_rl.rollout.data import DatasetError
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"problem": "What is 2+2?", "answer": 4, "solution": "2+2=4"}) + "\n")
+    math = ["environment.name=math", f"environment.dataset={rows}", "environment.token_budget=64",
+            "rollout.max_new_tokens=32", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
+            "trainer.eval_prompts=0", "trainer.eval_every=0"]
+    cfg = from_dict({}, [*math, "environment.dataset_fields={prompt: problem}"], cuda_available=False)
+    assert dataset_rows(cfg, str(rows)) == [{"prompt": "What is 2+2?", "answer": 4, "solution": "2+2=4"}]
+    with pytest.raises(DatasetError, match=re.escape(
+            "p.jsonl:1: missing field(s) prompt (the environment reads prompt, answer; the row has problem, "
+            "answer, solution)")):
+        dataset_rows(from_dict({}, math, cuda_available=False), str(rows))
+    with pytest.raises(DatasetError, match=re.escape(
+            "missing field(s) question (the environment reads prompt, answer; environment.dataset_fields: "
+            "prompt as question; the row has problem, answer, solution)")):
+        dataset_rows(from_dict({}, [*math, "environment.dataset_fields={prompt: question}"],
+                               cuda_available=False), str(rows))
+    with pytest.raises(ConfigError, match=re.escape(
+            "environment.dataset_fields.question: environment 'math' reads no field 'question' from its "
+            "rows; it reads prompt, answer")):
+        from_dict({}, [*math, "environment.dataset_fields={question: problem}"], cuda_available=False)
+    with pytest.raises(ConfigError, match="environment.dataset_fields: .* has no effect in this run: only a "
+                                          "dataset"):
+        from_dict({}, ["environment.dataset_fields={secret: number}"], cuda_available=False)
+
+
 def test_a_check_that_times_out_does_not_take_the_others_with_it():
     """Episodes check their answers concurrently on shared helper processes: one adversarial answer
     runs out of time (its process is killed), and every other answer, queued beside it, is still
