@@ -16,7 +16,9 @@ the rank's pipeline stage split over tp, and P_e its routed-expert parameters sp
                                                       dense state over the dp * cp ranks and expert state
                                                       over the edp expert-data-parallel ranks; with dp = 1
                                                       the state is whole (also under cp > 1)
-    activations  T * L * a / (tp * cp)                T = trainer.micro_batch_tokens; 1F1B keeps pp
+    activations  T * L * a / (tp * cp)                T = the longest microbatch: trainer.micro_batch_tokens,
+                                                      or rollout.max_model_len where a row can be longer
+                                                      (it is a microbatch alone); 1F1B keeps pp
                                                       microbatches of L / pp layers on the first stage;
                                                       a = bytes per token and layer below (recompute:
                                                       the layer input only, plus one layer recomputed)
@@ -182,6 +184,20 @@ class Plan:
     problems: list[str]
     adapter_params: int = 0  # LoRA's trained parameters in the whole policy (0: no adapters)
     lora_sync: tuple[str, str] = ("", "")  # adapters | merged, and why (engine_settings.resolve_lora_sync)
+    colocated: bool = False  # the roles share each GPU (cluster.colocate)
+
+    @property
+    def fullest(self) -> tuple[str, float]:
+        """The GPU that holds the most: what it holds (the roles sharing it, colocated) and its bytes."""
+        if self.colocated:
+            return " + ".join(r.role for r in self.roles), sum(r.total for r in self.roles)
+        top = max(self.roles, key=lambda r: r.total)
+        return top.role, top.total
+
+    @property
+    def headroom(self) -> float:
+        """The share of a GPU's memory the fullest GPU leaves free."""
+        return 1 - self.fullest[1] / (self.gpu_memory_gb * GiB)
 
 
 def dtype_bytes(cfg) -> int:
@@ -279,7 +295,8 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
                              for d, e in (stage_params(shape, pp, s) for s in range(pp))),
                             key=sum)  # the stage with the most parameters per rank
     out = {"weights": (p_dense + p_expert) * b}
-    tokens = cfg.trainer.micro_batch_tokens / (tp * cp)
+    # a microbatch: rows up to trainer.micro_batch_tokens, or one longer row alone (Batch.microbatches)
+    tokens = max(cfg.trainer.micro_batch_tokens, cfg.rollout.max_model_len) / (tp * cp)
     lora = cfg.model.lora
     if role == "policy" and lora.rank:  # the base frozen: only the adapters have gradients and Adam state
         p_dense, p_expert = max((lora_params(shape, lora.rank, lora.targets, tp, ep, pp, stage)
@@ -393,7 +410,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     sync_bytes = synced * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
                 math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters,
-                lora_sync)
+                lora_sync, cfg.cluster.colocate)
 
 
 def _count(n: int) -> str:
@@ -411,6 +428,9 @@ def render(plan: Plan) -> str:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())
         lines.append(f"{r.role:<{width}} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")
         lines += [f"{'':<{width}} {n}" for n in r.notes]
+    held, size = plan.fullest
+    lines.append(f"fullest GPU: {held} {size / gb:.1f} of {plan.gpu_memory_gb:g} GiB, "
+                 f"{plan.headroom:.0%} free")
     lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
                  f"{plan.sync_bytes / gb:.1f} GiB")
     if plan.adapter_params:

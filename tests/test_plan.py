@@ -94,6 +94,16 @@ def test_trainer_memory_worked_by_hand():
     # peak of the log-probs' backward (tests/train/test_plan_memory.py measures it)
     assert cfg.trainer.micro_batch_tokens == 16384
     assert policy["logits"] == pytest.approx(16384 * s.vocab / 2 * 24)
+    # a row longer than trainer.micro_batch_tokens is a microbatch alone (Batch.microbatches): the longest
+    # one, rollout.max_model_len tokens, sizes the logits and the activations
+    recipe = ROOT / "configs/qwen3_30b_a3b_gspo.yaml"
+    short = make_plan(load_config(recipe, ["trainer.micro_batch_tokens=2048"], cuda_available=True),
+                      QWEN3_30B_A3B).roles[0].per_gpu
+    assert short["logits"] == policy["logits"] and short["activations"] == policy["activations"]
+    shorter = make_plan(load_config(recipe, [
+        "trainer.micro_batch_tokens=2048", "rollout.max_model_len=4096", "rollout.max_new_tokens=2048",
+        "environment.token_budget=2048"], cuda_available=True), QWEN3_30B_A3B).roles[0].per_gpu
+    assert shorter["logits"] == pytest.approx(4096 * s.vocab / 2 * 24)
 
 
 def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
