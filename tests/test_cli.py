@@ -22,6 +22,7 @@ def test_check_config_quickstart_exits_0():
 @pytest.mark.parametrize("recipe, gpus, actors", [
     ("qwen3_30b_a3b_gspo", 36, "32 policy, 4 engine"),  # 32 trainer ranks + 4 engines
     ("mixtral_8x7b_ppo", 50, "16 policy, 16 critic, 16 reference, 2 engine"),  # critic and KL reference
+    ("qwen3_30b_a3b_grpo_2n8g", 16, "8 policy, 4 engine"),  # 8 trainer ranks + 4 engines of 2 GPUs
 ])
 def test_check_config_says_how_many_gpus_a_recipe_needs(recipe, gpus, actors):
     out = run("check-config", f"configs/{recipe}.yaml", "--assume-cuda")

@@ -62,6 +62,25 @@ def test_shipped_recipes_fit_their_stated_clusters(tmp_path):
         assert "policy" in out.stdout and "engine" in out.stdout and "KV-cache tokens" in out.stdout
 
 
+# the recipes whose header carries `moe-rl plan`'s output, with the published config of their model
+PLANNED = {"configs/qwen3_30b_a3b_grpo_2n8g.yaml": QWEN3_30B_A3B,
+           "configs/qwen3_30b_a3b_lora_1n8g.yaml": QWEN3_30B_A3B}
+
+
+@pytest.mark.parametrize("recipe", sorted(PLANNED))
+def test_a_recipes_header_is_what_plan_prints_for_it(recipe):
+    """The header's block between `# plan:` and `# end of plan` is `moe-rl plan`'s output for the recipe
+    (the same render), and the recipe fits with at least 10% of every GPU free."""
+    assert {str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")
+            if "# plan:" in p.read_text()} == set(PLANNED)  # a planned recipe needs its model here
+    text = (ROOT / recipe).read_text()
+    block = text[text.index("# plan:\n") + len("# plan:\n"):text.index("# end of plan\n")]
+    header = [line.removeprefix("#   ") for line in block.splitlines()]
+    plan = make_plan(load_config(ROOT / recipe, cuda_available=True), PLANNED[recipe])
+    assert header == render(plan).splitlines(), f"{recipe}: rerun moe-rl plan and copy its output"
+    assert not plan.problems and plan.headroom >= 0.1 - 1e-9, (plan.problems, plan.headroom)
+
+
 def test_a_run_that_cannot_fit_is_refused_one_line_per_problem(tmp_path):
     out = _plan("configs/mixtral_8x7b_ppo.yaml", tmp_path, MIXTRAL_8X7B, "--gpu-memory-gb", "80")
     assert out.returncode == 2
