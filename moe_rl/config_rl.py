@@ -178,7 +178,7 @@ class AlgorithmSection:
     """Names select registered functions in moe_rl.algos; see `moe-rl check-config --list`."""
 
     advantage: str = "gae"
-    """The advantage estimator, by registered name: gae, grpo, dr_grpo, rloo, reinforce, ... (`moe-rl
+    """The advantage estimator, by registered name: gae, grpo, drgrpo, rloo, reinforce, ... (`moe-rl
     check-config --list`)."""
     gamma: float = 1.0
     """The discount gamma."""
@@ -188,8 +188,10 @@ class AlgorithmSection:
     """decoupled GAE: a separate trace for the critic target"""
     length_adaptive_alpha: float | None = None
     """length-adaptive GAE: lam_i = 1 - 1/(alpha*J_i)"""
-    whiten_advantages: bool = True
-    """Whiten the advantages over the step's model tokens (zero mean, unit variance)."""
+    whiten_advantages: bool | None = None
+    """Whiten the advantages over the step's model tokens (zero mean, unit variance); null: as the estimator
+    does, on for gae, reward_to_go, reinforce and reinforce_pp_baseline (a batch baseline or scale), off for
+    grpo, drgrpo and rloo (normalised within their prompt groups already)"""
     policy_loss: str = "ppo"
     """The policy loss, by registered name: ppo, gspo, gmpo, cispo, ... (`moe-rl check-config --list`)."""
     clip_low: float = 0.2
@@ -290,6 +292,14 @@ class AlgorithmSection:
         from moe_rl.algos import registry
 
         return registry.meta("advantage", self.advantage).needs_critic
+
+    @property
+    def whitens(self) -> bool:
+        """Whether the step whitens its advantages: whiten_advantages, else the estimator's own choice."""
+        from moe_rl.algos import registry
+
+        return registry.meta("advantage", self.advantage).whiten if self.whiten_advantages is None \
+            else self.whiten_advantages
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def target_params(cfg: RunConfig):
     a = cfg.algorithm
     return TargetParams(
         advantage=a.advantage, gamma=a.gamma, lam=a.lam, lam_critic=a.lam_critic,
-        length_adaptive_alpha=a.length_adaptive_alpha, whiten=a.whiten_advantages,
+        length_adaptive_alpha=a.length_adaptive_alpha, whiten=a.whitens,
         kl_reward_coef=a.kl_reward_coef, kl_reward_estimator=a.kl_reward_estimator,
         needs_reference=cfg.uses_reference, overlong_buffer=a.overlong_buffer,
         overlong_penalty=a.overlong_penalty, token_budget=cfg.environment.token_budget,

@@ -124,7 +124,7 @@ CASES = {
         "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),
         "lam_critic": at("algorithm.lam_critic"),
         "length_adaptive_alpha": at("algorithm.length_adaptive_alpha"),
-        "whiten": at("algorithm.whiten_advantages"), "kl_reward_coef": at("algorithm.kl_reward_coef"),
+        "whiten": at("algorithm.whitens"), "kl_reward_coef": at("algorithm.kl_reward_coef"),
         "kl_reward_estimator": at("algorithm.kl_reward_estimator"), "needs_reference": at("uses_reference"),
         "overlong_buffer": at("algorithm.overlong_buffer"),
         "overlong_penalty": at("algorithm.overlong_penalty"), "token_budget": at("environment.token_budget"),

@@ -58,7 +58,7 @@ def group_stats(x_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor,
     return mean[inv], std[inv], n[inv]
 
 
-@register("advantage", "gae", needs_critic=True,
+@register("advantage", "gae", needs_critic=True, whiten=True,
           params=frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"}))
 def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """Masked model-token GAE (gae.masked_gae); decoupled when hp.lam_critic is set, length-adaptive
@@ -75,7 +75,7 @@ def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return gae.decoupled_gae(*args, lam_actor, lam_critic)
 
 
-@register("advantage", "reward_to_go", params=frozenset({"gamma"}))
+@register("advantage", "reward_to_go", params=frozenset({"gamma"}), whiten=True)
 def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """Process-reward reward-to-go: A_j = sum_{k >= j} gamma^(k-j) u_{q_k} on the decision timeline
     (GAE with V = 0, lambda = 1, terminal bootstrap 0)."""
@@ -93,7 +93,7 @@ def no_task_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return torch.zeros_like(inp.rewards_BT, dtype=torch.float32), None
 
 
-@register("advantage", "reinforce")
+@register("advantage", "reinforce", whiten=True)
 def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """REINFORCE with a batch-mean baseline: A_i = R_i - mean_b R_b."""
     s = inp.score_B.to(torch.float64)
@@ -126,10 +126,11 @@ def drgrpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     return _broadcast(inp.score_B.to(torch.float64) - mean, inp.mask_BT), None
 
 
-@register("advantage", "reinforce_pp_baseline", min_group_size=2)
+@register("advantage", "reinforce_pp_baseline", min_group_size=2, whiten=True)
 def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageParams):
     """REINFORCE++-baseline: A_i = R_i - mean_g R, then whitened over all valid tokens of the batch
-    (the loop's global whitening does that step; this returns the group-centred score)."""
+    (its registry entry turns the targets' whitening on for that step; this returns the group-centred
+    score)."""
     return drgrpo_advantage(inp, hp)
 
 

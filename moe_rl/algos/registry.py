@@ -29,6 +29,11 @@ class AdvantageMeta:
     min_group_size: int = 1  # samples per prompt it needs; > 1: a baseline from the prompt's other samples
     params: frozenset[str] = frozenset()  # the AdvantageParams fields it reads
     reads_reward: bool = True  # False: no task signal (A = 0): the run learns from distillation alone
+    # its advantages are whitened over the batch's model tokens unless algorithm.whiten_advantages says
+    # otherwise: on where the estimate needs a batch baseline or scale (GAE, REINFORCE++), off where it is
+    # normalised within its prompt group already (GRPO, Dr.GRPO, RLOO: whitening again would move a group
+    # whose rewards are all equal off 0 whenever length correlates with reward)
+    whiten: bool = False
 
     @property
     def needs_groups(self) -> bool:

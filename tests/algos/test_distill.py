@@ -52,7 +52,8 @@ def test_distillation_alone_and_beside_the_task_advantage():
     torch.testing.assert_close(t.adv_BS, torch.tensor([[0.0, 1.3, 0.5], [0.0, -1.0, -0.6]]))
     # whitened, each term on its own: -k = (0.3, -0.5, 0, 0.4) has mean 0.05 and variance
     # 0.125 - 0.05^2 = 0.1225 (std 0.35), so (-k - 0.05) / 0.35 = (5/7, -11/7, -1/7, 1); rloo's +-1 stays
-    p = settings.target_params(RunConfig(algorithm=AlgorithmSection(advantage="rloo", distill_coef=1.0),
+    p = settings.target_params(RunConfig(algorithm=AlgorithmSection(advantage="rloo", distill_coef=1.0,
+                                                                    whiten_advantages=True),
                                          teacher=TeacherSection(path="/teacher")))
     t = targets(b, Scores(b.logp_mu_BS, logp_teacher_BS=TEACHER), p)
     torch.testing.assert_close(t.adv_BS, torch.tensor([[0.0, 1 + 5 / 7, 1 - 11 / 7], [0.0, -1 - 1 / 7, 0.0]]),

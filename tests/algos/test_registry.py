@@ -19,13 +19,14 @@ GAE_PARAMS = frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"})
 CLIP = frozenset({"clip_low", "clip_high"})
 EXPECTED = {
     "advantage": {
-        "gae": AdvantageMeta(needs_critic=True, params=GAE_PARAMS),  # reads values_BT
-        "reward_to_go": AdvantageMeta(params=frozenset({"gamma"})),  # GAE with V = 0, lambda = 1
-        "reinforce": AdvantageMeta(),  # batch-mean baseline: no groups
+        # whiten: the batch whitening on by default where the estimate needs a batch baseline or scale
+        "gae": AdvantageMeta(needs_critic=True, params=GAE_PARAMS, whiten=True),  # reads values_BT
+        "reward_to_go": AdvantageMeta(params=frozenset({"gamma"}), whiten=True),  # GAE, V = 0, lambda = 1
+        "reinforce": AdvantageMeta(whiten=True),  # batch-mean baseline: no groups
         "rloo": AdvantageMeta(min_group_size=2),  # leave-one-out: a group of one has no baseline
         "grpo": AdvantageMeta(min_group_size=2, params=frozenset({"eps"})),  # std guard eps
         "drgrpo": AdvantageMeta(min_group_size=2),
-        "reinforce_pp_baseline": AdvantageMeta(min_group_size=2),
+        "reinforce_pp_baseline": AdvantageMeta(min_group_size=2, whiten=True),  # group mean, batch whitening
         "none": AdvantageMeta(reads_reward=False),  # A = 0: distillation's signal alone
     },
     "correction": {

@@ -67,3 +67,34 @@ def test_policy_denominators_weighted_and_plain():
     d = policy_denominators(keep, b.loss_mask_BS, c.weight_BT, sn)
     assert float(d["policy"]) == pytest.approx(4 * torch.exp(torch.tensor(0.2)).item(), rel=1e-6)
     assert float(d["regularizer"]) == 4
+
+
+def test_group_normalised_advantages_are_not_whitened_again_by_default():
+    """GRPO's and Dr.GRPO's group-normalised advantages are the estimate: a second whitening over the
+    batch's tokens subtracts a token-weighted mean that is not 0 where length correlates with reward, so a
+    group whose rewards are all equal would move off 0. Four wrong answers of 11 tokens in one group; one
+    right answer of 7 and three wrong of 15 in another."""
+    same = [traj(1, [(11, 0.0)], 0.0, group=0) for _ in range(4)]
+    mixed = [traj(1, [(7, 0.0)], 1.0, group=1)] + [traj(1, [(15, 0.0)], 0.0, group=1) for _ in range(3)]
+    b = build_batch(same + mixed, None)
+
+    def adv(**alg):
+        cfg = RunConfig(algorithm=AlgorithmSection(**alg), rollout=RolloutSection(samples_per_prompt=4))
+        return targets(b, Scores(b.logp_mu_BS), settings.target_params(cfg)).adv_BS
+
+    for advantage in ("grpo", "drgrpo", "rloo"):
+        a = adv(advantage=advantage)
+        assert a[:4].eq(0).all(), advantage  # the all-wrong group: exactly 0
+        right, wrong = (1.5, -0.5) if advantage == "grpo" else (0.75, -0.25) if advantage == "drgrpo" \
+            else (1.0, -1 / 3)  # grpo: (1 - 1/4) / std_unbiased(1, 0, 0, 0) = 0.75 / 0.5
+        assert a[4][b.mask_BS[4]].tolist() == pytest.approx([right] * 7, rel=1e-5)  # eps 1e-6
+        assert a[5][b.mask_BS[5]].tolist() == pytest.approx([wrong] * 15, rel=1e-5)
+    # whitened on request (algorithm.whiten_advantages=true): the token-weighted mean of GRPO's advantages,
+    # (7 * 1.5 - 45 * 0.5) / 96 = -0.125, with variance (7 * 2.25 + 45 * 0.25) / 96 - 0.125^2 = 0.265625,
+    # moves the all-wrong group to 0.125 / 0.265625^0.5 = +0.2425
+    whitened = adv(advantage="grpo", whiten_advantages=True)
+    assert whitened[0][b.mask_BS[0]].tolist() == pytest.approx([0.125 / 0.265625**0.5] * 11, rel=1e-4)
+    # a batch baseline's estimators keep the whitening (REINFORCE++-baseline is defined with it)
+    assert AlgorithmSection(advantage="reinforce_pp_baseline").whitens and AlgorithmSection().whitens
+    assert not AlgorithmSection(advantage="grpo").whitens and AlgorithmSection(advantage="grpo",
+                                                                              whiten_advantages=True).whitens
