@@ -5,7 +5,8 @@ Policy losses are registered by name (`algorithm.policy_loss`) with the signatur
     fn(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams) -> (loss_BT, metrics)
 
 loss_BT is [B, T] and 0 on mask-0 positions; aggregate.py turns it into a scalar with a global
-denominator. Ratios are r_t = exp(log pi_theta(a_t) - log pi_old(a_t)); metrics are 0-dim tensors
+denominator. Ratios are r_t = exp(log pi_theta(a_t) - log pi_old(a_t)), the log-ratio clamped to +-20
+first (`_log_ratio`: a ratio that would overflow has a finite loss and no gradient); metrics are 0-dim tensors
 (masked means over this batch), never host-synchronised here.
 
 Precision and masking, for every loss here: inputs of lower precision (bf16, fp16) are upcast and the
@@ -64,6 +65,16 @@ def _ratio_metrics(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[st
     }
 
 
+LOG_RATIO_LIMIT = 20.0  # |log pi_theta - log pi_old| beyond it is clamped: exp(88.7) overflows float32
+
+
+def _log_ratio(logp_BT: torch.Tensor, old_BT: torch.Tensor) -> torch.Tensor:
+    """log r_t = log pi_theta(a_t) - log pi_old(a_t), clamped to +-LOG_RATIO_LIMIT before any exp: a token
+    whose ratio would overflow (inf, then a NaN gradient that skips the whole update) gets a finite loss,
+    and no gradient through the clamp; its ratio (e^20 = 4.9e8) is far outside every clip range anyway."""
+    return (logp_BT - old_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
 def _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT):
     """(log pi_theta, log pi_old, A, m): upcast to float32 (float64 stays), 0 at mask-0 positions."""
     m = mask_BT.bool()
@@ -80,7 +91,7 @@ def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
         l      = min(l^asym, -c_dual A)   if A < 0 and dual-clip is on,   else l^asym
     """
     logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
-    log_ratio = logp - old  # 0 at mask-0 positions
+    log_ratio = _log_ratio(logp, old)  # 0 at mask-0 positions
     ratio = log_ratio.exp()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
@@ -111,7 +122,7 @@ def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """
     logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
     J = m.sum(1).clamp(min=1).to(logp.dtype)
-    log_ratio = logp - old  # 0 at mask-0 positions
+    log_ratio = _log_ratio(logp, old)  # 0 at mask-0 positions
     seq_log_ratio = log_ratio.sum(1) / J  # [B]
     s_tok = torch.exp(seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach())
     unclipped = -adv * s_tok
@@ -141,7 +152,7 @@ def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
     """
     logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
     J = m.sum(1).clamp(min=1).to(logp.dtype)
-    log_ratio = logp - old  # 0 at mask-0 positions
+    log_ratio = _log_ratio(logp, old)  # 0 at mask-0 positions
     sgn = torch.sign(adv)
     clipped = log_ratio.clamp(-hp.clip_low, hp.clip_high)
     log_rho = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)  # 0 at mask-0 positions
@@ -161,7 +172,7 @@ def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
         l_t = - sg(clip(r_t, 1 - eps_l, 1 + eps_h)) * A_t * log pi_theta(a_t)
     """
     logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
-    log_ratio = logp - old  # 0 at mask-0 positions
+    log_ratio = _log_ratio(logp, old)  # 0 at mask-0 positions
     ratio = log_ratio.detach().exp()
     w = ratio.clamp(1.0 - hp.clip_low, 1.0 + hp.clip_high)
     loss = -w * adv * logp

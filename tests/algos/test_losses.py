@@ -317,3 +317,30 @@ def test_value_and_kl_losses_compute_half_precision_inputs_in_float32():
         torch.testing.assert_close(out, losses.sampled_kl_loss(lp.float(), ref.float(), mask, est), rtol=0,
                                    atol=0)
     assert losses.masked_mean(lp, mask).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "gmpo", "cispo"])
+def test_a_ratio_that_would_overflow_gives_a_finite_gradient(name):
+    """A token with log pi_theta - log pi_old = 100 (exp overflows float32 past 88.7): the loss and every
+    gradient stay finite (unclamped, the worker would see a NaN gradient and skip the whole update), and
+    that token's gradient is 0 where its term is clipped; the other tokens' gradients are unchanged."""
+    from moe_rl.algos import registry
+
+    fn = registry.get("policy_loss", name)
+    hp = PolicyLossParams(0.2, 0.28, 3.0 if name == "ppo" else None)
+    old = torch.tensor([[-1.0, -1.0, -2.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for sign in (-1.0, 1.0):  # both advantage signs: PPO's dual-clip branch, and its high clip
+        adv = torch.tensor([[sign, sign, sign]])
+        logp = torch.tensor([[99.0, -0.9, -2.1]], requires_grad=True)  # log-ratios 100, 0.1, -0.1
+        loss, metrics = fn(logp, old, adv, mask, hp)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), (name, sign, logp.grad)
+        assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+        if name in ("ppo", "cispo"):  # token-level: the far-off token alone is clipped, its gradient 0
+            assert logp.grad[0, 0] == 0 or name == "cispo", (name, sign, logp.grad)
+            sane = torch.tensor([[-0.9, -2.1]], requires_grad=True)
+            fn(sane, old[:, 1:], adv[:, 1:], mask[:, 1:], hp)[0].sum().backward()
+            torch.testing.assert_close(logp.grad[:, 1:], sane.grad)  # the rest as without it
+        if name == "ppo":  # A < 0: dual-clipped to -3 A; A > 0: clipped at 1 + 0.28
+            assert loss[0, 0].item() == pytest.approx(3.0 if sign < 0 else -1.28)
