@@ -6,6 +6,9 @@ under one directory. Only the daemons started here are stopped (by their own PID
         subprocess.run(["sbatch", ...], env=cluster.env)
 
 Needs the Debian packages slurm-wlm and munge (.ci/run installs them) and root (the daemons run as root).
+
+`gpus_per_node=N` gives each node N GPUs as SLURM sees them (GRES gpu, on device files made under the
+cluster's directory: nothing opens them), for checking which steps get which GPUs; no GPU is needed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -41,9 +45,10 @@ def _which(b: str) -> str:
 
 
 class SlurmCluster:
-    def __init__(self, root: str | Path, cpus_per_node: int = 2, memory_mb: int = 8000):
+    def __init__(self, root: str | Path, cpus_per_node: int = 2, memory_mb: int = 8000,
+                 gpus_per_node: int = 0):
         self.root = Path(root)
-        self.cpus, self.memory = cpus_per_node, memory_mb
+        self.cpus, self.memory, self.gpus = cpus_per_node, memory_mb, gpus_per_node
         self.procs: list[subprocess.Popen] = []
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -68,9 +73,18 @@ class SlurmCluster:
             f"SlurmctldLogFile={r / 'logs/slurmctld.log'}", f"SlurmdLogFile={r}/logs/slurmd-%n.log",
             "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "MinJobAge=300", "KillWait=10",
         ]
+        gres = ""
+        if self.gpus:  # SLURM's gpu plugin counts device files: character devices nvidiaK (NVIDIA's major)
+            (r / "dev").mkdir(exist_ok=True)
+            for k in range(self.gpus):
+                if not (r / "dev" / f"nvidia{k}").exists():
+                    os.mknod(r / "dev" / f"nvidia{k}", 0o600 | stat.S_IFCHR, os.makedev(195, k))
+            (r / "gres.conf").write_text(f"Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n")
+            lines.append("GresTypes=gpu")
+            gres = f" Gres=gpu:{self.gpus}"
         for (name, ip), port in zip(NODES.items(), node_ports, strict=True):
             lines.append(f"NodeName={name} NodeAddr={ip} NodeHostname={host} Port={port} CPUs={self.cpus} "
-                         f"RealMemory={self.memory} State=UNKNOWN")
+                         f"RealMemory={self.memory}{gres} State=UNKNOWN")
         lines.append(f"PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
@@ -86,6 +100,13 @@ class SlurmCluster:
         if missing:
             raise RuntimeError(f"SLURM/munge binaries missing ({', '.join(missing)}): "
                                "apt-get install slurm-wlm slurmctld slurmd slurm-client munge")
+        try:
+            return self._start_daemons(timeout_s)
+        except BaseException:
+            self.stop()  # the daemons started so far (a `with` block's __exit__ does not run)
+            raise
+
+    def _start_daemons(self, timeout_s: float) -> SlurmCluster:
         self._write_config()
         r = self.root
         key = r / "munge.key"  # this cluster's own key
