@@ -15,6 +15,11 @@ class RemoteCallError(RuntimeError):
     """A remote call that did not answer in time, or whose actor died; the message names both."""
 
 
+class RayStartError(RuntimeError):
+    """Ray did not come up (a local Ray whose processes did not start in time on a loaded machine, a cluster
+    that did not answer): a fault a later try may get past, like a process that died."""
+
+
 def last_line(err: BaseException) -> str:
     """An error's last non-empty line (a remote error's own message), or its type's name."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -22,9 +27,10 @@ def last_line(err: BaseException) -> str:
 
 
 def fault_line(err: BaseException) -> str | None:
-    """One line for an error that means a process of the run died or hung: RemoteCallError, or a remote
-    call that failed because a process it worked with died (a peer rank, an engine); None otherwise."""
-    if isinstance(err, RemoteCallError):
+    """One line for an error that means a process of the run died or hung: RemoteCallError, RayStartError,
+    or a remote call that failed because a process it worked with died (a peer rank, an engine); None
+    otherwise."""
+    if isinstance(err, (RemoteCallError, RayStartError)):
         return str(err)
     cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
     if isinstance(cause, LOST):

@@ -161,20 +161,47 @@ def start_ray(cfg: RunConfig) -> None:
     address = cfg.cluster.ray_address
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
-        _RAY_OF_RUN.append("connected")
-        ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False, _node_ip_address=node_ip)
+        _init_ray("connected", f"join the Ray cluster at {address}", address=address,
+                  runtime_env=runtime_env(), log_to_driver=False, _node_ip_address=node_ip)
         check_cluster_devices(cfg, address)
     # Ray turns token authentication on for a local cluster, and says so every run: not a problem to report
     else:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             lambda record: not record.getMessage().startswith("Token authentication is enabled"))
         # the CPUs this process may use (a SLURM step's or a container's share), not the machine's
-        _RAY_OF_RUN.append("started")  # before init: an interrupt during it still stops what it started
-        ray.init(num_cpus=cfg.cluster.num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-                 runtime_env=runtime_env(), log_to_driver=False)
+        cpus = cfg.cluster.num_cpus or len(os.sched_getaffinity(0))
+        _init_ray("started", "start a local Ray", num_cpus=cpus, include_dashboard=False,
+                  runtime_env=runtime_env(), log_to_driver=False)
     if signal.getsignal(signal.SIGINT) is _on_signal:  # ray.init replaced the SIGTERM handler with its own
         handle_signals()
     check_interrupted()
+
+
+RAY_START_TRIES = 3  # Ray gives its raylet 30 s to register (fixed in Ray 2.60); a loaded machine needs more
+RAY_START_PAUSE_S = 2.0  # before the next try, times the tries so far
+
+
+def _init_ray(how: str, what: str, **kwargs) -> None:
+    """ray.init(**kwargs), tried RAY_START_TRIES times with what a failed try started stopped in between;
+    RayStartError in one line (a fault: exit 3, which launch/ retries) when no try succeeds. `how`: how the
+    run comes by its Ray ("started" or "connected"), recorded before each try so that an interrupt during
+    it still stops what it started."""
+    from moe_rl.driver.remote import RayStartError, last_line
+    from moe_rl.driver.report import say
+
+    for attempt in range(1, RAY_START_TRIES + 1):
+        _RAY_OF_RUN.append(how)
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:  # noqa: BLE001 - Ray raises bare Exceptions from its start-up
+            shutdown()  # what this try started, and the record of it
+            if attempt == RAY_START_TRIES:
+                raise RayStartError(f"could not {what} in {RAY_START_TRIES} tries ({last_line(err)}); the "
+                                    "machine may be overloaded: run again (exit code 3: launch/ retries it)"
+                                    ) from None
+            say(f"could not {what} ({last_line(err)}); trying again ({attempt + 1} of {RAY_START_TRIES})")
+            time.sleep(RAY_START_PAUSE_S * attempt)
 
 
 def check_cluster_devices(cfg: RunConfig, address: str) -> None:
