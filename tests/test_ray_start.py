@@ -61,7 +61,8 @@ def test_a_start_that_never_succeeds_is_one_line_and_exit_3(tmp_path):
     path = os.pathsep.join(filter(None, [str(tmp_path / "spy"), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml",
-         f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3", "trainer.eval_prompts=0",
+         f"run.output_dir={tmp_path / 'run'}", "run.steps=1", "trainer.warm_start_steps=0",
+         "trainer.warm_start_lr=1e-3", "trainer.eval_prompts=0",
          "trainer.eval_every=0", "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True,
         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
                           "MOE_RL_TEST_RAY_NEVER_STARTS": "1"})
