@@ -10,7 +10,8 @@ CPU, memory, process, file-size and wall-time limits.
   /dev/shm are small private tmpfs that vanish with it;
 - no runaway processes: a PID namespace (everything it starts dies with it, at the timeout too) and a
   process limit for the user (a fork bomb stops there);
-- memory (address space), CPU seconds, file size and wall time limits.
+- memory (address space), CPU seconds, file size and wall time limits; the wall time counts the tool's
+  own run, from the moment its interpreter is up in the sandbox (`READY`), not the sandbox's start-up.
 
 If the machine cannot do this (not root, root without CAP_SYS_ADMIN as in most containers, no unshare /
 setpriv, no interpreter the unprivileged user can run), `run_python` raises `SandboxUnavailable` rather
@@ -36,7 +37,14 @@ MAX_PROCESSES = 32  # of the unprivileged user, all tools together
 # (not exec'd: the shell turns a signal that kills it into exit status 128 + N, which unshare passes on)
 _ENTER = ("mount -t tmpfs -o size=16m,mode=1777 none /tmp && mount -t tmpfs -o size=1m none /var/tmp && "
           "mount -t tmpfs -o size=1m none /dev/shm && cd /tmp && setpriv --reuid {uid} --regid {uid} "
-          "--clear-groups --no-new-privs \"$0\" -I -S -c \"$1\"")
+          "--clear-groups --no-new-privs \"$0\" -I -S -c \"$1\" \"$2\"")
+# what the interpreter runs first: it says it is up (one line on stdout, which the caller takes off), then
+# runs the tool's code (its argument) as `python -c` would; a tool's time limit counts from that line, so
+# the sandbox's start-up (namespaces, mounts, the interpreter: seconds on a busy machine) is not the tool's
+READY = "\x06sandbox-ready"
+_BOOT = (f"import sys; sys.stdout.write({READY!r} + '\\n'); sys.stdout.flush(); code = sys.argv.pop(1); "
+         "exec(compile(code, '<string>', 'exec'), {'__name__': '__main__', '__builtins__': __builtins__})")
+START_TIMEOUT_S = 120.0  # the most the sandbox's start-up may take (a machine this loaded is one to stop on)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -64,9 +72,10 @@ def _prefix() -> tuple[str, ...]:
               _ENTER.format(uid=NOBODY))
     problems = []
     for python in dict.fromkeys([sys.executable, "/usr/bin/python3"]):  # one the unprivileged user can run
-        probe = subprocess.run([*prefix, python, "import json"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return (*prefix, python)
+        probe = subprocess.run([*prefix, python, _BOOT, "import json"], capture_output=True,
+                               timeout=START_TIMEOUT_S)
+        if probe.returncode == 0 and probe.stdout.decode() == READY + "\n":
+            return (*prefix, python, _BOOT)
         lines = probe.stderr.decode(errors="replace").strip().splitlines()
         problems.append(f"{python}: {lines[-1] if lines else f'exit code {probe.returncode}'}")
     raise SandboxUnavailable("cannot run tool code isolated (network, mount and PID namespaces, then an "
@@ -99,7 +108,12 @@ async def run_python(code: str, stdin: str = "", timeout_s: float = 5.0, cpu_s: 
         *_prefix(), code, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, preexec_fn=_limits(cpu_s, memory_mb, file_mb),
         env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, cwd="/")
-    try:
+    try:  # the sandbox's start-up first, then the tool's own run, each against its own limit
+        ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        if ready.decode(errors="replace").rstrip("\n") != READY:  # it never got to the tool's code
+            out, err = await asyncio.wait_for(proc.communicate(), START_TIMEOUT_S)
+            raise SandboxUnavailable(f"the sandbox stopped before the tool's code ran (exit code "
+                                     f"{proc.returncode}): {(ready + err).decode(errors='replace')[-300:]}")
         out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
     except asyncio.TimeoutError:
         try:

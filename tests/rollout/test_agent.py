@@ -248,6 +248,24 @@ def test_sandbox_limits_and_no_network():
     assert run(run_python("print(6*7)")).stdout.strip() == "42"
 
 
+def test_a_tools_time_limit_counts_its_own_run_not_the_sandboxs_start(monkeypatch):
+    """The sandbox's start-up (namespaces, mounts, the interpreter) is not the tool's time: on a busy
+    machine it can take seconds, which a 1 s tool limit must not count. Here the start is made 2 s slower
+    (a sleep before the real sandbox); the tool's own run is timed from its interpreter's READY line."""
+    from moe_rl.rollout import sandbox
+
+    real = sandbox._prefix()
+    monkeypatch.setattr(sandbox, "_prefix", lambda: ("sh", "-c", 'sleep 2; exec "$@"', "sh", *real))
+    r = run(sandbox.run_python("print(6*7)", timeout_s=1.0))
+    assert r.ok and r.stdout == "42\n", r
+    r = run(sandbox.run_python("import time; time.sleep(3)", timeout_s=1.0))  # its own run still counts
+    assert not r.ok and r.reason == "timeout"
+    # a sandbox that stops before the tool's code runs is the machine's fault, not a tool result
+    monkeypatch.setattr(sandbox, "_prefix", lambda: ("sh", "-c", "echo no namespaces >&2; exit 1"))
+    with pytest.raises(sandbox.SandboxUnavailable, match="the sandbox stopped before the tool's code ran"):
+        run(sandbox.run_python("print(1)"))
+
+
 def test_sandbox_holds_files_processes_and_memory(tmp_path):
     """Tool code runs as an unprivileged user in its own mount and PID namespaces: it writes only to its
     private scratch space, a fork bomb and a memory bomb stop at their limits, and each gives its outcome."""
