@@ -83,3 +83,17 @@ step() {
   exec srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=0 "$gpu" \
     ${STEP_CONTAINER_ARGS[@]+"${STEP_CONTAINER_ARGS[@]}"} "$@"
 }
+
+# ray_cli NODE ARGS...: `ray ARGS` (RAY_BIN) where the job's Ray lives: where every step runs in a container
+# (STEP_CONTAINER_ARGS), inside it, as a short step on NODE (the batch host may have no Ray, or another
+# one); else here, on the batch host (the first node), with the job's environment.
+ray_cli() {
+  local node=$1
+  shift
+  if (( ${#STEP_CONTAINER_ARGS[@]} )); then
+    srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --gpus-per-node=0 "${STEP_CONTAINER_ARGS[@]}" \
+      "$RAY_BIN" "$@"
+  else
+    "$RAY_BIN" "$@"
+  fi
+}

@@ -160,3 +160,21 @@ def test_the_script_stops_on_a_slurm_older_than_20_11_with_one_log_line(fake_bin
     assert len(lines) == 1 and lines[0].endswith(
         "] Slurm 20.02.7 is too old: launch/slurm_ray.sbatch needs Slurm >= 20.11 (srun --overlap)"), lines
     assert not (tmp_path / "started").exists()  # no step, no scontrol: it stopped first
+
+
+def test_the_scripts_own_ray_commands_run_where_the_jobs_ray_is(fake_bin, tmp_path):
+    """`ray status` (waiting for the nodes) and `ray get-auth-token`: in the steps' container, as a step on
+    the head node, where the job runs in one (the batch host may have no Ray of that version); else on the
+    batch host with the job's environment."""
+    out = tmp_path / "args"
+    fake_bin("srun", f'printf "%s\\n" "$@" > {out}')
+    fake_bin("ray", f'printf "here %s\\n" "$@" > {out}')
+    ray = fake_bin.dir / "ray"
+    contained = bash("RAY_BIN=/opt/venv/bin/ray; STEP_CONTAINER_ARGS=(--container-image=img.sqsh); "
+                     "ray_cli n0 status --address=1.2.3.4:6379", fake_bin)
+    assert contained.returncode == 0, contained
+    assert out.read_text().splitlines() == ["--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n0",
+                                            "--gpus-per-node=0", "--container-image=img.sqsh",
+                                            "/opt/venv/bin/ray", "status", "--address=1.2.3.4:6379"]
+    here = bash(f"RAY_BIN={ray}; STEP_CONTAINER_ARGS=(); ray_cli n0 get-auth-token --generate", fake_bin)
+    assert here.returncode == 0 and out.read_text().splitlines() == ["here get-auth-token", "here --generate"]
