@@ -334,6 +334,11 @@ class TrainerSection:
     micro_batch_tokens: int = 8192
     """tokens of one microbatch (a forward and backward pass; its activations are what a rank holds at once):
     fewer, larger microbatches make larger matrix products (a small step is one microbatch)"""
+    logit_chunk_tokens: int = 1024
+    """the log-probs and entropy are computed from the last hidden states and the output layer this many
+    tokens at a time (their logits recomputed in the backward): a few [chunk, vocab/tp] float32 tensors at
+    once instead of three [microbatch, vocab/tp] ones kept for the backward, for one more output-layer product
+    per token; 0: the whole microbatch's logits at once"""
     dp_balance: Literal["cost", "count"] = "cost"
     """How a batch's rows are cut into data-parallel shards: "cost" balances their estimated compute (tokens
     plus attention's term quadratic in length; long-tailed episodes spread over the replicas), "count" gives
@@ -382,6 +387,7 @@ class TrainerSection:
         in_range("trainer.adam_beta1", self.adam_beta1, 0.0, 1.0, hi_open=True)
         in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
         in_range("trainer.grad_clip", self.grad_clip, 0.0, None, lo_open=True)
+        in_range("trainer.logit_chunk_tokens", self.logit_chunk_tokens, 0, None)
         for name in ("epochs", "minibatches", "micro_batch_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
 

@@ -22,8 +22,9 @@ the rank's pipeline stage split over tp, and P_e its routed-expert parameters sp
                                                       microbatches of L / pp layers on the first stage;
                                                       a = bytes per token and layer below (recompute:
                                                       the layer input only, plus one layer recomputed)
-    logits       T / (tp * cp) * V * l                each rank's vocabulary slice of its tokens, l bytes
-                                                      per element at the peak of train/logprobs.py
+    logits       c * V / tp * (12 + b) + ...          the log-probs a chunk of c = trainer.logit_chunk_tokens
+                                                      tokens at a time (`logits_memory`); with 0, the whole
+                                                      T / cp x V / tp logits, l bytes per element
 
 An estimate of the tensors a layer keeps for backward, per token (bf16):
 attention 2 * (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP 2 * (h + k (2h + 3f)) + 4E (fp32 router
@@ -317,9 +318,34 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
         out["activations"] = kept
         if role == "policy" and cfg.algorithm.anchor == "ewma":
             out["ewma_anchor"] = (p_dense + p_expert) * 4
-    out["logits"] = 0.0 if role in ("critic", "reward_model") \
-        else tokens * shape.vocab * logit_bytes(b, trains)
+    if role not in ("critic", "reward_model"):
+        out["logits"] = logits_memory(shape, cfg, role, tokens * tp)
     return out
+
+
+def logits_memory(shape: ModelShape, cfg, role: str, rows: float) -> float:
+    """The log-probs' and entropy's peak on the last stage, for `rows` tokens of a microbatch on this rank
+    (its CP share; all of them under SP: the output layer gathers them). The whole logits
+    (trainer.logit_chunk_tokens 0): rows x V/tp x `logit_bytes`. A chunk at a time
+    (train/logprobs.chunked_target_logprobs): c = min(chunk, rows) rows of V/tp logits, 12 + b bytes each
+    when training (the model-dtype product, then float32 z, p and dz at once in the backward), 8 when only
+    scoring (z and exp(z)); where the output weight trains, its gradient summed over the chunks (float32;
+    float64 for a float32 weight), V/tp x h x 4 (8); a LoRA-adapted output
+    layer's W + s B A, V/tp x h x b; and the hidden states' gradient, rows x h x 2b."""
+    b, chunk, par = dtype_bytes(cfg), cfg.trainer.logit_chunk_tokens, cfg.parallel
+    trains = role in ("policy", "critic")
+    vocab = shape.vocab / par.tp
+    if not chunk:
+        return rows * vocab * logit_bytes(b, trains)
+    c = min(chunk, rows)
+    lora_out = role == "policy" and cfg.model.lora.rank and "output_layer" in cfg.model.lora.targets
+    weight_trains = trains and (lora_out or not cfg.model.lora.rank)
+    total = c * vocab * ((12 + b) if trains else 8) + rows * shape.hidden * (2 * b if trains else b)
+    if weight_trains:
+        total += vocab * shape.hidden * (8 if b == 4 else 4)
+    if lora_out:
+        total += vocab * shape.hidden * b
+    return total
 
 
 def logit_bytes(model_bytes: int, trains: bool) -> int:

@@ -43,7 +43,8 @@ def optim_settings(cfg: RunConfig, lr: float):
     return OptimSettings(lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
                          adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
                          distributed_optimizer=cfg.parallel.distributed_optimizer,
-                         micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences)
+                         micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences,
+                         logit_chunk_tokens=tr.logit_chunk_tokens)
 
 
 def engine_settings(cfg: RunConfig, model_path: str):

@@ -109,19 +109,27 @@ def test_trainer_memory_worked_by_hand():
     assert policy["gradients"] == pytest.approx((dense + expert) * 4)
     # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over 32 / (pp 2 * ep 8 * etp 2) = 1
     assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 1)
-    # a microbatch's 16384 tokens (cp 1) by the rank's vocabulary slice (tp 2), 24 bytes per element at the
-    # peak of the log-probs' backward (tests/train/test_plan_memory.py measures it)
-    assert cfg.trainer.micro_batch_tokens == 16384
-    assert policy["logits"] == pytest.approx(16384 * s.vocab / 2 * 24)
+    # the log-probs a chunk of 1024 tokens at a time (trainer.logit_chunk_tokens) on the rank's vocabulary
+    # slice (tp 2), 12 + 2 bytes per element at the peak of the backward, the output weight's float32
+    # gradient, and the gradient of the microbatch's 16384 hidden states (cp 1, gathered over SP: 2 x 2 bytes)
+    # (tests/train/test_plan_memory.py measures each)
+    assert cfg.trainer.micro_batch_tokens == 16384 and cfg.trainer.logit_chunk_tokens == 1024
+    chunked = 1024 * s.vocab / 2 * 14 + s.vocab / 2 * s.hidden * 4 + 16384 * s.hidden * 4
+    assert policy["logits"] == pytest.approx(chunked)
+    # the whole logits at once (trainer.logit_chunk_tokens=0): 24 bytes per element of 16384 x V/2
+    recipe = ROOT / "configs/qwen3_30b_a3b_gspo.yaml"
+    whole = make_plan(load_config(recipe, ["trainer.logit_chunk_tokens=0"], cuda_available=True),
+                      QWEN3_30B_A3B).roles[0].per_gpu
+    assert whole["logits"] == pytest.approx(16384 * s.vocab / 2 * 24)
     # a row longer than trainer.micro_batch_tokens is a microbatch alone (Batch.microbatches): the longest
     # one, rollout.max_model_len tokens, sizes the logits and the activations
-    recipe = ROOT / "configs/qwen3_30b_a3b_gspo.yaml"
-    short = make_plan(load_config(recipe, ["trainer.micro_batch_tokens=2048"], cuda_available=True),
-                      QWEN3_30B_A3B).roles[0].per_gpu
-    assert short["logits"] == policy["logits"] and short["activations"] == policy["activations"]
+    short = make_plan(load_config(recipe, ["trainer.micro_batch_tokens=2048", "trainer.logit_chunk_tokens=0"],
+                                  cuda_available=True), QWEN3_30B_A3B).roles[0].per_gpu
+    assert short["logits"] == whole["logits"] and short["activations"] == policy["activations"]
     shorter = make_plan(load_config(recipe, [
         "trainer.micro_batch_tokens=2048", "rollout.max_model_len=4096", "rollout.max_new_tokens=2048",
-        "environment.token_budget=2048"], cuda_available=True), QWEN3_30B_A3B).roles[0].per_gpu
+        "environment.token_budget=2048", "trainer.logit_chunk_tokens=0"], cuda_available=True),
+        QWEN3_30B_A3B).roles[0].per_gpu
     assert shorter["logits"] == pytest.approx(4096 * s.vocab / 2 * 24)
 
 
@@ -179,7 +187,9 @@ def test_a_teacher_is_counted_with_its_own_shape_and_no_training_state(tmp_path)
     s, t = ModelShape.from_hf(small), ModelShape.from_hf(QWEN3_30B_A3B)
     layers = (t.attention + t.moe_shared) / 2 + 128 * t.expert / 16  # per layer: tp 2, ep 8 x etp 2
     assert big.per_gpu["weights"] - student["weights"] == pytest.approx(12 * layers * 2)  # 24 vs 12, bf16
-    assert big.per_gpu["logits"] == pytest.approx(16384 * s.vocab / 2 * (2 + 12))  # scoring: model + 12 bytes
+    # scoring: a 1024-token chunk of V/2 logits, 8 bytes each (z and exp(z) in float32), and the microbatch's
+    # 16384 gathered hidden states (2 bytes each)
+    assert big.per_gpu["logits"] == pytest.approx(1024 * s.vocab / 2 * 8 + 16384 * s.hidden * 2)
 
 
 def test_lora_trains_the_adapters_alone_worked_by_hand():

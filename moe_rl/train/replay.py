@@ -14,6 +14,7 @@ to that action automatically while autograd is running a backward pass (recomput
 REPLAY_FORWARD once. Positions past a row's length (padding) without a route get experts 0..K-1 (they
 are never read); padding that carries a recorded route keeps it (see `fill_padding`).
 A valid token without a route (-1, or an id no expert has) is an error — never silently re-routed.
+Also `router_losses`: the routers' load-balancing and z losses of the update just run.
 """
 
 from __future__ import annotations
@@ -178,3 +179,29 @@ def recorded_routes(instances, B: int, S: int, tp_rank: int, tp_size: int, seque
             r = torch.cat(parts)
         layers.append(r.reshape(S, B, -1).transpose(0, 1))
     return torch.stack(layers, dim=2)
+
+
+def router_losses(microbatches: int) -> dict[str, float]:
+    """The MoE router losses of the update just run (megatron-core records each MoE layer's per
+    microbatch while its coefficient is on): their mean over this rank's MoE layers and the
+    microbatches, as moe_aux_loss / moe_z_loss, and each layer's mean over the microbatches as
+    moe_aux_loss_layerNN / moe_z_loss_layerNN (NN: the layer's index in the model); the record is cleared.
+
+    Under routing replay megatron-core computes each layer's load-balancing loss from that router's own
+    top-k of its logits (what the current weights choose for the layer's input, which went through the
+    replayed experts of the layers before), not from the replayed experts, with the gradient through the
+    router's probabilities; the z-loss reads the same logits."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    out = {}
+    for name, key in (("load_balancing_loss", "moe_aux_loss"), ("z_loss", "moe_z_loss")):
+        values = get_moe_layer_wise_logging_tracker().get(name, {}).get("values")
+        if values is not None and bool((values != 0).any()):
+            per = max(1, microbatches)
+            out[key] = float(values.sum()) / (int((values != 0).sum()) * per)
+            out |= {f"{key}_layer{i:02d}": float(v) / per for i, v in enumerate(values.tolist()) if v != 0}
+    clear_aux_losses_tracker()
+    return out

@@ -36,7 +36,13 @@ from moe_rl.metrics import reduce_updates
 from moe_rl.train import cpu_compat, lora, parallel, replay
 from moe_rl.train import model as model_lib
 from moe_rl.train.context import gather_sequence, local_positions
-from moe_rl.train.logprobs import target_logprobs, vocab_parallel_logprobs
+from moe_rl.train.logprobs import (
+    chunked_target_logprobs,
+    hidden_out,
+    last_hidden,
+    output_weight,
+    target_logprobs,
+)
 from moe_rl.train.offload import HostCopies, storages
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.train.results import ScoreResult, UpdateResult
@@ -57,6 +63,9 @@ class OptimSettings:
     micro_batch_tokens: int  # trainer.*
     # trainer.*; THD: each microbatch's sequences end to end in one row (train/packing.py)
     pack_sequences: bool
+    # trainer.*: the log-probs from the hidden states and the output layer this many tokens at a time (0: the
+    # whole logits), train/logprobs.chunked_target_logprobs
+    logit_chunk_tokens: int
     adam_eps: float = 1e-8  # no config field
 
 
@@ -180,7 +189,8 @@ class TrainWorker:
                                ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                                self.config.sequence_parallel, self.moe_layer_ids, self.config.moe_router_topk,
                                self.config.num_moe_experts)
-        out = model(ids, pos, None, **({} if pk is None else {"packed_seq_params": pk.seq_params()}))
+        with hidden_out(self.module, self._chunked):
+            out = model(ids, pos, None, **({} if pk is None else {"packed_seq_params": pk.seq_params()}))
         if self._recording is not None:
             rec = replay.recorded_routes(
                 self.replay_instances, ids.shape[0], ids.shape[1], ps.get_tensor_model_parallel_rank(),
@@ -193,26 +203,51 @@ class TrainWorker:
             self._recording.append(rec)
         return out
 
+    @property
+    def _chunked(self) -> bool:
+        """The policy's log-probs come from its last hidden states a chunk of tokens at a time
+        (trainer.logit_chunk_tokens), on the last pipeline stage."""
+        return self.role != "critic" and bool(self.optim_settings.logit_chunk_tokens) \
+            and self.ps.is_pipeline_last_stage()
+
+    def _token_logprobs(self, output: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """log pi(targets) and the entropy, [b, s] each, from the last stage's output: its logits
+        [b, s, V/tp], or (_chunked) its hidden states [b, s, h], through the output layer a chunk at a
+        time."""
+        ps = self.ps
+        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+              ps.get_tensor_model_parallel_world_size())
+        if not self._chunked:
+            return target_logprobs(output, targets_BS, *tp)
+        B, S = targets_BS.shape
+        logp, ent = chunked_target_logprobs(output.reshape(B * S, -1), output_weight(self.module),
+                                            targets_BS.reshape(-1), self.optim_settings.logit_chunk_tokens,
+                                            *tp)
+        return logp.view(B, S), ent.view(B, S)
+
     def _outputs(self, mb: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token model outputs [b, s] for microbatch `mb` from the last stage's output."""
         ps, pk = self.ps, self._packing(mb)
-        tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
-              ps.get_tensor_model_parallel_world_size())
         if self.role == "critic":
             values = output.squeeze(-1).float()
             if self.cp > 1:
                 values = gather_sequence(values, 1, ps.get_context_parallel_group())
             return {"critic_out_BS": values if pk is None else pk.unpack(values)}
+        if self._chunked:
+            output = last_hidden(output, self.module.output_layer.sequence_parallel,
+                                 self.ps.get_tensor_model_parallel_group())
         if self.cp > 1:  # local logits score the next token of each local position; gather, then align
             ids = mb.input_ids_BS
             idx = local_positions(ids.shape[1], self.cp, ps.get_context_parallel_rank(), ids.device)
             next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-            logp, ent = target_logprobs(output, next_ids[:, idx], *tp)
+            logp, ent = self._token_logprobs(output, next_ids[:, idx])
             logp, ent = (gather_sequence(x, 1, ps.get_context_parallel_group()) for x in (logp, ent))
             return {"logp_BS": torch.nn.functional.pad(logp[:, :-1], (1, 0)),
                     "entropy_BS": torch.nn.functional.pad(ent[:, :-1], (1, 0))}
         ids = mb.input_ids_BS if pk is None else pk.pack(mb.input_ids_BS)
-        logp, ent = vocab_parallel_logprobs(output, ids, *tp)
+        # the output at t scores token t + 1; position 0 has no prediction
+        logp, ent = (torch.nn.functional.pad(x, (1, 0))
+                     for x in self._token_logprobs(output[:, :-1], ids[:, 1:]))
         if pk is not None:  # each row's first token has no prediction (packed, it would see the previous row)
             logp, ent = (torch.nn.functional.pad(pk.unpack(x)[:, 1:], (1, 0)) for x in (logp, ent))
         return {"logp_BS": logp, "entropy_BS": ent}
@@ -435,7 +470,7 @@ class TrainWorker:
         metrics["update_ok"] = float(bool(ok))
         metrics["skipped_nonfinite"] = float(not finite)
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])  # what the update used
-        metrics |= router_losses(len(mbs))
+        metrics |= replay.router_losses(len(mbs))
         logp = self._whole(cpu_mbs, kept, *batch.input_ids_BS.shape)["logp_BS"] if keep_logp else None
         return UpdateResult(metrics, logp)
 
@@ -453,28 +488,3 @@ class TrainWorker:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-
-def router_losses(microbatches: int) -> dict[str, float]:
-    """The MoE router losses of the update just run (megatron-core records each MoE layer's per
-    microbatch while its coefficient is on): their mean over this rank's MoE layers and the
-    microbatches, as moe_aux_loss / moe_z_loss, and each layer's mean over the microbatches as
-    moe_aux_loss_layerNN / moe_z_loss_layerNN (NN: the layer's index in the model); the record is cleared.
-
-    Under routing replay megatron-core computes each layer's load-balancing loss from that router's own
-    top-k of its logits (what the current weights choose for the layer's input, which went through the
-    replayed experts of the layers before), not from the replayed experts, with the gradient through the
-    router's probabilities; the z-loss reads the same logits."""
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
-
-    out = {}
-    for name, key in (("load_balancing_loss", "moe_aux_loss"), ("z_loss", "moe_z_loss")):
-        values = get_moe_layer_wise_logging_tracker().get(name, {}).get("values")
-        if values is not None and bool((values != 0).any()):
-            per = max(1, microbatches)
-            out[key] = float(values.sum()) / (int((values != 0).sum()) * per)
-            out |= {f"{key}_layer{i:02d}": float(v) / per for i, v in enumerate(values.tolist()) if v != 0}
-    clear_aux_losses_tracker()
-    return out

@@ -6,6 +6,7 @@ anchor, counted from the tensors that hold them, under the layouts where the dis
 shards (dp 2: dense state over dp*cp, expert state over the expert-data-parallel ranks) and where it
 does not (dp 1 with cp 2)."""
 
+import dataclasses
 import weakref
 
 import pytest
@@ -20,6 +21,9 @@ from moe_rl.train.launch_local import run_ranks
 # what the plan may differ from the measurement by: the log-probs score S - 1 of a row's S tokens (1/256
 # here) and hold a few [B, S] tensors; megatron pads its gradient buffers and keeps Adam's step counts
 TOLERANCE = 0.01
+# the chunked path's: a few [T] float32 tensors (the rows' max, log-sum and mean, the targets' mask) and the
+# backward's [c, h] products, left out of the plan
+CHUNKED_TOLERANCE = 0.03
 
 
 class LiveBytes(TorchDispatchMode):
@@ -82,10 +86,37 @@ def test_logits_term_is_the_measured_peak_of_the_log_probs(dtype, trains):
         if trains:
             loss.backward()
     measured = live.peak
-    cfg = _plan_cfg(dtype, trainer={"micro_batch_tokens": T})
+    cfg = _plan_cfg(dtype, trainer={"micro_batch_tokens": T, "logit_chunk_tokens": 0})
     planned = trainer_memory(_shape(cfg, V), cfg, "policy" if trains else "reference")["logits"]
     assert planned == T * V * logit_bytes(2 if dtype == "bfloat16" else 4, trains)
     assert measured == pytest.approx(planned, rel=TOLERANCE), (measured / (T * V), planned / (T * V))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("trains", [True, False], ids=["train", "score"])
+@pytest.mark.parametrize("chunk, H", [(64, 8), (64, 128), (128, 128)])
+def test_chunked_logits_term_is_the_measured_peak_of_the_log_probs(dtype, trains, chunk, H):
+    """The default path (trainer.logit_chunk_tokens): the last hidden states [T, H] and the output layer's
+    weight [V, H] through chunked_target_logprobs, a chunk of the logits at a time, into the same loss and
+    back to both. Peak bytes from the call on against the plan's logits term (`logits_memory`), for chunks
+    and widths where either of its two main parts (the chunk's logits, the weight's gradient) dominates."""
+    from moe_rl.train.logprobs import chunked_target_logprobs
+
+    T, V = 512, 2048
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(T, H, generator=g).to(torch_dtype).requires_grad_(trains)
+    weight = torch.randn(V, H, generator=g).to(torch_dtype).requires_grad_(trains)
+    ids = torch.randint(0, V, (T,), generator=g)
+    with torch.set_grad_enabled(trains), LiveBytes() as live:
+        logp, entropy = chunked_target_logprobs(hidden, weight, ids, chunk)
+        loss = logp.sum() + 0.01 * entropy.sum()
+        if trains:
+            loss.backward()
+    cfg = _plan_cfg(dtype, trainer={"micro_batch_tokens": T, "logit_chunk_tokens": chunk})
+    shape = dataclasses.replace(_shape(cfg, V), hidden=H)
+    planned = trainer_memory(shape, cfg, "policy" if trains else "reference")["logits"]
+    assert live.peak == pytest.approx(planned, rel=CHUNKED_TOLERANCE), live.peak / planned
 
 
 def _storage_bytes(tensors, exclude=()) -> int:

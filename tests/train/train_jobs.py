@@ -435,3 +435,41 @@ def lora_gradient_job(rank, world, hf_path, merged_dir):
         out[name] = (adapter_grads[f"{prefix}.lora_A"], adapter_grads[f"{prefix}.lora_B"], whole_grads[name],
                      adapter.a.detach(), adapter.b.detach())
     return out
+
+
+def chunked_logprobs_job(rank, world, hidden, weight, targets, g_logp, g_ent, chunk):
+    """chunked_target_logprobs over a TP group of `world` ranks, each with its vocabulary slice of `weight`;
+    the hidden states replicated. Returns this rank's values and gradients (hidden: its partial)."""
+    import torch.distributed as dist
+
+    from moe_rl.train.logprobs import chunked_target_logprobs
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    h = hidden.clone().requires_grad_(True)
+    w = weight.chunk(world)[rank].clone().requires_grad_(True)
+    logp, ent = chunked_target_logprobs(h, w, targets, chunk, group, rank, world, g_ent is not None)
+    loss = (g_logp * logp).sum() + ((g_ent * ent).sum() if g_ent is not None else 0)
+    loss.backward()
+    return {"logp": logp.detach(), "ent": None if ent is None else ent.detach(), "d_hidden": h.grad,
+            "d_weight": w.grad}
+
+
+def chunk_worker_job(rank, world, hf_path, layout, chunk, pack=False):
+    """A policy's scores and one PPO step with trainer.logit_chunk_tokens=`chunk` (0: the whole logits)."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack,
+                                         logit_chunk_tokens=chunk))
+    ids, lengths, mask, adv = batch_tensors()
+    routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+    before = w.score(Batch(ids, lengths, routes))
+    batch = Batch(ids, lengths, routes, **policy_tensors(before.logp_BS, mask, adv))
+    figures = w.train_step(batch, policy_loss(), Denominator(mask)).figures
+    after = w.score(Batch(ids, lengths, routes))
+    return {"logp": before.logp_BS, "entropy": before.entropy_BS, "grad_norm": figures["grad_norm"],
+            "after": after.logp_BS, "params": {n: p.detach().clone() for n, p in w.module.named_parameters()}}
