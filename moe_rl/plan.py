@@ -329,8 +329,8 @@ def logits_memory(shape: ModelShape, cfg, role: str, rows: float) -> float:
     (trainer.logit_chunk_tokens 0): rows x V/tp x `logit_bytes`. A chunk at a time
     (train/logprobs.chunked_target_logprobs): c = min(chunk, rows) rows of V/tp logits, 12 + b bytes each
     when training (the model-dtype product, then float32 z, p and dz at once in the backward), 8 when only
-    scoring (z and exp(z)); where the output weight trains, its gradient summed over the chunks (float32;
-    float64 for a float32 weight), V/tp x h x 4 (8); a LoRA-adapted output
+    scoring (z and exp(z)); where the output weight trains, its gradient summed over the chunks (in bf16,
+    float64 for a float32 weight), V/tp x h x b (8); a LoRA-adapted output
     layer's W + s B A, V/tp x h x b; and the hidden states' gradient, rows x h x 2b."""
     b, chunk, par = dtype_bytes(cfg), cfg.trainer.logit_chunk_tokens, cfg.parallel
     trains = role in ("policy", "critic")
@@ -342,7 +342,7 @@ def logits_memory(shape: ModelShape, cfg, role: str, rows: float) -> float:
     weight_trains = trains and (lora_out or not cfg.model.lora.rank)
     total = c * vocab * ((12 + b) if trains else 8) + rows * shape.hidden * (2 * b if trains else b)
     if weight_trains:
-        total += vocab * shape.hidden * (8 if b == 4 else 4)
+        total += vocab * shape.hidden * (8 if b == 4 else b)
     if lora_out:
         total += vocab * shape.hidden * b
     return total

@@ -110,11 +110,11 @@ def test_trainer_memory_worked_by_hand():
     # Adam: 12 bytes per parameter, dense over dp*cp = 8 ranks, experts over 32 / (pp 2 * ep 8 * etp 2) = 1
     assert policy["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 1)
     # the log-probs a chunk of 1024 tokens at a time (trainer.logit_chunk_tokens) on the rank's vocabulary
-    # slice (tp 2), 12 + 2 bytes per element at the peak of the backward, the output weight's float32
-    # gradient, and the gradient of the microbatch's 16384 hidden states (cp 1, gathered over SP: 2 x 2 bytes)
+    # slice (tp 2), 12 + 2 bytes per element at the peak of the backward, the output weight's bf16 gradient,
+    # and the gradient of the microbatch's 16384 hidden states (cp 1, gathered over SP: 2 x 2 bytes)
     # (tests/train/test_plan_memory.py measures each)
     assert cfg.trainer.micro_batch_tokens == 16384 and cfg.trainer.logit_chunk_tokens == 1024
-    chunked = 1024 * s.vocab / 2 * 14 + s.vocab / 2 * s.hidden * 4 + 16384 * s.hidden * 4
+    chunked = 1024 * s.vocab / 2 * 14 + s.vocab / 2 * s.hidden * 2 + 16384 * s.hidden * 4
     assert policy["logits"] == pytest.approx(chunked)
     # the whole logits at once (trainer.logit_chunk_tokens=0): 24 bytes per element of 16384 x V/2
     recipe = ROOT / "configs/qwen3_30b_a3b_gspo.yaml"

@@ -134,8 +134,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden_TH, weight_VH, targets_T, shift, log_s, mean_z = ctx.saved_tensors
         T, Vp = hidden_TH.shape[0], weight_VH.shape[0]
         d_hidden = torch.zeros_like(hidden_TH) if ctx.needs_input_grad[0] else None
-        # the weight's gradient sums every chunk's: in a wider type than the weight's own
-        wide = torch.float64 if weight_VH.dtype == torch.float32 else torch.float32
+        # the weight's gradient sums every chunk's: float32 weights in float64; bf16 / fp16 ones in their own
+        # dtype, each chunk's product accumulated in float32 and rounded once as it is added (addmm), as
+        # megatron adds each microbatch's gradient to its main_grad: no buffer wider than the weight itself
+        wide = torch.float64 if weight_VH.dtype == torch.float32 else weight_VH.dtype
         d_weight = torch.zeros_like(weight_VH, dtype=wide) if ctx.needs_input_grad[1] else None
         local = targets_T - ctx.rank * Vp
         inside = (local >= 0) & (local < Vp)
@@ -156,8 +158,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             dz = dz.to(weight_VH.dtype)  # as the logits' own backward: the model's dtype
             if d_hidden is not None:
                 d_hidden[rows] = dz @ weight_VH
-            if d_weight is not None:
+            if d_weight is not None and wide == torch.float64:
                 d_weight += dz.t() @ hidden_TH[rows]
+            elif d_weight is not None:
+                d_weight.addmm_(dz.t(), hidden_TH[rows])
         if d_weight is not None:
             d_weight = d_weight.to(weight_VH.dtype)
         return d_hidden, d_weight, None, None, None, None, None, None
