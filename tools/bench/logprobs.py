@@ -98,7 +98,8 @@ def main() -> int:
                       "time_s_chunked": chunked["time_s"],
                       "peak_memory_ratio": chunked["peak_gib"] / whole["peak_gib"],
                       "time_ratio": chunked["time_s"] / whole["time_s"],
-                      "chunked_tokens": args.chunked_tokens, "peak_gib_chunked_at_chunked_tokens": big["peak_gib"],
+                      "chunked_tokens": args.chunked_tokens,
+                      "peak_gib_chunked_at_chunked_tokens": big["peak_gib"],
                       "time_s_chunked_at_chunked_tokens": big["time_s"]}))
     return 0
 
