@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from moe_rl.config import ConfigError
 
+_python_show_warning = warnings.showwarning
 EXIT_USAGE = 2
 EXIT_FAULT = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -444,7 +446,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A ConfigWarning as one line, `moe-rl: warning: ...`; others as Python shows them."""
+    from moe_rl.schema import ConfigWarning
+
+    if issubclass(category, ConfigWarning):
+        print(f"moe-rl: warning: {message}", file=sys.stderr)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides given after an option (`check-config CFG --assume-cuda a.b=1`) are overrides too

@@ -145,8 +145,9 @@ _REMOVED = {
 def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError("<root>", f"a config is a mapping of sections, got {type(data).__name__}")
-    data = copy.deepcopy(data)
-    for key, value in parse_overrides(list(overrides)):
+    file_data, data = data, copy.deepcopy(data)
+    overridden = parse_overrides(list(overrides))
+    for key, value in overridden:
         set_dotted(data, key, value)
     cfg = build(RunConfig, data, "", _REMOVED)
     check_tree(cfg)
@@ -154,8 +155,18 @@ def from_dict(data: dict, overrides: list[str] = (), cuda_available: bool | None
         import torch
 
         cuda_available = torch.cuda.is_available()
-    check_compatible(cfg, cuda_available)  # the rules between sections
+    # the rules between sections; the file's own settings that the command line made inert are warned of
+    check_compatible(cfg, cuda_available, _file_config(file_data) if overridden else None,
+                     {key for key, _ in overridden})
     return cfg
+
+
+def _file_config(data: dict) -> RunConfig | None:
+    """The config the file alone gives (before the command line's overrides), where it builds."""
+    try:
+        return build(RunConfig, copy.deepcopy(data), "", _REMOVED)
+    except ConfigError:
+        return None
 
 
 def load_config(path: str | Path, overrides: list[str] = (), cuda_available: bool | None = None) -> RunConfig:

@@ -76,7 +76,8 @@ def check_environment(env) -> None:
                           "give a JSONL or Parquet file of rows")
 
 
-def check_compatible(cfg, cuda_available: bool | None) -> None:
+def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
+                     overridden: set[str] = frozenset()) -> None:
     """Cross-section rules (after every section's own checks): the registered methods and the environment
     the config names, the parallel layout vs the model's shape, GPU-only features vs the machine
     (`cuda_available`; None: the Ray cluster the run joins decides, once joined: check_machine)."""
@@ -86,6 +87,10 @@ def check_compatible(cfg, cuda_available: bool | None) -> None:
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
+        from moe_rl.tiny import VOCAB_SIZE
+
+        check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
+                        tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
     if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
@@ -180,6 +185,11 @@ def check_compatible(cfg, cuda_available: bool | None) -> None:
         raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) "
                           f"needs held-out rows: environment '{cfg.environment.name}' makes no prompts of "
                           "its own")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    if tr.minibatches > samples:
+        raise ConfigError("trainer.minibatches", f"{tr.minibatches} minibatches of a step's {samples} "
+                          "samples (rollout.prompts_per_step x samples_per_prompt): at most one per sample; "
+                          f"use {samples} or fewer")
     if tr.eval_greedy and tr.eval_samples > 1:
         raise ConfigError("trainer.eval_samples", f"{tr.eval_samples} greedy samples of a prompt are one "
                           "answer repeated (trainer.eval_greedy=true): use 1")
@@ -217,7 +227,7 @@ def check_compatible(cfg, cuda_available: bool | None) -> None:
                 raise ConfigError(path, f"{on!r} acts on the reward, which algorithm.advantage="
                                   f"'{a.advantage}' does not use")
 
-    check_settings_are_read(cfg)
+    check_settings_are_read(cfg, file_cfg, overridden)
 
 
 def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
@@ -284,6 +294,33 @@ def check_layout_fits_hf_config(par, hf: dict) -> None:
                             hf.get("num_hidden_layers", 1))
 
 
+def check_lora_rank(lora, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int,
+                    vocab: int) -> None:
+    """model.lora.rank against the layers it adapts: at most min(fan_in, fan_out) of each (a larger rank
+    adds parameters and no expressiveness: B A has rank <= that). ConfigError naming the narrowest."""
+    widths = {"linear_qkv": min(hidden, (heads + 2 * kv_heads) * head_dim),
+              "linear_proj": min(heads * head_dim, hidden), "linear_fc1": min(hidden, 2 * ffn),
+              "linear_fc2": min(ffn, hidden), "router": min(hidden, experts),
+              "output_layer": min(hidden, vocab)}
+    if not lora.rank:
+        return
+    target, width = min(((t, widths[t]) for t in lora.targets), key=lambda tw: tw[1])
+    if lora.rank > width:
+        raise ConfigError("model.lora.rank", f"{lora.rank} is above {target}'s width ({width}: the smaller "
+                          "of its input and output sizes), which bounds an adapter's rank; use at most "
+                          f"{width}")
+
+
+def check_lora_rank_hf(lora, hf: dict) -> None:
+    """`check_lora_rank` from a Hugging Face config.json's fields."""
+    heads = hf.get("num_attention_heads", 1)
+    hidden = hf.get("hidden_size", 1)
+    ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size", 1)
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
+    check_lora_rank(lora, hidden, heads, hf.get("num_key_value_heads") or heads,
+                    hf.get("head_dim") or hidden // heads, ffn, experts, hf.get("vocab_size", 1))
+
+
 # --------------------------------------------------------------------------------------------------
 # Settings that nothing in the run reads
 # --------------------------------------------------------------------------------------------------
@@ -303,6 +340,12 @@ def _critic(cfg) -> bool:
     return cfg.critic_enabled
 
 
+def _env_class(cfg):
+    from moe_rl.rollout.envs import get_env
+
+    return get_env(cfg.environment.name)
+
+
 SWITCHES = (
     Switch("algorithm.aggregation=seq_sum_const", lambda c: c.algorithm.aggregation == "seq_sum_const",
            ("algorithm.loss_constant",)),
@@ -320,6 +363,12 @@ SWITCHES = (
            ("rollout.max_staleness", "rollout.async_depth")),
     Switch("environment.dynamic_sampling=true", lambda c: c.environment.dynamic_sampling,
            ("environment.max_resample_rounds",)),
+    Switch("an environment whose tools read it (Environment.reads_tool_timeout: calculator)",
+           lambda c: _env_class(c).reads_tool_timeout, ("environment.tool_timeout_s",)),
+    Switch("rollout.record_routes=true (the routes they show)", lambda c: c.rollout.record_routes,
+           ("logging.heatmap_every", "logging.routing_diagnostics_every")),
+    Switch("a run that writes checkpoints (checkpoint.every > 0 or checkpoint.at_end=true)",
+           lambda c: c.checkpoint.every > 0 or c.checkpoint.at_end, ("checkpoint.keep",)),
     Switch("a dataset (environment.dataset or trainer.eval_dataset)",
            lambda c: bool(c.environment.dataset or c.trainer.eval_dataset), ("environment.dataset_fields",)),
     Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
@@ -378,13 +427,28 @@ def conditional_readers(cfg) -> dict[str, list[tuple[str, bool]]]:
     return readers
 
 
-def check_settings_are_read(cfg) -> None:
+def check_settings_are_read(cfg, file_cfg=None, overridden: set[str] = frozenset()) -> None:
     """A setting set away from its default that no choice of this run reads is refused, in one line
     naming the setting and the choices that read it: a value without effect is a mistake to show, not
-    to keep (algorithm.dual_clip with gspo, critic.lr without a critic, ...)."""
+    to keep (algorithm.dual_clip with gspo, critic.lr without a critic, ...). One the config file set, that
+    the file's own choices read and the command line's `overridden` settings turned off (`file_cfg`: the
+    file's config alone), is named in a ConfigWarning instead: the command line switched a feature off, and
+    its settings go with it."""
+    import warnings
+
+    from moe_rl.schema import ConfigWarning
+
     values, defaults = leaf_paths(cfg), leaf_paths(type(cfg)())
+    in_file = conditional_readers(file_cfg) if file_cfg is not None else {}
     for path, readers in conditional_readers(cfg).items():
-        if values[path] != defaults[path] and not any(on for _, on in readers):
-            choices = " or ".join(choice for choice, _ in readers)
-            raise ConfigError(path, f"{values[path]!r} has no effect in this run: only {choices} reads it "
-                              f"(leave it at its default, {defaults[path]!r})")
+        if values[path] == defaults[path] or any(on for _, on in readers):
+            continue
+        choices = " or ".join(choice for choice, _ in readers)
+        from_file = not any(path == key or path.startswith(key + ".") for key in overridden)
+        if from_file and any(on for _, on in in_file.get(path, ())):
+            warnings.warn(ConfigWarning(f"{path}: {values[path]!r} from the config file has no effect now "
+                                        f"that the command line ({', '.join(sorted(overridden))}) turned off "
+                                        f"what reads it ({choices}); ignored"), stacklevel=2)
+            continue
+        raise ConfigError(path, f"{values[path]!r} has no effect in this run: only {choices} reads it "
+                          f"(leave it at its default, {defaults[path]!r})")

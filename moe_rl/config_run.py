@@ -266,6 +266,9 @@ class CheckpointSection:
                               f"./{r.strip()})")
 
 
+MAX_GPU_MEMORY_GB = 1024  # above any GPU's memory (the largest in 2026: under 300 GB)
+
+
 @dataclass(frozen=True)
 class ClusterSection:
     """Where the run's actors go: the Ray cluster, colocation, placement over nodes, CPU threads, timeouts,
@@ -315,3 +318,7 @@ class ClusterSection:
         positive("cluster.gpus_per_node", self.gpus_per_node)
         in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
+        if self.gpu_memory_gb > MAX_GPU_MEMORY_GB:
+            raise ConfigError("cluster.gpu_memory_gb", f"{self.gpu_memory_gb:g} GB is not one GPU's memory: "
+                              "the unit is GB as the maker names it (80 for an H100 80GB, 141 for an H200), "
+                              f"and no GPU has more than {MAX_GPU_MEMORY_GB} GB")

@@ -34,6 +34,11 @@ class ConfigError(ValueError):
 
 
 
+class ConfigWarning(UserWarning):
+    """A setting accepted, but without effect for a reason the user may not have meant (one line; the CLI
+    prints it as `moe-rl: warning: ...`)."""
+
+
 def positive(path: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(path, f"{value} must be a positive integer")

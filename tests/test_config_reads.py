@@ -45,6 +45,11 @@ SWITCH_CASES = {
     "reward_model.path": (["reward_model.path=/checkpoints/rm"], [[]]),
     "parallel.dp > 1": (["parallel.world_size=2"], [[], ["parallel.tp=2", "parallel.world_size=2"]]),
     "model.lora.rank > 0": (["model.lora.rank=4"], [[]]),
+    "an environment whose tools read it (Environment.reads_tool_timeout: calculator)": (
+        ["environment.name=calculator"], [[]]),
+    "rollout.record_routes=true (the routes they show)": ([], [["rollout.record_routes=false"]]),
+    "a run that writes checkpoints (checkpoint.every > 0 or checkpoint.at_end=true)": (
+        [], [["checkpoint.at_end=false"]]),
     "a dataset (environment.dataset or trainer.eval_dataset)": (
         ["trainer.eval_prompts=4", "trainer.eval_dataset=held_out.jsonl"], [[]]),
 }

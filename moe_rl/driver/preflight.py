@@ -18,10 +18,15 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     directory (given, a directory, writable), the model (and a context vLLM would refuse), the training
     and held-out prompts (returned) with the environment tried on the first one, the checkpoint to resume
     from (`check_resume_point`), and whether the actors fit the local Ray cluster the run will start."""
-    from moe_rl.config_rules import check_layout_fits_hf_config
+    from moe_rl.config_rules import check_layout_fits_hf_config, check_lora_rank_hf
     from moe_rl.driver.rollout_manager import evaluation_prompts, training_prompts
     from moe_rl.rollout.envs import try_first_prompt
-    from moe_rl.weights.hf import CheckpointError, check_model_dir, check_reward_model_dir
+    from moe_rl.weights.hf import (
+        CheckpointError,
+        check_causal_lm_dir,
+        check_model_dir,
+        check_reward_model_dir,
+    )
 
     if not cfg.run.output_dir.strip():
         raise ConfigError("run.output_dir", "is empty: the run would write into the current directory; give "
@@ -31,11 +36,12 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     hf = check_model_dir(cfg.model.path) if cfg.model.path else None
     if hf is not None:
         check_layout_fits_hf_config(cfg.parallel, hf)
+        check_lora_rank_hf(cfg.model.lora, hf)
     check_context_length(cfg, hf)
     if cfg.reward_model.path:  # placed like the policy: the same layout must fit it
         check_layout_fits_hf_config(cfg.parallel, check_reward_model_dir(cfg.reward_model.path))
     for name, path in cfg.teacher.all.items() if cfg.teachers else ():  # in the teachers' own layout
-        hf_teacher = check_model_dir(path, teacher_field(name))
+        hf_teacher = check_causal_lm_dir(path, teacher_field(name))
         try:
             check_layout_fits_hf_config(cfg.teacher_parallel, hf_teacher)
         except ConfigError as err:  # parallel.X names the run's layout; the teachers' is teacher.X

@@ -56,6 +56,26 @@ class Converted:
     kind: str = "tensors"  # what `tensors` counts
 
 
+def misdirected(path: Path, direction: str) -> str | None:
+    """What `path` is, where it is not what `direction` converts from (a run directory, a checkpoint step
+    holding policy/ and critic/, a model of the other format), with what to give instead; None otherwise."""
+    dist = (path / ".metadata").is_file()
+    hf = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    if (path / "checkpoints").is_dir():
+        steps = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "policy").is_dir())
+        newest = f" (newest: {steps[-1] / 'policy'})" if steps else ""
+        return (f"{path} is a run directory: convert one of its checkpoints, "
+                f"{path}/checkpoints/step_N/policy or .../critic{newest}")
+    if (path / "policy").is_dir() and not dist:
+        return f"{path} holds a step's checkpoints: convert {path / 'policy'}" + \
+            (f" or {path / 'critic'}" if (path / "critic").is_dir() else "")
+    if direction == "hf-to-mcore" and dist:
+        return f"{path} is a Megatron checkpoint, not a Hugging Face model: the direction is mcore-to-hf"
+    if direction == "mcore-to-hf" and hf and not dist:
+        return f"{path} is a Hugging Face model, not a Megatron checkpoint: the direction is hf-to-mcore"
+    return None
+
+
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise CheckpointMismatch(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -216,6 +236,8 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, r
     hf, out, layout = Path(hf), Path(out), layout or Layout()
     if not hf.is_dir():
         raise CheckpointError(f"{hf}: no such model directory")
+    if misdirected(hf, "hf-to-mcore"):
+        raise CheckpointMismatch(misdirected(hf, "hf-to-mcore"))
     _check_hf_dir(hf)
     if role not in ("policy", "critic"):
         raise CheckpointMismatch(f"role must be policy or critic, not {role!r}")
@@ -278,6 +300,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     ckpt, out, layout = Path(ckpt), Path(out), layout or Layout()
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: no such checkpoint directory")
+    if misdirected(ckpt, "mcore-to-hf"):
+        raise CheckpointMismatch(misdirected(ckpt, "mcore-to-hf"))
     from moe_rl.train.checkpoint import read_extra
 
     record = read_extra(ckpt).get("lora")

@@ -82,6 +82,20 @@ def check_reward_model_dir(path: str | Path, field: str = "reward_model.path") -
     return hf
 
 
+def check_causal_lm_dir(path: str | Path, field: str) -> dict:
+    """`check_model_dir`, and an LM head (lm_head.weight, or embeddings tied to it): a model whose next-token
+    log-probs can be read (a distillation teacher). A reward model has a score head instead."""
+    hf = check_model_dir(path, field)
+    names = HFReader(path).names()
+    if "lm_head.weight" not in names and not hf.get("tie_word_embeddings"):
+        scored = next((n for n in VALUE_HEADS if n in names), None)
+        raise CheckpointError(f"{field}: '{path}' has no LM head (lm_head.weight)"
+                              f"{f', but a score head ({scored}): a reward model' if scored else ''}; a "
+                              "distillation teacher is a causal language model (*ForCausalLM), whose "
+                              "next-token log-probs the policy learns from")
+    return hf
+
+
 def to_te_name(name: str, expert_offset: int = 0) -> str:
     """The TE-style name of a local-spec (or TE) parameter name, expert ids shifted by expert_offset."""
     if name.endswith(".input_layernorm.weight"):

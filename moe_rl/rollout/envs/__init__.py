@@ -92,6 +92,9 @@ class Environment:
     # its tools run code through moe_rl.rollout.sandbox: the sandbox is tried when the config loads and
     # when an engine starts (check_context), and a machine that cannot run it stops the run there
     sandboxed_tools: ClassVar[bool] = False
+    # its tools read self.context.tool_timeout_s (environment.tool_timeout_s): elsewhere the setting is
+    # refused as one without effect
+    reads_tool_timeout: ClassVar[bool] = False
     required_fields: ClassVar[tuple[str, ...]] = ()  # fields every dataset row must carry
 
     def __init__(self, options: Any = None, context: EnvContext | None = None):

@@ -54,6 +54,7 @@ class Calculator(Environment):
 
     required_fields = ("question", "answer")
     sandboxed_tools = True
+    reads_tool_timeout = True
 
     async def reset(self, prompt: dict) -> list[dict]:
         self.answer = int(prompt["answer"])
