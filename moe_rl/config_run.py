@@ -249,11 +249,21 @@ class CheckpointSection:
     resume: str = "auto"
     """"auto", "never", or a checkpoint directory"""
     keep: int = 2
-    """Checkpoints kept (the newest); older ones are deleted."""
+    """Checkpoints kept (the newest); older ones are deleted, but never the best held-out evaluation's (by
+    eval/reward_mean; summary.json's best_eval_step)."""
+    export_hf_every: int = 0
+    """Also write the policy in Hugging Face format (moe-rl convert mcore-to-hf; a LoRA policy: its PEFT
+    adapter) under run.output_dir/hf/step_N, atomically, at every checkpoint whose step is a multiple of
+    this and at the last; kept (never deleted). 0: never"""
 
     def check(self) -> None:
         in_range("checkpoint.every", self.every, 0, None)
         positive("checkpoint.keep", self.keep)
+        in_range("checkpoint.export_hf_every", self.export_hf_every, 0, None)
+        if self.export_hf_every and not (self.every and self.export_hf_every % self.every == 0):
+            raise ConfigError("checkpoint.export_hf_every", f"{self.export_hf_every} exports the checkpoints "
+                              f"of those steps, and checkpoint.every={self.every} writes none there: use a "
+                              "multiple of checkpoint.every (> 0)")
         r = self.resume
         if r in ("auto", "never"):
             return  # a directory is checked when the run starts

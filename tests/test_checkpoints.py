@@ -86,3 +86,35 @@ def test_a_kept_rollout_round_trips_through_a_safe_load(tmp_path):
                 assert np.array_equal(x.routes.computed_P, y.routes.computed_P)
             x.routes = y.routes = None
             assert x == y
+
+
+def test_the_best_evaluations_checkpoint_is_never_pruned(tmp_path):
+    """checkpoint.keep keeps the newest; the checkpoint of the best held-out evaluation (by
+    eval/reward_mean, after RL began) stays beside them."""
+    from moe_rl.driver.report import best_eval_step
+    from moe_rl.driver.run_checkpoints import prune
+
+    def steps():
+        return sorted(int(p.name.removeprefix("step_")) for p in tmp_path.glob("step_*"))
+
+    for s in range(1, 6):
+        (tmp_path / f"step_{s:06d}").mkdir()
+    evals = {0: {"eval/reward_mean": 0.9}, 2: {"eval/reward_mean": 0.5},
+             3: {"eval/reward_mean": float("nan")}, 4: {"eval/reward_mean": 0.1}}
+    assert best_eval_step(evals) == 2  # step 0 (before RL) and NaN left out
+    assert [p.name for p in prune(tmp_path, 2, best_eval_step(evals))] == ["step_000001", "step_000003"]
+    assert steps() == [2, 4, 5]
+    prune(tmp_path, 2, 5)  # the best among the newest: nothing more to keep
+    assert steps() == [4, 5]
+    assert prune(tmp_path, 2, None) == [] and steps() == [4, 5]
+
+
+def test_hf_exports_need_checkpoints_at_their_steps():
+    from moe_rl.config import ConfigError, from_dict
+
+    assert from_dict({}, ["checkpoint.every=2", "checkpoint.export_hf_every=4"],
+                     cuda_available=False).checkpoint.export_hf_every == 4
+    for every in ("3", "0"):
+        with pytest.raises(ConfigError, match=f"checkpoint.export_hf_every: 4 exports the checkpoints of "
+                                              f"those steps, and checkpoint.every={every} writes none there"):
+            from_dict({}, [f"checkpoint.every={every}", "checkpoint.export_hf_every=4"], cuda_available=False)

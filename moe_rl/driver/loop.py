@@ -67,6 +67,7 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         return train_step(models, rollouts, batch, step, params, log, bool(diag) and (step + 1) % diag == 0)
 
     evaluation = Evaluation(cfg, out, rollouts, log, summary, evals)
+    checkpoints.evals = evals  # the evaluations as they come: the best one's checkpoint is kept
     try:
         trips = round_trips()  # the first rollout's start (and evaluation) counts in the first step's
         schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, checkpoints.in_flight)

@@ -28,12 +28,17 @@ def write_summary(out: Path, summary: dict, evals: dict[int, dict]) -> dict:
         out_summary |= {f"{k}_before": v for k, v in evals[first].items()} if first == 0 else {}
         out_summary |= {f"{k}_after": v for k, v in evals[last].items()}
         out_summary["evaluations"] = {str(k): v for k, v in sorted(evals.items())}
-        # not NaN
-        scored = [k for k in evals if k > 0 and evals[k]["eval/reward_mean"] == evals[k]["eval/reward_mean"]]
-        if scored:
-            out_summary["best_eval_step"] = max(scored, key=lambda k: evals[k]["eval/reward_mean"])
+        best = best_eval_step(evals)
+        if best is not None:
+            out_summary["best_eval_step"] = best
     (out / SUMMARY_FILE).write_text(json.dumps(out_summary, indent=1))
     return out_summary
+
+
+def best_eval_step(evals: dict[int, dict]) -> int | None:
+    """The step after RL began whose held-out evaluation scored best (eval/reward_mean, NaN left out)."""
+    scored = [k for k in evals if k > 0 and evals[k]["eval/reward_mean"] == evals[k]["eval/reward_mean"]]
+    return max(scored, key=lambda k: evals[k]["eval/reward_mean"]) if scored else None
 
 
 def earlier_summary(out: Path, step: int) -> tuple[dict, dict[int, dict]]:

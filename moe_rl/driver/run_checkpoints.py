@@ -6,7 +6,9 @@
         ckpt.save(step, in_flight)  # in_flight: an asynchronous run's next rollouts, finished
 
 A checkpoint is written under a temporary name and renamed into place: a crash mid-save leaves the
-previous one as it was, and `resume: auto` takes the newest complete one. Nothing in it is unpickled
+previous one as it was, and `resume: auto` takes the newest complete one. The newest checkpoint.keep are
+kept, and always the best held-out evaluation's (`prune`); with checkpoint.export_hf_every, the policy is
+also written in Hugging Face format under hf/step_N (`export_hf`). Nothing in it is unpickled
 beyond plain types and tensors (`read_loop_state`, and train/checkpoint.py for the weights).
 
 Before anything starts, the driver checks the checkpoint it will resume from (`check_resume`): its
@@ -29,6 +31,7 @@ import torch
 
 from moe_rl.config import RunConfig
 from moe_rl.driver.remote import last_line
+from moe_rl.driver.report import best_eval_step
 from moe_rl.driver.rollout_manager import Collected, InFlight
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
 
@@ -42,7 +45,9 @@ RESUME_SINCE = "MOE_RL_RESUME_SINCE"
 class Checkpoints:
     def __init__(self, cfg: RunConfig, out: Path, models, rollouts):
         self.cfg, self.root, self.models, self.rollouts = cfg, out / "checkpoints", models, rollouts
+        self.exports = out / "hf"  # checkpoint.export_hf_every: the policy in Hugging Face format, by step
         self.in_flight: list[Collected] = []  # set by `resume` where the checkpoint holds any
+        self.evals: dict[int, dict] = {}  # the held-out evaluations by step (the loop's): the best is kept
 
     def _groups(self) -> dict:
         """The trainer groups a checkpoint holds, by directory name."""
@@ -70,8 +75,10 @@ class Checkpoints:
         write_loop_state(tmp / LOOP_STATE, state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a crash before this line leaves the previous checkpoint as it was
-        for old in sorted(self.root.glob("step_*"))[: -self.cfg.checkpoint.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        every = self.cfg.checkpoint.export_hf_every
+        if every and (step % every == 0 or step == self.cfg.run.steps):
+            export_hf(final / "policy", self.exports / final.name)
+        prune(self.root, self.cfg.checkpoint.keep, best_eval_step(self.evals))
         return final
 
     def resume(self) -> int | None:
@@ -93,6 +100,37 @@ class Checkpoints:
         np.random.set_state(numpy_rng_state(st["np_rng"]))
         self.rollouts.sync(self.models.policy, st["version"])
         return st["step"]
+
+
+def prune(root: Path, keep: int, best: int | None) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints under `root`, never the one of the `best` held-out
+    evaluation (report.best_eval_step) while it exists. Returns what it deleted."""
+    kept_best = root / f"step_{best:06d}" if best is not None else None
+    gone = [old for old in sorted(root.glob("step_*"))[:-keep] if old != kept_best]
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
+
+
+def export_hf(policy: Path, out: Path) -> None:
+    """The policy checkpoint in Hugging Face format at `out` (`moe-rl convert mcore-to-hf`, in a process of
+    its own; a LoRA policy as its PEFT adapter), written under a temporary name and renamed. A failed export
+    is said in one line and the run goes on: the checkpoint it came from is there to convert again."""
+    import subprocess
+    import sys
+
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", "convert", "mcore-to-hf", str(policy),
+                           str(tmp)], capture_output=True, text=True)
+    if proc.returncode:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"[moe-rl] export of {policy} in Hugging Face format failed ({last_line(proc.stderr)}); the "
+              "checkpoint is kept: moe-rl convert mcore-to-hf can export it later", flush=True)
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"[moe-rl] policy exported in Hugging Face format: {out}", flush=True)
 
 
 def read_in_flight(path: Path) -> list[Collected]:
