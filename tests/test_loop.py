@@ -129,10 +129,6 @@ def test_run_summary_reports_the_runs_figures(reference):
         sum(h["critic/explained_variance"] for h in hist) / 3, abs=1e-4)
 
 
-def proc_out(reference) -> str:
-    return reference[1].stdout
-
-
 def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     """`moe-rl convert mcore-to-hf` on an RL checkpoint: the policy as a causal LM with updated
     weights, the critic as a one-label token-classification model; both load in transformers and score
@@ -159,7 +155,7 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
     exported = HFReader(out / "hf" / "step_000003")
     assert exported.names() == policy.names() and not list((out / "hf").glob(".*"))
     assert all(torch.equal(exported.get(n), policy.get(n)) for n in policy.names())
-    assert f"policy exported in Hugging Face format: {out / 'hf' / 'step_000003'}" in proc_out(reference)
+    assert f"policy exported in Hugging Face format: {out / 'hf' / 'step_000003'}" in reference[1].stdout
     moved = [n for n in base.names() if not torch.equal(base.get(n), policy.get(n))]
     assert len(moved) > len(base.names()) // 2  # warm start and three RL steps updated the weights
     ids = torch.tensor([[1, 5, 9, 42, 7]])
