@@ -87,7 +87,7 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.num_layers)
-        from moe_rl.tiny import VOCAB_SIZE
+        from moe_rl.config_run import VOCAB_SIZE
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)

@@ -37,6 +37,9 @@ class RunSection:
                               "digits, '_', '-' and '.' (no '/' or '..')")
 
 
+VOCAB_SIZE = 384  # the tiny models' byte-level tokenizer's vocabulary (moe_rl.tiny builds it)
+
+
 @dataclass(frozen=True)
 class TinyModel:
     """A random Mixture-of-Experts model built locally (no model hub); see moe_rl.tiny."""

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import TinyModel
+from moe_rl.config_run import VOCAB_SIZE
 
-VOCAB_SIZE = 384
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
