@@ -151,11 +151,9 @@ def test_trained_checkpoints_export_to_hugging_face(reference, tmp_path):
                           in proc.stdout), proc.stderr
     base, policy = HFReader(out / "base_model"), HFReader(tmp_path / "policy")
     assert policy.names() == base.names()
-    # the run's own export of its last step (checkpoint.export_hf_every=3), beside the checkpoints: the same
-    exported = HFReader(out / "hf" / "step_000003")
-    assert exported.names() == policy.names() and not list((out / "hf").glob(".*"))
-    assert all(torch.equal(exported.get(n), policy.get(n)) for n in policy.names())
-    assert f"policy exported in Hugging Face format: {out / 'hf' / 'step_000003'}" in reference[1].stdout
+    exported = HFReader(out / "hf" / "step_000003")  # the run's own export (checkpoint.export_hf_every=3)
+    assert exported.names() == policy.names() and not list((out / "hf").glob(".*")) and all(
+        torch.equal(exported.get(n), policy.get(n)) for n in policy.names()), reference[1].stdout[-2000:]
     moved = [n for n in base.names() if not torch.equal(base.get(n), policy.get(n))]
     assert len(moved) > len(base.names()) // 2  # warm start and three RL steps updated the weights
     ids = torch.tensor([[1, 5, 9, 42, 7]])
