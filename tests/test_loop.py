@@ -47,7 +47,6 @@ def reference(tmp_path_factory):
 @pytest.mark.quick
 def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out, proc = reference
     assert "run finished: 3 steps" in proc.stdout
     curve = out / "learning_curve.png"
@@ -77,7 +76,6 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
     import yaml  # the learning rates the optimizers used: the warm start's, then RL's (policy and critic)
-
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert acc.Scalars("warm_start/lr")[0].value == pytest.approx(cfg["trainer"]["warm_start_lr"])
     lr = cfg["trainer"]["lr"]  # trainer.lr_schedule=linear to 0 at step 3 (SMALL): lr (1 - s/3)
