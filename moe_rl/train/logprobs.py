@@ -86,10 +86,14 @@ def chunked_target_logprobs(
 
 
 def _logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
-    """hidden @ weight^T, [C, V/tp], as (weight @ hidden^T)^T: the product of the same terms (so the same
-    values), without the CPU kernels' copy of the whole weight into the layout they want for a transposed
-    right operand (the result is a column-major view; every op here takes it as it is)."""
-    return torch.mm(weight_VH, hidden_CH.t()).t()
+    """hidden @ weight^T in float32, [C, V/tp] row-major, as (weight @ hidden^T)^T: the product of the
+    same terms (so the same values), without the CPU kernels' copy of the whole weight into the layout they
+    want for a transposed right operand. The result is made row-major as it becomes float32 (one copy, the
+    upcast's own where the model is bf16), so each row's max and sums run over contiguous memory, in an order
+    that does not depend on how many rows the chunk has: a row scores the same in any batch, as it does
+    through the output layer's own logits."""
+    z = torch.mm(weight_VH, hidden_CH.t()).t()
+    return torch.empty(z.shape, dtype=torch.float32, device=z.device).copy_(z)
 
 
 def _all(x: torch.Tensor, op, group, size: int) -> torch.Tensor:
@@ -113,7 +117,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         inside = (local >= 0) & (local < Vp)
         for a in range(0, T, chunk):  # two [chunk, V/tp] float32 tensors at once (z, e), in place after
             rows = slice(a, min(a + chunk, T))
-            z = _logits(hidden_TH[rows], weight_VH).float()
+            z = _logits(hidden_TH[rows], weight_VH)
             m = _all(z.amax(-1), dist.ReduceOp.MAX, group, size)
             z -= m.unsqueeze(-1)
             z_t = z.gather(-1, local[rows].clamp(0, Vp - 1).unsqueeze(-1)).squeeze(-1) * inside[rows]
@@ -143,7 +147,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         inside = (local >= 0) & (local < Vp)
         for a in range(0, T, ctx.chunk):  # three [chunk, V/tp] float32 tensors at once (z, p, dz)
             rows = slice(a, min(a + ctx.chunk, T))
-            z = _logits(hidden_TH[rows], weight_VH).float()
+            z = _logits(hidden_TH[rows], weight_VH)
             z -= shift[rows].unsqueeze(-1)
             p = (z - log_s[rows].unsqueeze(-1)).exp_()
             dz = torch.zeros_like(z)

@@ -220,9 +220,9 @@ class TrainWorker:
         if not self._chunked:
             return target_logprobs(output, targets_BS, *tp)
         B, S = targets_BS.shape
-        logp, ent = chunked_target_logprobs(output.reshape(B * S, -1), output_weight(self.module),
-                                            targets_BS.reshape(-1), self.optim_settings.logit_chunk_tokens,
-                                            *tp)
+        hidden = output.reshape(B * S, output.shape[-1])  # [B S, h]; B S may be 0 (an empty shard)
+        logp, ent = chunked_target_logprobs(hidden, output_weight(self.module), targets_BS.reshape(-1),
+                                            self.optim_settings.logit_chunk_tokens, *tp)
         return logp.view(B, S), ent.view(B, S)
 
     def _outputs(self, mb: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:

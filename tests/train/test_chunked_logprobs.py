@@ -60,6 +60,26 @@ def test_chunks_equal_the_whole_logits(entropy, chunk):
             assert_near(got, t, t64, name)
 
 
+def test_a_row_scores_the_same_in_any_batch_wherever_the_whole_logits_do():
+    """A token's log-prob must not depend on which other rows share its chunk (the EWMA anchor scores a
+    minibatch, the policy the whole batch, and their gap must be exactly 0 at the first update): wherever
+    the whole logits give a row the same value inside a slice as in the full batch, the chunked path must
+    too. Reducing over a column-major view of the logits (each row's max and sums strided) broke this."""
+    g = torch.Generator().manual_seed(3)
+    n, width, vocab = 600, 64, 384
+    hidden, weight = torch.randn(n, width, generator=g), torch.randn(vocab, width, generator=g)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    full = chunked_target_logprobs(hidden, weight, targets, 1024)[0]
+    full_whole = target_logprobs(hidden @ weight.t(), targets)[0]
+    compared = 0
+    for a, b in ((5, 77), (100, 600), (0, 150), (3, 500), (64, 320)):
+        if torch.equal(target_logprobs(hidden[a:b] @ weight.t(), targets[a:b])[0], full_whole[a:b]):
+            compared += 1
+            assert torch.equal(chunked_target_logprobs(hidden[a:b], weight, targets[a:b], 1024)[0],
+                               full[a:b]), (a, b)
+    assert compared >= 3  # the whole path is row-invariant at these sizes on this machine's kernels
+
+
 def test_only_the_gradients_asked_for():
     """A frozen output layer (LoRA's base): no weight gradient is computed; a frozen input: none either."""
     hidden, weight, targets, g_logp, _ = case()
