@@ -162,11 +162,14 @@ def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:
 
 def _plan(cfg, model_config: str | None):
     from moe_rl import plan
+    from moe_rl.config_rules import check_layout_fits_hf_config
 
     hf, path = _model_config(cfg, model_config)
     where = f" ({path})" if path else ""
     try:
-        return plan.make_plan(cfg, hf if hf is not None else plan.hf_config_of(cfg, None))
+        hf = hf if hf is not None else plan.hf_config_of(cfg, None)
+        check_layout_fits_hf_config(cfg.parallel, hf)  # the layout against the model's heads, experts, layers
+        return plan.make_plan(cfg, hf)
     except KeyError as err:
         raise UserError(f"plan: the model config{where} has no {err}") from None
     except (FileNotFoundError, ValueError) as err:

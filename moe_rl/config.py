@@ -117,10 +117,12 @@ class RunConfig:
 
     @property
     def teacher_parallel(self) -> ParallelSection:
-        """The teachers' layout: parallel.* where teacher.tp / pp / ep are not set, over the same ranks."""
+        """The teachers' layout: parallel.* where teacher.tp / pp / ep are not set, over the same ranks (and
+        parallel.etp only where the teachers keep parallel.tp: with a tp of their own, their experts split
+        as megatron's default, over it)."""
         t = self.teacher
-        return dataclasses.replace(self.parallel, **{k: getattr(t, k) for k in ("tp", "pp", "ep")
-                                                      if getattr(t, k) is not None})
+        own = {k: getattr(t, k) for k in ("tp", "pp", "ep") if getattr(t, k) is not None}
+        return dataclasses.replace(self.parallel, **own, **({"etp": None} if "tp" in own else {}))
 
     @property
     def uses_reference(self) -> bool:

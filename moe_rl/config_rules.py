@@ -86,7 +86,7 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
     tiny, par = cfg.model.tiny, cfg.parallel
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
-                                tiny.num_layers)
+                                tiny.moe_intermediate_size, tiny.num_layers)
         from moe_rl.config_run import VOCAB_SIZE
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
@@ -210,9 +210,9 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
         from moe_rl.config_run import layout_problem
 
         t = cfg.teacher_parallel
-        problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep)
+        problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep, t.etp)
         if problem:
-            at = problem[0] if problem[0] != "world_size" else "tp/pp"
+            at = {"world_size": "tp/pp", "etp": "tp (parallel.etp)"}.get(problem[0], problem[0])
             raise ConfigError(f"teacher.{at}", f"the teachers' layout over parallel.world_size="
                               f"{t.world_size} ranks: {problem[1]}")
     if not _meta("advantage", a.advantage).reads_reward:
@@ -274,7 +274,8 @@ def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
                           "do not use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
 
 
-def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers: int) -> None:
+def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, expert_ffn: int,
+                            layers: int) -> None:
     if heads % par.tp:
         raise ConfigError("parallel.tp", f"{par.tp} does not divide the {heads} attention heads")
     if kv_heads % par.tp and par.tp % kv_heads:
@@ -282,6 +283,10 @@ def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, layers
                           f"{par.tp} and the {kv_heads} key/value heads must divide one another")
     if experts % par.ep:
         raise ConfigError("parallel.ep", f"{par.ep} does not divide the {experts} experts")
+    etp = par.etp or par.tp  # a ParallelSection or a train.parallel.Layout: null etp is tp
+    if expert_ffn % etp:
+        raise ConfigError("parallel.etp" if par.etp else "parallel.tp", f"expert tensor parallelism {etp} "
+                          f"does not divide the experts' {expert_ffn} intermediate size")
     if layers % par.pp:
         raise ConfigError("parallel.pp", f"{par.pp} does not divide the {layers} layers")
 
@@ -290,7 +295,8 @@ def check_layout_fits_hf_config(par, hf: dict) -> None:
     """`check_layout_fits_model` from a Hugging Face config.json's fields."""
     heads = hf.get("num_attention_heads", 1)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
-    check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts,
+    ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 1
+    check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts, ffn,
                             hf.get("num_hidden_layers", 1))
 
 

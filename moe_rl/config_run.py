@@ -178,6 +178,11 @@ class ParallelSection:
     """Expert-parallel ranks: each MoE layer's experts are split over ep ranks inside dp*cp*tp."""
     cp: int = 1
     """Context-parallel ranks: each sequence is split over cp ranks."""
+    etp: int | None = None
+    """Expert tensor-parallel ranks: each routed expert's linears are split over etp ranks (null: tp,
+    megatron-core's default). 1 keeps every expert whole on its rank (what megatron recommends for many
+    small experts): less communication, expert memory split over ep alone; ep*etp must divide dp*cp*tp, and
+    etp below tp needs ep > 1."""
     world_size: int = 1
     """Trainer ranks; tp*pp*cp*dp must equal it (dp is derived). Sequence parallelism is on exactly when tp >
     1 (megatron-core MoE requires it there; at tp=1 it means nothing), so it is no setting."""
@@ -188,10 +193,17 @@ class ParallelSection:
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect: etp, or tp where it is null."""
+        return self.tp if self.etp is None else self.etp
+
     def check(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "world_size"):
             positive(f"parallel.{name}", getattr(self, name))
-        problem = layout_problem(self.world_size, self.tp, self.pp, self.cp, self.ep)
+        if self.etp is not None:
+            positive("parallel.etp", self.etp)
+        problem = layout_problem(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
         if problem:
             raise ConfigError(f"parallel.{problem[0]}", problem[1])
 
@@ -213,6 +225,9 @@ def layout_problem(world_size: int, tp: int, pp: int, cp: int, ep: int,
     fold, etp = world_size // model * cp * tp, tp if etp is None else etp
     if fold % (ep * etp):
         return "ep", f"{ep} x expert tensor parallelism {etp} must divide dp*cp*tp={fold}"
+    if etp < tp and ep == 1:  # experts replicated over TP ranks that each see only their own tokens
+        return "etp", (f"{etp} below tp={tp} needs expert parallelism (ep > 1): megatron-core would not "
+                       "reduce the replicated experts' gradients; set etp to tp or ep > 1")
     return None
 
 

@@ -228,30 +228,30 @@ def stage_params(shape: ModelShape, pp: int, stage: int) -> tuple[int, int]:
 
 
 def lora_params(shape: ModelShape, rank: int, targets, tp: int = 1, ep: int = 1, pp: int = 1,
-                stage: int = 0) -> tuple[float, float]:
+                stage: int = 0, etp: int | None = None) -> tuple[float, float]:
     """(non-expert, routed-expert) LoRA adapter parameters on one rank of pipeline stage `stage`
     (train/lora.py): a linear [out, in] gets A [r, in] and B [out, r]; a column-parallel one (linear_qkv,
     linear_fc1) keeps A whole and shards B over tp, a row-parallel one (linear_proj, linear_fc2) shards
     A and keeps B whole; the router [experts, h] keeps both whole. Every MLP is gated (fc1 out = 2 f), each
-    routed expert has its own adapters and the experts split over ep (and their linears over tp,
-    megatron's default expert TP)."""
+    routed expert has its own adapters and the experts split over ep (and their linears over etp, the
+    expert tensor parallelism: tp where None)."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
-    def column(i: int, o: int, name: str) -> float:
+    def column(i: int, o: int, name: str, tp: int = tp) -> float:
         return rank * (i + o / tp) if name in targets else 0.0
 
-    def row(i: int, o: int, name: str) -> float:
+    def row(i: int, o: int, name: str, tp: int = tp) -> float:
         return rank * (i / tp + o) if name in targets else 0.0
 
-    def mlp(f: int) -> float:
-        return column(h, 2 * f, "linear_fc1") + row(f, h, "linear_fc2") if f else 0.0
+    def mlp(f: int, tp: int = tp) -> float:
+        return column(h, 2 * f, "linear_fc1", tp) + row(f, h, "linear_fc2", tp) if f else 0.0
 
     dense, moe = stage_layers(shape, pp, stage)
     attention = column(h, q + 2 * kv, "linear_qkv") + row(q, h, "linear_proj")
     router = rank * (h + shape.experts) if "router" in targets else 0.0  # whole on every rank
     head = column(h, shape.vocab, "output_layer") if stage == pp - 1 else 0.0  # the last stage's
     return ((dense + moe) * attention + dense * mlp(shape.dense_ffn) + moe * (mlp(shape.shared_ffn) + router)
-            + head, moe * shape.experts / ep * mlp(shape.moe_ffn))
+            + head, moe * shape.experts / ep * mlp(shape.moe_ffn, etp or tp))
 
 
 def fused_a_copies(shape: ModelShape, rank: int, targets, experts: float) -> float:
@@ -290,8 +290,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     policy also keeps an fp32 anchor of its weights."""
     trains = role in ("policy", "critic")
     par, b = cfg.parallel, dtype_bytes(cfg)
-    tp, pp, cp, ep = par.tp, par.pp, par.cp, par.ep
-    etp = tp  # megatron's default expert tensor parallelism (moe_rl sets none)
+    tp, pp, cp, ep, etp = par.tp, par.pp, par.cp, par.ep, par.expert_tp
     p_dense, p_expert = max(((d / tp, e / (ep * etp))
                              for d, e in (stage_params(shape, pp, s) for s in range(pp))),
                             key=sum)  # the stage with the most parameters per rank
@@ -300,7 +299,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     tokens = max(cfg.trainer.micro_batch_tokens, cfg.rollout.max_model_len) / (tp * cp)
     lora = cfg.model.lora
     if role == "policy" and lora.rank:  # the base frozen: only the adapters have gradients and Adam state
-        p_dense, p_expert = max((lora_params(shape, lora.rank, lora.targets, tp, ep, pp, stage)
+        p_dense, p_expert = max((lora_params(shape, lora.rank, lora.targets, tp, ep, pp, stage, etp)
                                  for stage in range(pp)), key=sum)
         out["lora_adapters"] = (p_dense + p_expert) * b
     if trains:

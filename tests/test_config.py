@@ -213,6 +213,12 @@ DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip
     # dp*cp*tp; 2 ranks of tp 2 hold no room for ep 2 (megatron's initialize_model_parallel refuses it)
     (["parallel.tp=2", "parallel.ep=2", "parallel.world_size=2"],
      "parallel.ep: 2 x expert tensor parallelism 2 must divide dp*cp*tp=2"),
+    # expert tensor parallelism below tp needs ep > 1 (replicated experts' gradients would not be reduced)
+    (["parallel.tp=2", "parallel.etp=1", "parallel.world_size=2"],
+     "parallel.etp: 1 below tp=2 needs expert parallelism (ep > 1)"),
+    (["parallel.tp=2", "parallel.world_size=2", "model.tiny.moe_intermediate_size=33"],
+     "parallel.tp: expert tensor parallelism 2 does not divide the experts' 33 intermediate size"),
+    (["parallel.etp=0"], "parallel.etp: 0 must be a positive"),
     (["algorithm.distill_coef=1", "teacher.path=/t", "parallel.world_size=2", "teacher.tp=4"],
      "teacher.tp/pp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of "
      "tp*pp*cp=4"),
@@ -290,7 +296,12 @@ def test_accepted_neighbours_of_refused_settings():
           # the overlong buffer is measured against the episode budget, not the per-turn cap
           ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
           ["environment.name=calculator", "trainer.warm_start_steps=2"],
-          ["environment.name=arithmetic", "trainer.warm_start_steps=2"]]
+          ["environment.name=arithmetic", "trainer.warm_start_steps=2"],
+          # expert TP 1 under tp 2 with ep 2; teachers with a tp of their own split their experts over it
+          # (parallel.etp is the policy's: with it, ep 1 and tp 2 would be refused)
+          ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.world_size=2"],
+          [*DISTILL_ONLY, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.world_size=2",
+           "teacher.tp=2", "teacher.ep=1"]]
     for overrides in ok:
         from_dict({}, overrides, cuda_available=False)
 

@@ -42,26 +42,28 @@ def test_the_config_and_the_trainer_refuse_the_same_layouts_for_the_same_reason(
     small layout, the config refuses exactly what the trainer refuses, naming the same reason."""
     from moe_rl.train.parallel import Layout
 
-    refused = 0
-    for world, tp, pp, cp, ep in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 4), (1, 2), (1, 2), (1, 2, 4)):
+    refused, reasons = 0, set()
+    for world, tp, pp, cp, ep, etp in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 4), (1, 2), (1, 2),
+                                                        (1, 2, 4), (None, 1, 2)):
         try:
-            Layout(tp=tp, pp=pp, ep=ep, cp=cp).check(world)
+            Layout(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp).check(world)
             trainer = None
         except ValueError as err:
             trainer = str(err)
         try:
-            layout = {"world_size": world, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+            layout = {"world_size": world, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
             from_dict({"parallel": layout}, cuda_available=True)
             config = None
         except ConfigError as err:
             config = str(err)
-            if not config.startswith(("parallel.world_size", "parallel.ep")):
+            if not config.startswith(("parallel.world_size", "parallel.ep", "parallel.etp")):
                 continue  # another section's rule (a cross-section check): not the layout's
-        assert (trainer is None) == (config is None), (world, tp, pp, cp, ep, trainer, config)
+        assert (trainer is None) == (config is None), (world, tp, pp, cp, ep, etp, trainer, config)
         if trainer:
             refused += 1
+            reasons.add(trainer.split(":")[0])
             assert config == "parallel." + trainer, (config, trainer)
-    assert refused > 50
+    assert refused > 50 and reasons == {"world_size", "ep", "etp"}, reasons
 
 
 @pytest.mark.parametrize("path", ["rollout", "model.tiny", "cluster.offload"])

@@ -133,6 +133,32 @@ def test_trainer_memory_worked_by_hand():
     assert shorter["logits"] == pytest.approx(4096 * s.vocab / 2 * 24)
 
 
+def test_expert_tensor_parallelism_is_its_own_setting(tmp_path):
+    """parallel.etp: the routed experts split over ep x etp ranks, their optimizer state over the rest of the
+    stage's ranks; etp 1 under tp 2 doubles a rank's expert weights and leaves its dense ones. A layout that
+    does not fit the model (ep not dividing the experts) is refused before sizing."""
+    recipe = ROOT / "configs/qwen3_30b_a3b_grpo_2n8g.yaml"  # tp 2, pp 2, ep 2, 8 ranks: dp 2
+    s = ModelShape.from_hf(QWEN3_30B_A3B)
+
+    def policy(*overrides):
+        cfg = load_config(recipe, list(overrides), cuda_available=True)
+        return make_plan(cfg, QWEN3_30B_A3B).roles[0].per_gpu
+
+    dense = (24 * s.attention + 24 * s.moe_shared + s.hidden + s.vocab * s.hidden) / 2  # stage 1, tp 2
+    for etp, expert_ranks in ((None, 2 * 2), ("1", 2 * 1), ("2", 2 * 2)):
+        got = policy(*([f"parallel.etp={etp}"] if etp else []))
+        expert = 24 * 128 * s.expert / expert_ranks
+        assert got["weights"] == pytest.approx((dense + expert) * 2), etp
+        # Adam (12 bytes) of the dense part over dp 2, of the experts over 8 / (pp 2 x ep 2 x etp)
+        assert got["optimizer"] == pytest.approx(dense * 12 / 2 + expert * 12 / (8 / (2 * expert_ranks))), etp
+    out = _plan(str(recipe), tmp_path, QWEN3_30B_A3B, "parallel.ep=3", "parallel.world_size=24")
+    where = str(tmp_path / "config.json")
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        f"plan: parallel.ep: 3 does not divide the 128 experts ({where})"), out.stderr
+    etp = _plan(str(recipe), tmp_path, QWEN3_30B_A3B, "parallel.etp=1", "parallel.ep=1")
+    assert etp.returncode == 2 and "parallel.etp: 1 below tp=2 needs expert parallelism" in etp.stderr
+
+
 def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
     """train/worker.py uses megatron's distributed optimizer only with dp > 1 (its dp*cp group then shards
     the dense state): with dp 1 the state is whole, context parallelism or not (measured in

@@ -44,7 +44,7 @@ class TrainerGroup:
         from moe_rl.train.parallel import Layout
 
         par = par or cfg.parallel
-        layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
+        layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, etp=par.etp)
         world = par.world_size
         addr, port = place.address(slot)
         self.actors = [RankActor.options(**place.options(slot, r)).remote(

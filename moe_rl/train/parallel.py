@@ -25,9 +25,9 @@ class Layout:
     pp: int = 1
     ep: int = 1
     cp: int = 1
-    # expert tensor parallelism; None: same as tp (megatron's default). With etp=1 < tp and ep=1 the
+    # expert tensor parallelism; None: same as tp (megatron's default). With etp < tp and ep=1 the
     # experts would be replicated across TP ranks that each see only their own tokens, which
-    # megatron-core does not reduce: check() refuses it.
+    # megatron-core does not reduce: check() refuses it (config_run.layout_problem).
     etp: int | None = None
 
     def check(self, world_size: int) -> int:
@@ -38,8 +38,6 @@ class Layout:
         problem = layout_problem(world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
         if problem:
             raise ValueError(f"{problem[0]}: {problem[1]}")
-        if self.etp is not None and self.etp < self.tp and self.ep == 1:
-            raise ValueError(f"etp={self.etp} < tp={self.tp} needs expert parallelism (ep > 1); use etp=tp")
         return world_size // (self.tp * self.pp * self.cp)
 
 

@@ -1,5 +1,6 @@
-"""Megatron on CPU across layouts: TP2, EP2 (alltoall and allgather dispatchers) and PP2 give the same
-logits, log-probs and one-step loss as a single rank (fp32, <= 1e-5), with and without router replay."""
+"""Megatron on CPU across layouts: TP2, EP2 (alltoall and allgather dispatchers), TP2 with EP2 and expert
+TP1, and PP2 give the same logits, log-probs and one-step loss as a single rank (fp32, <= 1e-5), with and
+without router replay."""
 
 import pytest
 import torch
@@ -87,6 +88,9 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
     ({"ep": 2}, "alltoall", False),
     ({"ep": 2}, "allgather", False),
     ({"pp": 2}, "alltoall", False),
+    # expert tensor parallelism 1 under tp 2 (parallel.etp): attention split over 2 ranks, each expert whole
+    # on the rank of its expert-parallel group
+    ({"tp": 2, "ep": 2, "etp": 1}, "alltoall", False),
     # packed sequences (THD): one row per microbatch, positions restart per sequence, attention stays
     # inside each sequence; scores, routes and the update equal the padded single rank's
     ({}, "alltoall", True),
@@ -115,8 +119,10 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
     if "cp" in layout:
         assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
-    # EP2 is data-parallel 2: each rank's loss is its shard's share of the global loss
-    total = sum(losses) if "ep" in layout else losses[0]
+    # EP2 alone is data-parallel 2: each rank's loss is its shard's share of the global loss; under TP, CP
+    # (and EP folded into TP) every rank of the one data-parallel replica has the whole loss
+    dp = world // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
+    total = sum(losses) * dp / len(losses)
     assert total == pytest.approx(ref["step"]["loss"], abs=1e-5)
     assert results[0]["step"]["grad_norm"] == pytest.approx(ref["step"]["grad_norm"], rel=1e-4)
 
