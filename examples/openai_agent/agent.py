@@ -8,7 +8,21 @@ The task: reply in lowercase letters. After the first reply the harness runs its
 tells the model how it did; the reward is the second reply's share of lowercase letters.
 """
 
+import asyncio
+import os
+
 import openai
+
+_clients: dict = {}  # one client per event loop of the harness's process: making one costs ~10 ms
+
+
+def client(base_url: str) -> openai.AsyncOpenAI:
+    """This loop's client, pointed at the episode's base URL (`with_options` shares its connections; the
+    key is read again from OPENAI_API_KEY, which the run sets)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = openai.AsyncOpenAI(base_url=base_url)
+    return _clients[loop].with_options(base_url=base_url, api_key=os.environ["OPENAI_API_KEY"])
 
 
 def lowercase_share(text: str) -> float:
@@ -17,12 +31,12 @@ def lowercase_share(text: str) -> float:
 
 
 async def run(base_url: str, row: dict) -> dict:
-    client = openai.AsyncOpenAI(base_url=base_url)
+    episode = client(base_url)
     messages = [{"role": "user", "content": row["prompt"]}]
-    first = await client.chat.completions.create(model="policy", messages=messages)
+    first = await episode.chat.completions.create(model="policy", messages=messages)
     answer = first.choices[0].message.content or ""
     messages += [{"role": "assistant", "content": answer},
                  {"role": "user", "content": f"{lowercase_share(answer):.0%} lowercase. Again."}]
-    second = await client.chat.completions.create(model="policy", messages=messages)
+    second = await episode.chat.completions.create(model="policy", messages=messages)
     return {"reward": lowercase_share(second.choices[0].message.content or ""),
             "first_share": lowercase_share(answer)}

@@ -166,3 +166,37 @@ async def tool_calling(base_url: str, row: dict) -> float:
     await c.chat.completions.create(messages=messages, **(kw | {"max_tokens": 8}))
     SEEN[row["id"]] = [[(x["function"]["name"], x["function"]["arguments"]) for x in calls], finish]
     return 1.0 if calls else 0.0
+
+
+# -- harnesses that the run tries before it starts (HarnessEpisodes.trial), wrong in the ways users are ----
+
+
+async def own_key(base_url: str, row: dict) -> float:
+    """Sends a key of its own instead of the run's."""
+    await openai.AsyncOpenAI(base_url=base_url, api_key="sk-my-own", max_retries=0).chat.completions.create(
+        model="policy", messages=ASK)
+    return 1.0
+
+
+async def fixed_url(base_url: str, row: dict) -> float:
+    """Ignores base_url: a server of its own that does not listen."""
+    await openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", max_retries=0).chat.completions.create(
+        model="policy", messages=ASK)
+    return 1.0
+
+
+async def host_only(base_url: str, row: dict) -> float:
+    """Keeps the host of base_url and drops the episode's path."""
+    root = base_url.split("/episodes/")[0]
+    await client(root + "/v1").chat.completions.create(model="policy", messages=ASK)
+    return 1.0
+
+
+def plain_forever(base_url: str, row: dict) -> float:
+    """Not async: one request, then a loop that never ends (the trial must not wait for it, nor keep the
+    process from exiting)."""
+    import time
+
+    openai.OpenAI(base_url=base_url, max_retries=0).chat.completions.create(model="policy", messages=ASK)
+    while True:
+        time.sleep(1)

@@ -187,15 +187,19 @@ class TrialError(ValueError):
 TRIAL_TIMEOUT_S = 30.0  # as long as an episode's reset or step may take (AgentSettings.env_timeout_s)
 # moe_rl/, Python's own
 _OURS = (str(Path(__file__).resolve().parents[2]) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+_INSTALLED = tuple(dict.fromkeys(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")))
 
 
 def error_text(err: BaseException) -> str:
     """`Type: message (file.py:line)`, the place being the innermost frame of the user's code (not
-    moe_rl's, not Python's standard library), where there is one: a one-line account of an exception
-    raised by code of yours."""
+    moe_rl's, not Python's standard library, and not an installed package's where the user's own code
+    called it), where there is one: a one-line account of an exception raised by code of yours."""
     text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_OURS)
               and not f.filename.startswith("<")]
+    # the user's own code before the libraries it called (an openai client's connection error: the harness's
+    # line that made the request)
+    frames = [f for f in frames if not f.filename.startswith(_INSTALLED)] or frames
     if frames:
         where = os.path.relpath(frames[-1].filename)
         text += f" ({frames[-1].filename if where.startswith('..') else where}:{frames[-1].lineno})"

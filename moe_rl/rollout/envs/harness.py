@@ -17,6 +17,7 @@ OPENAI_API_KEY. No `reset` / `step`: the harness decides the turns and when the 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass
 
@@ -64,7 +65,115 @@ class HarnessEpisodes(Environment):
         return {**options, "harness": absolute_name(harness)} if harness else options
 
     async def trial(self, row: dict) -> None:
-        """Nothing to try before the run: the harness was imported with the options."""
+        """The harness called once on `row` against a stub endpoint (`StubEndpoint`: fixed replies, no
+        model), before anything starts: its first request must reach the base URL it was given with the
+        run's token (OPENAI_API_KEY, or its `api_key` argument). Then it is stopped: the stub's replies
+        are no model's, so what it does with them is not tried. TrialError names what it did instead."""
+        fn = self.options.harness
+        fn = fn if callable(fn) else harness_function(fn)
+        async with StubEndpoint() as stub:
+            await stub.try_harness(fn, row)
+
+
+class StubEndpoint:
+    """An OpenAI-compatible endpoint of fixed replies on 127.0.0.1, for trying a harness before the run:
+    `try_harness` calls it with this endpoint's base URL and token, as the gateway would, and waits for
+    its first request."""
+
+    REPLY = {"id": "chatcmpl-trial", "object": "chat.completion", "created": 0, "model": "policy",
+             "choices": [{"index": 0, "finish_reason": "stop",
+                          "message": {"role": "assistant", "content": "(a stub's reply: no model yet)"}}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    PATH = "/episodes/trial/v1"
+
+    def __init__(self):
+        import secrets
+
+        self.token = "trial-" + secrets.token_hex(8)
+        self.seen: asyncio.Future | None = None
+        self._runner = None
+        self.base = ""
+
+    async def __aenter__(self) -> StubEndpoint:
+        from aiohttp import web
+
+        self.seen = asyncio.get_running_loop().create_future()
+
+        async def answer(request):
+            auth = request.headers.get("Authorization", "")
+            if not self.seen.done():
+                self.seen.set_result((request.path, auth))
+            if auth != f"Bearer {self.token}":
+                return web.json_response({"error": {"message": "wrong token", "code": 401}}, status=401)
+            if request.path.endswith("/v1/completions"):  # a completions request: a text choice
+                choice = {"index": 0, "text": "", "finish_reason": "stop"}
+                return web.json_response({**self.REPLY, "object": "text_completion", "choices": [choice]})
+            return web.json_response(self.REPLY)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", answer)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+
+    async def try_harness(self, fn, row: dict) -> None:
+        """`fn(base_url, row)` until its first request here (then it is cancelled, or a plain function's
+        thread left to end on its own); TrialError if that request went elsewhere or carried another
+        token, or if the harness ended, raised or waited without one."""
+        import os
+        import threading
+
+        from moe_rl.rollout.envs import TrialError, error_text
+
+        url = self.base + self.PATH
+        kw = {"api_key": self.token} if "api_key" in inspect.signature(fn).parameters else {}
+        before = os.environ.get("OPENAI_API_KEY")
+        os.environ["OPENAI_API_KEY"] = self.token  # as the gateway sets it in the engine's process
+        loop = asyncio.get_running_loop()
+        if inspect.iscoroutinefunction(fn):
+            call = asyncio.ensure_future(fn(url, dict(row), **kw))
+        else:  # a daemon thread: a plain function cannot be cancelled, and must not hold the run's exit
+            call = loop.create_future()
+
+            def run():
+                try:
+                    result, failure = fn(url, dict(row), **kw), None
+                except Exception as err:  # handed to the trial, which says it
+                    result, failure = None, err
+                loop.call_soon_threadsafe(lambda: call.done() or (call.set_exception(failure) if failure
+                                                                  else call.set_result(result)))
+
+            threading.Thread(target=run, name="moe-rl-harness-trial", daemon=True).start()
+        field = "environment.options.harness"
+        try:
+            await asyncio.wait({call, self.seen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            call.cancel()
+            if before is None:
+                os.environ.pop("OPENAI_API_KEY", None)
+            else:
+                os.environ["OPENAI_API_KEY"] = before
+        if self.seen.done():
+            path, auth = self.seen.result()
+            if not path.startswith(self.PATH + "/"):
+                raise TrialError(field, f"the harness's first request went to {path}, not under the base "
+                                 f"URL it was given ({url})", "build the client with base_url=base_url")
+            if auth != f"Bearer {self.token}":
+                raise TrialError(field, "the harness's first request carried another API key than the "
+                                 "run's", "leave api_key unset (the client reads OPENAI_API_KEY) or take the "
+                                 "harness's api_key argument")
+            return
+        err = call.exception() if not call.cancelled() else None
+        raise TrialError(field, f"the harness raised {error_text(err)} before any request to the base URL "
+                         "it was given" if err is not None else
+                         "the harness returned without a request to the base URL it was given (it must "
+                         "send the model's turns there: base_url is the run's endpoint)")
 
 
 def harness_function(spec: str):
