@@ -4,11 +4,10 @@ by hand); the end-to-end test with the real vLLM engine is in test_agent_vllm.py
 
 import asyncio
 import json
-import os
 
 import numpy as np
 import pytest
-from conftest import ROOT, agent_settings
+from conftest import agent_settings
 from scripted_policy import ScriptedPolicy, run
 from transformers import AutoTokenizer
 
@@ -221,81 +220,6 @@ def test_sandbox_unavailable_stops_the_rollout_instead_of_becoming_an_episode(to
         with pytest.raises(SandboxUnavailable, match="cannot run tool code isolated"):
             run(agent.run_groups([{}], samples_per_prompt=2))
         assert not agent.stats.outcomes and not agent.stats.rejected
-
-
-def test_sandbox_limits_and_no_network():
-    from moe_rl.rollout.sandbox import run_python
-
-    r = run(run_python("while True: pass", timeout_s=1, cpu_s=5))
-    assert not r.ok and r.reason == "timeout"
-    r = run(run_python("x = bytearray(2**30)", memory_mb=128))
-    assert not r.ok and "MemoryError" in r.stderr
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as server:  # a server on this host's loopback, listening
-        port = server.getsockname()[1]
-        here = socket.create_connection(("127.0.0.1", port), timeout=1)  # reachable from outside the sandbox
-        here.close()
-        probe = (f"import socket\nfor host in ('127.0.0.1', {socket.gethostname()!r}):\n    try:\n"
-                 f"        socket.create_connection((host, {port}), timeout=2); print('reached', host)\n"
-                 f"    except OSError as e:\n        print('refused', host, type(e).__name__)")
-        r = run(run_python(probe))
-    # its own network namespace: the host's loopback (and its name) are not there; only refusals
-    assert r.ok and r.stdout.count("refused") == 2 and "reached" not in r.stdout, r.stdout + r.stderr
-    r = run(run_python("import time; t = time.process_time()\nwhile time.process_time() - t < 5: pass",
-                       timeout_s=10, cpu_s=1))
-    assert not r.ok and r.reason.startswith("killed")
-    assert run(run_python("print(6*7)")).stdout.strip() == "42"
-
-
-def test_a_tools_time_limit_counts_its_own_run_not_the_sandboxs_start(monkeypatch):
-    """The sandbox's start-up (namespaces, mounts, the interpreter) is not the tool's time: on a busy
-    machine it can take seconds, which a 1 s tool limit must not count. Here the start is made 2 s slower
-    (a sleep before the real sandbox); the tool's own run is timed from its interpreter's READY line."""
-    from moe_rl.rollout import sandbox
-
-    real = sandbox._prefix()
-    monkeypatch.setattr(sandbox, "_prefix", lambda: ("sh", "-c", 'sleep 2; exec "$@"', "sh", *real))
-    r = run(sandbox.run_python("print(6*7)", timeout_s=1.0))
-    assert r.ok and r.stdout == "42\n", r
-    r = run(sandbox.run_python("import time; time.sleep(3)", timeout_s=1.0))  # its own run still counts
-    assert not r.ok and r.reason == "timeout"
-    # a sandbox that stops before the tool's code runs is the machine's fault, not a tool result
-    monkeypatch.setattr(sandbox, "_prefix", lambda: ("sh", "-c", "echo no namespaces >&2; exit 1"))
-    with pytest.raises(sandbox.SandboxUnavailable, match="the sandbox stopped before the tool's code ran"):
-        run(sandbox.run_python("print(1)"))
-
-
-def test_sandbox_holds_files_processes_and_memory(tmp_path):
-    """Tool code runs as an unprivileged user in its own mount and PID namespaces: it writes only to its
-    private scratch space, a fork bomb and a memory bomb stop at their limits, and each gives its outcome."""
-    import time
-
-    from moe_rl.rollout.sandbox import run_python
-
-    outside = ROOT / "sandbox_escape_probe"
-    code = ("import os\nopen('scratch.txt', 'w').write('ok')\nprint(os.getcwd(), os.getuid(), "
-            "open('scratch.txt').read())\n"
-            f"for p in ({str(outside)!r}, '/var/tmp/probe', '/dev/shm/probe'):\n"
-            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n       "
-            " print('refused', p, e.errno)")
-    r = run(run_python(code))
-    lines = r.stdout.splitlines()
-    # EACCES, or ENOENT where the checkout itself lies under /tmp (the tool's /tmp is its own)
-    assert r.ok and lines[0] == "/tmp 65534 ok" \
-        and lines[1] in (f"refused {outside} 13", f"refused {outside} 2"), r.stdout + r.stderr
-    # /var/tmp and /dev/shm are the tool's own: what it writes there is gone with it
-    assert not outside.exists() and not os.path.exists("/var/tmp/probe") \
-        and not os.path.exists("/dev/shm/probe")
-    t0 = time.monotonic()
-    bomb = run(run_python("import os\nwhile True:\n    os.fork()", timeout_s=5))
-    assert not bomb.ok and bomb.reason in ("timeout", "exit code 1") and time.monotonic() - t0 < 15
-    assert "BlockingIOError" in bomb.stderr or bomb.reason == "timeout"
-    # 8 processes: under the process limit, each over the memory limit
-    memory = run(run_python("import os\nfor _ in range(3):\n    os.fork()\nx = bytearray(2**30)",
-                            memory_mb=128))
-    assert not memory.ok and "MemoryError" in memory.stderr
-    assert run(run_python("print(6*7)")).stdout.strip() == "42"  # and the next tool runs as usual
 
 
 def test_group_sampling_and_dynamic_sampling(tok):

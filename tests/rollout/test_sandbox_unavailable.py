@@ -1,7 +1,10 @@
 """A machine where the tool sandbox cannot start, made for real: the commands below run as root with
-every capability dropped from the bounding set (`setpriv --bounding-set=-all --inh-caps=-all`), the
-state of root in a container started without CAP_SYS_ADMIN. The sandbox's unshare(2) of network, mount
-and PID namespaces is refused there (EPERM), so `run_python` cannot isolate tool code.
+every capability dropped from the bounding set (`setpriv --bounding-set=-all --inh-caps=-all`). Neither
+mechanism starts there: the `namespaces` one's unshare(2) of network, mount and PID namespaces is
+refused (EPERM, no CAP_SYS_ADMIN), and `bwrap` cannot run the tool as nobody (no CAP_SETUID, CAP_SETGID
+to become nobody, nor CAP_KILL to stop it), so `run_python` cannot isolate tool code. Root that keeps
+those three but not CAP_SYS_ADMIN (a container started without privileges, where the kernel lets it
+make user namespaces) runs its tools through bwrap.
 
 On such a machine a config naming an environment whose tools run in the sandbox is refused when it
 loads (one line, exit code 2), and a tool call raises SandboxUnavailable instead of handing the model a
@@ -17,14 +20,18 @@ from conftest import ROOT, moe_rl_cli
 
 CALCULATOR = ("configs/quickstart.yaml", "environment.name=calculator", "environment.options={}")
 DENIED = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]  # no capabilities after exec, still uid 0
+# a container's root, without CAP_SYS_ADMIN: it may change its user and group and signal others' processes
+# (Docker's default capabilities include these), and nothing else here
+CONTAINER = ["setpriv", "--bounding-set=-all,+setuid,+setgid,+kill", "--inh-caps=-all"]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="needs root (the sandbox's own requirement) and setpriv to drop "
                                        "capabilities")
 
 
-def run(*cmd: str, denied: bool) -> subprocess.CompletedProcess:
-    return subprocess.run([*(DENIED if denied else []), *cmd], cwd=ROOT, capture_output=True, text=True,
+def run(*cmd: str, denied: bool | list[str]) -> subprocess.CompletedProcess:
+    prefix = DENIED if denied is True else denied or []
+    return subprocess.run([*prefix, *cmd], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
 
@@ -44,6 +51,9 @@ def test_a_tool_environment_is_refused_when_the_config_loads():
     assert lines[0].startswith("moe-rl: error: environment: Calculator runs its tools in the sandbox, and "
                                "this machine cannot run tool code isolated"), lines[0]
     assert "CAP_SYS_ADMIN" in lines[0] and "Operation not permitted" in lines[0]
+    # both mechanisms' reasons, in that one line
+    assert "namespaces (" in lines[0] and "bwrap (" in lines[0] \
+        and "root without CAP_KILL, CAP_SETGID, CAP_SETUID cannot run it as nobody" in lines[0]
     out = run(*moe_rl_cli(), "check-config", "configs/quickstart.yaml", denied=True)  # guess_number: no tools
     assert out.returncode == 0, out.stderr[-3000:]
     out = run(*moe_rl_cli(), "check-config", *CALCULATOR, denied=False)
@@ -82,6 +92,22 @@ def test_a_tool_call_raises_rather_than_observes_the_failure():
     assert out.stdout.strip().splitlines() == [
         "check: passed", "step: observation: StepResult(observation='<result>2</result>', reward=0.0, "
         "done=False, final_reward=None, tool_error=False, info={})"], out.stdout + out.stderr[-3000:]
+
+
+def test_a_container_without_cap_sys_admin_runs_its_tools_through_bwrap():
+    """The state the `namespaces` sandbox refuses (no CAP_SYS_ADMIN) with CAP_SETUID, CAP_SETGID and
+    CAP_KILL kept, as Docker gives its root: the config check passes and the tool answers, through
+    bwrap."""
+    from moe_rl.rollout.sandbox import available
+
+    reason = available("bwrap")
+    if reason:
+        pytest.skip(f"bwrap cannot start on this machine: {reason}")
+    out = run(sys.executable, "-c", PROBE + "from moe_rl.rollout import sandbox\nprint(sandbox.check())",
+              denied=CONTAINER)
+    assert out.stdout.strip().splitlines() == [
+        "check: passed", "step: observation: StepResult(observation='<result>2</result>', reward=0.0, "
+        "done=False, final_reward=None, tool_error=False, info={})", "bwrap"], out.stdout + out.stderr[-3000:]
 
 
 UNDECLARED = '''
