@@ -339,6 +339,13 @@ class TrainerSection:
     tokens at a time (their logits recomputed in the backward): a few [chunk, vocab/tp] float32 tensors at
     once instead of three [microbatch, vocab/tp] ones kept for the backward, for one more output-layer product
     per token; 0: the whole microbatch's logits at once"""
+    optimizer_offload: float = 0.0
+    """the fraction of the optimizer's state (fp32 master weights, Adam's moments) kept in host memory and
+    stepped there by a CPU Adam (megatron-core's optimizer_cpu_offload; policy and critic): GPU memory freed
+    for time spent copying gradients to the host and weights back each update (overlapped on GPU);
+    1.0 moves it all, as slime does for Qwen3-30B-A3B on one node; 0: none. Uses megatron's distributed
+    optimizer (even at dp 1). Needs CUDA (on CPU the state is in host memory already); `moe-rl plan` counts
+    the host memory per node against cluster.host_memory_gb"""
     dp_balance: Literal["cost", "count"] = "cost"
     """How a batch's rows are cut into data-parallel shards: "cost" balances their estimated compute (tokens
     plus attention's term quadratic in length; long-tailed episodes spread over the replicas), "count" gives
@@ -388,6 +395,7 @@ class TrainerSection:
         in_range("trainer.adam_beta2", self.adam_beta2, 0.0, 1.0, hi_open=True)
         in_range("trainer.grad_clip", self.grad_clip, 0.0, None, lo_open=True)
         in_range("trainer.logit_chunk_tokens", self.logit_chunk_tokens, 0, None)
+        in_range("trainer.optimizer_offload", self.optimizer_offload, 0.0, 1.0)
         for name in ("epochs", "minibatches", "micro_batch_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
 

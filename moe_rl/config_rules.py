@@ -260,6 +260,10 @@ def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
         if cfg.rollout.sleep_engines:
             raise ConfigError("rollout.sleep_engines", f"vLLM's sleep mode needs CUDA, and {where} has none; "
                               "use false (cluster.offload still frees the trainer's memory on CPU)")
+        if cfg.trainer.optimizer_offload:
+            raise ConfigError("trainer.optimizer_offload", f"{cfg.trainer.optimizer_offload:g} moves "
+                              f"optimizer state from GPUs to host memory, and {where} has no GPU (the state "
+                              "is in host memory already); use 0")
         if cfg.rollout.gpu_memory_utilization is not None:
             raise ConfigError("rollout.gpu_memory_utilization", f"is a GPU setting, and {where} has none; "
                               "on CPU rollout.kv_cache_gb sizes the engine's KV cache")

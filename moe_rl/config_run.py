@@ -324,6 +324,9 @@ class ClusterSection:
     """
     gpu_memory_gb: float = 80.0
     """Memory of each GPU of those nodes, in GB (see gpus_per_node)."""
+    host_memory_gb: float = 1024.0
+    """Host memory of each of those nodes, in GiB: `moe-rl plan` fits what the trainers keep there
+    (trainer.optimizer_offload's state) and one step's routes into 90% of it."""
     trainer_threads: int | None = None
     """CPU threads (torch intra-op, OpenMP) of each trainer rank and of each engine worker; null: the node's
     CPUs (as Ray counts them) divided among the processes that compute at the same time there (synchronous
@@ -346,6 +349,7 @@ class ClusterSection:
         positive("cluster.gpus_per_node", self.gpus_per_node)
         in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
+        in_range("cluster.host_memory_gb", self.host_memory_gb, 0.0, None, lo_open=True)
         if self.gpu_memory_gb > MAX_GPU_MEMORY_GB:
             raise ConfigError("cluster.gpu_memory_gb", f"{self.gpu_memory_gb:g} GB is not one GPU's memory: "
                               "the unit is GB as the maker names it (80 for an H100 80GB, 141 for an H200), "

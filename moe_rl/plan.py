@@ -166,6 +166,7 @@ class RolePlan:
     gpus: int
     per_gpu: dict[str, float]  # component -> bytes on the busiest GPU of the role
     notes: list[str] = field(default_factory=list)
+    host: float = 0.0  # bytes each rank keeps in host memory (trainer.optimizer_offload's state)
 
     @property
     def total(self) -> float:
@@ -186,6 +187,8 @@ class Plan:
     adapter_params: int = 0  # LoRA's trained parameters in the whole policy (0: no adapters)
     lora_sync: tuple[str, str] = ("", "")  # adapters | merged, and why (engine_settings.resolve_lora_sync)
     colocated: bool = False  # the roles share each GPU (cluster.colocate)
+    host_bytes: float = 0.0  # the fullest node's host memory: trainers' offloaded state, one step's routes
+    host_memory_gb: float = 0.0  # cluster.host_memory_gb
 
     @property
     def fullest(self) -> tuple[str, float]:
@@ -288,6 +291,15 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     """Bytes on the busiest rank of a trainer: policy and critic train, the reference, the reward model
     and the distillation teachers only score (no gradients, no optimizer state); under PPO-EWMA the
     policy also keeps an fp32 anchor of its weights."""
+    return trainer_memory_and_host(shape, cfg, role)[0]
+
+
+def trainer_memory_and_host(shape: ModelShape, cfg, role: str) -> tuple[dict[str, float], float]:
+    """`trainer_memory`'s GPU bytes by component, and the bytes the rank keeps in host memory: with
+    trainer.optimizer_offload f, megatron's HybridDeviceOptimizer moves f of the Adam moments (8 bytes a
+    parameter of the rank's shard) off the GPU, and keeps on the host an fp32 copy of those parameters,
+    their fp32 gradients and the moments (16 bytes each); the fp32 main shard stays on the GPU, the
+    step's copy target."""
     trains = role in ("policy", "critic")
     par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep, etp = par.tp, par.pp, par.cp, par.ep, par.expert_tp
@@ -297,7 +309,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     out = {"weights": (p_dense + p_expert) * b}
     # a microbatch: rows up to trainer.micro_batch_tokens, or one longer row alone (Batch.microbatches)
     tokens = max(cfg.trainer.micro_batch_tokens, cfg.rollout.max_model_len) / (tp * cp)
-    lora = cfg.model.lora
+    lora, host = cfg.model.lora, 0.0
     if role == "policy" and lora.rank:  # the base frozen: only the adapters have gradients and Adam state
         p_dense, p_expert = max((lora_params(shape, lora.rank, lora.targets, tp, ep, pp, stage, etp)
                                  for stage in range(pp)), key=sum)
@@ -305,11 +317,15 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
     if trains:
         opt = 12 if b == 2 else 8
         edp = max(par.world_size // (pp * ep * etp), 1)
-        # as train/worker.py: megatron's distributed optimizer where dp > 1, sharding over its dp*cp group
-        distributed = par.distributed_optimizer and par.dp > 1
+        # as train/worker.py: megatron's distributed optimizer where dp > 1 (or offloading), sharding over
+        # its dp*cp group
+        offload = cfg.trainer.optimizer_offload
+        distributed = par.distributed_optimizer and par.dp > 1 or bool(offload)
         dp_shards, edp_shards = (par.dp * cp, edp) if distributed else (1, 1)
         out["gradients"] = (p_dense + p_expert) * 4
-        out["optimizer"] = p_dense * opt / dp_shards + p_expert * opt / edp_shards
+        shard = p_dense / dp_shards + p_expert / edp_shards  # parameters whose Adam state this rank holds
+        out["optimizer"] = shard * (opt - 8 * offload)
+        host = shard * 16 * offload
         # 1F1B: pp microbatches of L/pp
         kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)
         if cfg.model.recompute:  # and one layer's full activations while it is recomputed
@@ -319,7 +335,7 @@ def trainer_memory(shape: ModelShape, cfg, role: str) -> dict[str, float]:
             out["ewma_anchor"] = (p_dense + p_expert) * 4
     if role not in ("critic", "reward_model"):
         out["logits"] = logits_memory(shape, cfg, role, tokens * tp)
-    return out
+    return out, host if trains else 0.0
 
 
 def logits_memory(shape: ModelShape, cfg, role: str, rows: float) -> float:
@@ -389,7 +405,8 @@ def make_plan(cfg, hf_config: dict) -> Plan:
         if actors[role]:  # the teachers in their own layout and dtype
             own = dataclasses.replace(cfg, parallel=cfg.teacher_parallel, model=dataclasses.replace(
                 cfg.model, dtype=cfg.teacher.dtype or cfg.model.dtype)) if role in cfg.teachers else cfg
-            roles.append(RolePlan(role, actors[role], trainer_memory(shapes.get(role, shape), own, role)))
+            gpu_bytes, host = trainer_memory_and_host(shapes.get(role, shape), own, role)
+            roles.append(RolePlan(role, actors[role], gpu_bytes, host=host))
     lora, lora_sync = cfg.model.lora, ("", "")
     if lora.rank:  # on the GPU engines a plan is for
         from moe_rl.rollout.engine_settings import config_lora_sync
@@ -429,13 +446,32 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
+    host = node_host_memory(roles, cluster.gpus_per_node, cfg.cluster.colocate) + route_bytes
+    if host > USABLE * cluster.host_memory_gb * GiB:
+        problems.append(f"host memory: {host / GiB:.1f} GiB on the fullest node (trainer.optimizer_offload's "
+                        f"state and one step's routes) does not fit {USABLE * cluster.host_memory_gb:.1f} "
+                        "GiB "
+                        f"({USABLE:.0%} of cluster.host_memory_gb={cluster.host_memory_gb:g})")
     adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
     # a sync moves the adapters alone where the engines apply them, else the whole (merged) model
     synced = peft_export_params(shape, lora.rank, lora.targets) if lora_sync[0] == "adapters" else shape.total
     sync_bytes = synced * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
                 math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters,
-                lora_sync, cfg.cluster.colocate)
+                lora_sync, cfg.cluster.colocate, host, cluster.host_memory_gb)
+
+
+def node_host_memory(roles: list[RolePlan], gpus_per_node: int, colocated: bool) -> float:
+    """What the trainers keep in host memory on the fullest node: a node holds up to gpus_per_node ranks of
+    each model where the roles share GPUs (colocated), else gpus_per_node ranks in all, the heaviest
+    first."""
+    ranks = [(min(r.gpus, gpus_per_node), r.host) for r in roles if r.host]
+    if colocated:
+        return sum(n * h for n, h in ranks)
+    total, room = 0.0, gpus_per_node
+    for n, h in sorted(ranks, key=lambda x: -x[1]):
+        total, room = total + min(n, room) * h, room - min(n, room)
+    return total
 
 
 def _count(n: int) -> str:
@@ -458,6 +494,12 @@ def render(plan: Plan) -> str:
                  f"{plan.headroom:.0%} free")
     lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
                  f"{plan.sync_bytes / gb:.1f} GiB")
+    offloaded = [r for r in plan.roles if r.host]
+    if offloaded:
+        lines.append("host memory per node: " + ", ".join(f"{r.role} {r.host / gb:.1f} GiB a rank"
+                                                          for r in offloaded)
+                     + f" (optimizer state); the fullest node {plan.host_bytes / gb:.1f} of "
+                       f"{plan.host_memory_gb:g} GiB with the routes")
     if plan.adapter_params:
         lines.append(f"LoRA: {_count(plan.adapter_params)} adapter parameters "
                      f"({plan.adapter_params / s.total:.2%} of the model) train, the base is frozen; the "

@@ -44,7 +44,7 @@ def optim_settings(cfg: RunConfig, lr: float):
                          adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
                          distributed_optimizer=cfg.parallel.distributed_optimizer,
                          micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences,
-                         logit_chunk_tokens=tr.logit_chunk_tokens)
+                         logit_chunk_tokens=tr.logit_chunk_tokens, optimizer_offload=tr.optimizer_offload)
 
 
 def engine_settings(cfg: RunConfig, model_path: str):

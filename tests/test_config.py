@@ -219,6 +219,11 @@ DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip
     (["parallel.tp=2", "parallel.world_size=2", "model.tiny.moe_intermediate_size=33"],
      "parallel.tp: expert tensor parallelism 2 does not divide the experts' 33 intermediate size"),
     (["parallel.etp=0"], "parallel.etp: 0 must be a positive"),
+    # the optimizer's state to the host: a GPU feature (on CPU it is there already)
+    (["trainer.optimizer_offload=0.5"], "trainer.optimizer_offload: 0.5 moves optimizer state from GPUs to "
+     "host memory, and this machine has no GPU"),
+    (["trainer.optimizer_offload=1.5"], "trainer.optimizer_offload: 1.5 is outside the allowed range"),
+    (["cluster.host_memory_gb=0"], "cluster.host_memory_gb: 0.0 is outside the allowed range"),
     (["algorithm.distill_coef=1", "teacher.path=/t", "parallel.world_size=2", "teacher.tp=4"],
      "teacher.tp/pp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of "
      "tp*pp*cp=4"),

@@ -159,6 +159,35 @@ def test_expert_tensor_parallelism_is_its_own_setting(tmp_path):
     assert etp.returncode == 2 and "parallel.etp: 1 below tp=2 needs expert parallelism" in etp.stderr
 
 
+def test_optimizer_offload_moves_adam_state_to_the_host_worked_by_hand():
+    """trainer.optimizer_offload f: f of each rank's Adam moments (8 bytes a parameter of its shard) leave the
+    GPU, the fp32 main shard (4) stays; the host keeps an fp32 copy, the fp32 gradient and the moments (16)
+    of that share. The fullest node holds its 8 ranks' host state and one step's routes, fitted into 90% of
+    cluster.host_memory_gb."""
+    recipe = ROOT / "configs/qwen3_30b_a3b_grpo_2n8g.yaml"  # tp 2, pp 2, ep 2, 8 trainer ranks: dp 2
+    s = ModelShape.from_hf(QWEN3_30B_A3B)
+    dense = (24 * s.attention + 24 * s.moe_shared + s.hidden + s.vocab * s.hidden) / 2  # stage 1, tp 2
+    expert = 24 * 128 * s.expert / 4  # ep 2 x etp 2
+    shard = dense / 2 + expert / (8 / (2 * 4))  # dense over dp 2, experts over 8 / (pp 2 x ep 2 x etp 2)
+
+    def plan(*overrides):
+        return make_plan(load_config(recipe, list(overrides), cuda_available=True), QWEN3_30B_A3B)
+
+    for f in (0.0, 0.5, 1.0):
+        p = plan(f"trainer.optimizer_offload={f}")
+        policy = p.roles[0]
+        assert policy.per_gpu["optimizer"] == pytest.approx(shard * (12 - 8 * f)), f
+        assert policy.host == pytest.approx(shard * 16 * f), f
+        # the policy's 8 ranks share one node (the engines, the other): 8 ranks' state beside the routes
+        assert p.host_bytes == pytest.approx(8 * shard * 16 * f + p.route_bytes), f
+    assert "host memory per node: policy 56.9 GiB a rank" in render(plan("trainer.optimizer_offload=1.0"))
+    assert "host memory" not in render(plan())
+    small = plan("trainer.optimizer_offload=1.0", "cluster.host_memory_gb=256")
+    assert small.problems == ["host memory: 456.5 GiB on the fullest node (trainer.optimizer_offload's state "
+                              "and one step's routes) does not fit 230.4 GiB (90% of "
+                              "cluster.host_memory_gb=256)"]
+
+
 def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
     """train/worker.py uses megatron's distributed optimizer only with dp > 1 (its dp*cp group then shards
     the dense state): with dp 1 the state is whole, context parallelism or not (measured in

@@ -57,7 +57,7 @@ CFG = RunConfig(
         overlong_buffer=20, overlong_penalty=0.5, distill_coef=0.7),
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False,
-                           logit_chunk_tokens=333),
+                           logit_chunk_tokens=333, optimizer_offload=0.25),
     critic=CriticSection(lr=7e-4),
     reward_model=RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0),
 )
@@ -90,6 +90,7 @@ CASES = {
         "micro_batch_tokens": at("trainer.micro_batch_tokens"),
         "pack_sequences": at("trainer.pack_sequences"),
         "logit_chunk_tokens": at("trainer.logit_chunk_tokens"),
+        "optimizer_offload": at("trainer.optimizer_offload"),
     }, {"adam_eps"}),
     "engine_settings": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir"), EngineSettings, {
         "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),

@@ -66,7 +66,21 @@ class OptimSettings:
     # trainer.*: the log-probs from the hidden states and the output layer this many tokens at a time (0: the
     # whole logits), train/logprobs.chunked_target_logprobs
     logit_chunk_tokens: int
+    # trainer.*: the fraction of the optimizer's state and step on the host (megatron's HybridDeviceOptimizer)
+    optimizer_offload: float
     adam_eps: float = 1e-8  # no config field
+
+
+def offload_config(fraction: float) -> dict:
+    """megatron-core OptimizerConfig fields for `fraction` of the optimizer's state on the host: its
+    HybridDeviceOptimizer keeps that share of the parameters' fp32 copies and Adam moments in (pinned) host
+    memory and steps them with torch's CPU AdamW, the rest on the GPU; gradients go down and weights come
+    back on streams of their own, overlapped with the CPU step (CUDA only: the config refuses it
+    without, where the state is in host memory already)."""
+    if not fraction:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
+                overlap_cpu_optimizer_d2h_h2d=True, pin_cpu_grads=True, pin_cpu_params=True)
 
 
 class TrainWorker:
@@ -105,8 +119,10 @@ class TrainWorker:
         self.model, self.optimizer = module, None
         if trains:
             # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds
-            # copies (about 3x the optimizer time on CPU), so it is used where there is something to shard
-            distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1
+            # copies (about 3x the optimizer time on CPU), so it is used where there is something to shard,
+            # and always under optimizer offload (megatron's HybridDeviceOptimizer steps its fp32 shards)
+            distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1 \
+                or bool(optim.optimizer_offload)
             self.ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
             self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config,
@@ -117,6 +133,7 @@ class TrainWorker:
                     adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                     clip_grad=optim.grad_clip, use_distributed_optimizer=distributed,
                     bf16=spec.torch_dtype is torch.bfloat16, params_dtype=spec.torch_dtype,
+                    **offload_config(optim.optimizer_offload),
                 ),
                 [self.model],
             )

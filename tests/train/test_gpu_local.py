@@ -213,3 +213,19 @@ def test_nothing_is_compiled(request, dtype):
     bias-activation would recompile per expert token count)."""
     compiled = request.getfixturevalue(dtype)["compiled"]
     assert compiled.get("stats", {}).get("unique_graphs", 0) == 0 and not compiled.get("inductor"), compiled
+
+
+def test_optimizer_offload_takes_the_same_steps(tiny_qwen):
+    """trainer.optimizer_offload=1.0: megatron's HybridDeviceOptimizer keeps every fp32 shard's Adam state in
+    host memory and steps it there (torch's CPU AdamW); three updates land where the GPU's Adam lands them
+    (fp32: the same loss each step to 1e-6, the log-probs after to 1e-5)."""
+    from train_jobs import optimizer_offload_job
+
+    on_gpu, on_host = (run_ranks(optimizer_offload_job, 1, (str(tiny_qwen), {}, f))[0] for f in (0.0, 1.0))
+    assert on_host["inner"] == ["HybridDeviceOptimizer"] and "HybridDeviceOptimizer" not in on_gpu["inner"]
+    for a, b in zip(on_gpu["figures"], on_host["figures"], strict=True):
+        assert a["update_ok"] == b["update_ok"] == 1.0
+        assert abs(a["loss"] - b["loss"]) <= 1e-6
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+    assert on_gpu["figures"][0]["loss"] != on_gpu["figures"][-1]["loss"]  # the steps moved the policy
+    assert largest_gap(on_gpu["after"], on_host["after"]) <= 1e-5

@@ -473,3 +473,24 @@ def chunk_worker_job(rank, world, hf_path, layout, chunk, pack=False):
     after = w.score(Batch(ids, lengths, routes))
     return {"logp": before.logp_BS, "entropy": before.entropy_BS, "grad_norm": figures["grad_norm"],
             "after": after.logp_BS, "params": {n: p.detach().clone() for n, p in w.module.named_parameters()}}
+
+
+def optimizer_offload_job(rank, world, hf_path, layout, offload, steps=3):
+    """`steps` PPO updates on the same batch with trainer.optimizer_offload=`offload` (a GPU feature): each
+    step's figures, the log-probs after, and the optimizer's class (HybridDeviceOptimizer where offloaded)."""
+    from moe_rl.train import parallel
+    from moe_rl.train.hf_parity import exact_fp32_matmuls
+    from moe_rl.train.worker import TrainWorker
+
+    exact_fp32_matmuls()
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24,
+                                                             optimizer_offload=offload))
+    ids, lengths, mask, adv = batch_tensors()
+    routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+    before = w.score(Batch(ids, lengths, routes))
+    batch = Batch(ids, lengths, routes, **policy_tensors(before.logp_BS, mask, adv))
+    figures = [w.train_step(batch, policy_loss(), Denominator(mask)).figures for _ in range(steps)]
+    chained = getattr(w.optimizer, "chained_optimizers", [w.optimizer])
+    return {"figures": figures, "after": w.score(Batch(ids, lengths, routes)).logp_BS,
+            "inner": sorted({type(o.optimizer).__name__ for o in chained})}
