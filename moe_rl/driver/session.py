@@ -158,6 +158,10 @@ def start_ray(cfg: RunConfig) -> None:
     # the driver waits on every remote call through `gather`, which reports the failure that matters; the
     # calls it then abandons (a dead rank's peers, failing with it) would print their tracebacks at exit
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    # no Prometheus metrics (nothing reads them: no dashboard): the driver's core worker exports its stats
+    # as it disconnects, and on a loaded machine that export once aborted the process (SIGABRT in
+    # opencensus's StatsExporter::ExportNow inside ray.shutdown) after the run had finished
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     address = cfg.cluster.ray_address
     if address:
         node_ip = cfg.cluster.node_ip or None  # the driver's own address, where a host has several
