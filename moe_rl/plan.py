@@ -189,12 +189,15 @@ class Plan:
     colocated: bool = False  # the roles share each GPU (cluster.colocate)
     host_bytes: float = 0.0  # the fullest node's host memory: trainers' offloaded state, one step's routes
     host_memory_gb: float = 0.0  # cluster.host_memory_gb
+    # colocated: each phase's bytes on a GPU and what it holds ("generation", "training"; `phases`)
+    phases: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     @property
     def fullest(self) -> tuple[str, float]:
         """The GPU that holds the most: what it holds (the roles sharing it, colocated) and its bytes."""
-        if self.colocated:
-            return " + ".join(r.role for r in self.roles), sum(r.total for r in self.roles)
+        if self.colocated:  # the phase that binds
+            name, (size, held) = max(self.phases.items(), key=lambda kv: kv[1][0])
+            return f"{name} ({held})", size
         top = max(self.roles, key=lambda r: r.total)
         return top.role, top.total
 
@@ -417,13 +420,12 @@ def make_plan(cfg, hf_config: dict) -> Plan:
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} "
                         f"sequences of max_model_len={cfg.rollout.max_model_len})"])
     roles.append(engines)
-    # GPU i holds rank i of every model and an engine worker (placement.gpu_layout), all resident
-    if cfg.cluster.colocate:
-        shared = sum(rp.total for rp in roles)
-        if shared > usable:
-            problems.append("colocated: " + " + ".join(f"{rp.role} {rp.total / GiB:.1f}" for rp in roles) +
-                            f" = {shared / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} GiB "
-                            f"({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
+    # GPU i holds rank i of every model and an engine worker (placement.gpu_layout): the peak of each phase
+    phases = colocated_phases(roles, cfg) if cfg.cluster.colocate else {}
+    for name, (size, held) in phases.items():
+        if size > usable:
+            problems.append(f"colocated, {name}: {held} = {size / GiB:.1f} GiB per GPU does not fit "
+                            f"{usable / GiB:.1f} GiB ({USABLE:.0%} of {cluster.gpu_memory_gb:g} GiB)")
     for rp in roles[:-1] if not cfg.cluster.colocate else ():
         if rp.total > usable:
             problems.append(f"{rp.role}: {rp.total / GiB:.1f} GiB per GPU does not fit {usable / GiB:.1f} "
@@ -446,10 +448,10 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     route_bytes = (samples * cfg.rollout.max_model_len * shape.moe_layers * shape.top_k
                    * (1 if shape.experts <= 256 else 2))
-    host = node_host_memory(roles, cluster.gpus_per_node, cfg.cluster.colocate) + route_bytes
+    host = node_host_memory(roles, cfg) + route_bytes
     if host > USABLE * cluster.host_memory_gb * GiB:
-        problems.append(f"host memory: {host / GiB:.1f} GiB on the fullest node (trainer.optimizer_offload's "
-                        f"state and one step's routes) does not fit {USABLE * cluster.host_memory_gb:.1f} "
+        problems.append(f"host memory: {host / GiB:.1f} GiB on the fullest node (offloaded state and one "
+                        f"step's routes) does not fit {USABLE * cluster.host_memory_gb:.1f} "
                         "GiB "
                         f"({USABLE:.0%} of cluster.host_memory_gb={cluster.host_memory_gb:g})")
     adapters = round(sum(lora_params(shape, lora.rank, lora.targets))) if lora.rank else 0
@@ -458,20 +460,51 @@ def make_plan(cfg, hf_config: dict) -> Plan:
     sync_bytes = synced * dtype_bytes(cfg)
     return Plan(shape, cluster.gpus_per_node, cluster.gpu_memory_gb, roles, cfg.gpus,
                 math.ceil(cfg.gpus / cluster.gpus_per_node), route_bytes, sync_bytes, problems, adapters,
-                lora_sync, cfg.cluster.colocate, host, cluster.host_memory_gb)
+                lora_sync, cfg.cluster.colocate, host, cluster.host_memory_gb, phases)
 
 
-def node_host_memory(roles: list[RolePlan], gpus_per_node: int, colocated: bool) -> float:
-    """What the trainers keep in host memory on the fullest node: a node holds up to gpus_per_node ranks of
-    each model where the roles share GPUs (colocated), else gpus_per_node ranks in all, the heaviest
-    first."""
-    ranks = [(min(r.gpus, gpus_per_node), r.host) for r in roles if r.host]
-    if colocated:
-        return sum(n * h for n, h in ranks)
-    total, room = 0.0, gpus_per_node
-    for n, h in sorted(ranks, key=lambda x: -x[1]):
-        total, room = total + min(n, room) * h, room - min(n, room)
-    return total
+RESIDENT = ("activations", "logits")  # a trainer's transient parts: held only while it computes
+
+
+def colocated_phases(roles: list[RolePlan], cfg) -> dict[str, tuple[float, str]]:
+    """Colocated roles on one GPU, phase by phase: (bytes, what they are) for generation (the engine's
+    weights, runtime and KV cache beside what the trainers keep resident: their weights, gradients and
+    optimizer state, or nothing with cluster.offload, which moves those to host memory) and training
+    (every trainer's peak beside the engine's runtime with rollout.sleep_engines, its weights and KV cache
+    freed, else the whole engine)."""
+    *trainers, engine = roles
+    kept = {r.role: 0.0 if cfg.cluster.offload else sum(v for k, v in r.per_gpu.items() if k not in RESIDENT)
+            for r in trainers}
+    asleep = engine.per_gpu["runtime"] if cfg.rollout.sleep_engines else engine.total
+
+    def terms(parts: list[tuple[str, float]]) -> tuple[float, str]:
+        shown = [f"{name} {size / GiB:.1f}" for name, size in parts if size]
+        return sum(size for _, size in parts), " + ".join(shown)
+
+    return {"generation": terms([("engine", engine.total)] + [(r.role, kept[r.role]) for r in trainers]),
+            "training": terms([(r.role, r.total) for r in trainers]
+                              + [("engine asleep" if cfg.rollout.sleep_engines else "engine", asleep)])}
+
+
+def node_host_memory(roles: list[RolePlan], cfg) -> float:
+    """What the run keeps in host memory on the fullest node: the trainers' offloaded optimizer state
+    (trainer.optimizer_offload), and where colocated the larger of the two phases' moves: in generation
+    the trainers' weights, gradients and optimizer state (cluster.offload), in training the sleeping
+    engines' weights (rollout.sleep_engines). A node holds up to gpus_per_node ranks of each model where
+    the roles share GPUs (colocated), else gpus_per_node ranks in all, the heaviest first."""
+    gpn = cfg.cluster.gpus_per_node
+    if not cfg.cluster.colocate:
+        total, room = 0.0, gpn
+        for n, h in sorted(((min(r.gpus, gpn), r.host) for r in roles[:-1]), key=lambda x: -x[1]):
+            total, room = total + min(n, room) * h, room - min(n, room)
+        return total
+    *trainers, engine = roles
+    state = sum(min(r.gpus, gpn) * r.host for r in trainers)
+    moved = sum(min(r.gpus, gpn) * sum(v for k, v in r.per_gpu.items() if k not in RESIDENT)
+                for r in trainers) if cfg.cluster.offload else 0.0
+    asleep = min(engine.gpus, gpn) * (engine.total - engine.per_gpu["runtime"] - engine.per_gpu["kv_cache"]) \
+        if cfg.rollout.sleep_engines else 0.0
+    return state + max(moved, asleep)
 
 
 def _count(n: int) -> str:
@@ -489,17 +522,18 @@ def render(plan: Plan) -> str:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())
         lines.append(f"{r.role:<{width}} {r.gpus:>4} GPU(s)  per GPU {r.total / gb:6.1f} GiB  ({parts} GiB)")
         lines += [f"{'':<{width}} {n}" for n in r.notes]
+    for name, (size, held) in plan.phases.items():
+        lines.append(f"{name + ':':<{width}} per GPU {size / gb:6.1f} GiB  ({held} GiB)")
     held, size = plan.fullest
     lines.append(f"fullest GPU: {held} {size / gb:.1f} of {plan.gpu_memory_gb:g} GiB, "
                  f"{plan.headroom:.0%} free")
     lines.append(f"routes of one step (host): {plan.route_bytes / gb:.2f} GiB at most; one weight sync moves "
                  f"{plan.sync_bytes / gb:.1f} GiB")
-    offloaded = [r for r in plan.roles if r.host]
-    if offloaded:
-        lines.append("host memory per node: " + ", ".join(f"{r.role} {r.host / gb:.1f} GiB a rank"
-                                                          for r in offloaded)
-                     + f" (optimizer state); the fullest node {plan.host_bytes / gb:.1f} of "
-                       f"{plan.host_memory_gb:g} GiB with the routes")
+    if plan.host_bytes > plan.route_bytes:
+        states = ", ".join(f"{r.role} {r.host / gb:.1f} GiB a rank" for r in plan.roles if r.host)
+        lines.append(f"host memory: the fullest node {plan.host_bytes / gb:.1f} of {plan.host_memory_gb:g} "
+                     "GiB (offloaded state, the routes" + (f"; optimizer state: {states}" if states else "")
+                     + ")")
     if plan.adapter_params:
         lines.append(f"LoRA: {_count(plan.adapter_params)} adapter parameters "
                      f"({plan.adapter_params / s.total:.2%} of the model) train, the base is frozen; the "

@@ -64,6 +64,7 @@ def test_shipped_recipes_fit_their_stated_clusters(tmp_path):
 
 # the recipes whose header carries `moe-rl plan`'s output, with the published config of their model
 PLANNED = {"configs/qwen3_30b_a3b_grpo_2n8g.yaml": QWEN3_30B_A3B,
+           "configs/qwen3_30b_a3b_grpo_1n8g.yaml": QWEN3_30B_A3B,
            "configs/qwen3_30b_a3b_lora_1n8g.yaml": QWEN3_30B_A3B}
 
 
@@ -180,12 +181,43 @@ def test_optimizer_offload_moves_adam_state_to_the_host_worked_by_hand():
         assert policy.host == pytest.approx(shard * 16 * f), f
         # the policy's 8 ranks share one node (the engines, the other): 8 ranks' state beside the routes
         assert p.host_bytes == pytest.approx(8 * shard * 16 * f + p.route_bytes), f
-    assert "host memory per node: policy 56.9 GiB a rank" in render(plan("trainer.optimizer_offload=1.0"))
+    assert render(plan("trainer.optimizer_offload=1.0")).endswith(
+        "host memory: the fullest node 456.5 of 1024 GiB (offloaded state, the routes; optimizer state: "
+        "policy 56.9 GiB a rank)")
     assert "host memory" not in render(plan())
     small = plan("trainer.optimizer_offload=1.0", "cluster.host_memory_gb=256")
-    assert small.problems == ["host memory: 456.5 GiB on the fullest node (trainer.optimizer_offload's state "
-                              "and one step's routes) does not fit 230.4 GiB (90% of "
-                              "cluster.host_memory_gb=256)"]
+    assert small.problems == ["host memory: 456.5 GiB on the fullest node (offloaded state and one step's "
+                              "routes) does not fit 230.4 GiB (90% of cluster.host_memory_gb=256)"]
+
+
+def test_colocated_phases_worked_by_hand():
+    """Colocated roles share each GPU phase by phase: in generation the engine beside what the trainer keeps
+    resident (its weights, gradients and optimizer state; nothing with cluster.offload), in training the
+    trainer's peak beside the engine (its runtime alone with rollout.sleep_engines). The binding phase is
+    the fullest GPU; the host holds the larger of the two phases' moves beside the optimizer state."""
+    recipe = ROOT / "configs/qwen3_30b_a3b_grpo_1n8g.yaml"  # colocated, offload, sleeping engines
+    gib = 2**30
+
+    def plan(*overrides):
+        return make_plan(load_config(recipe, list(overrides), cuda_available=True), QWEN3_30B_A3B)
+
+    for offload, sleep in ((True, True), (False, True), (True, False), (False, False)):
+        p = plan(f"cluster.offload={str(offload).lower()}", f"rollout.sleep_engines={str(sleep).lower()}")
+        policy, engine = p.roles
+        resident = sum(v for k, v in policy.per_gpu.items() if k not in ("activations", "logits"))
+        asleep = engine.per_gpu["runtime"] if sleep else engine.total
+        assert p.phases["generation"][0] == pytest.approx(engine.total + (0 if offload else resident))
+        assert p.phases["training"][0] == pytest.approx(policy.total + asleep)
+        held, size = p.fullest
+        assert size == max(v for v, _ in p.phases.values()) and held.startswith(
+            "generation" if p.phases["generation"][0] >= p.phases["training"][0] else "training")
+        engine_weights = engine.per_gpu["weights"]
+        moved = max(8 * resident if offload else 0, 8 * engine_weights if sleep else 0)
+        assert p.host_bytes == pytest.approx(8 * policy.host + moved + p.route_bytes)
+    # everything resident at once: 38.0 + 44.0 GiB, over 72 GiB (90% of 80): refused, naming the phase
+    both = plan("cluster.offload=false", "rollout.sleep_engines=false")
+    assert both.phases["training"][0] / gib == pytest.approx(82.0, abs=0.1)
+    assert [x.split(":")[0] for x in both.problems] == ["colocated, generation", "colocated, training"]
 
 
 def test_optimizer_state_is_sharded_where_the_trainer_shards_it():
@@ -212,9 +244,9 @@ def test_check_config_assume_cuda_sizes_the_run():
                             "cluster.gpu_memory_gb=0.5", "--assume-cuda"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
     # colocated (the quickstart): GPU i holds policy rank i, critic rank i and an engine worker, all resident
-    assert small.returncode == 2 and re.match(r"moe-rl: error: colocated: policy \d+\.\d \+ critic \d+\.\d "
-                                              r"\+ engine \d+\.\d = \d+\.\d GiB per GPU does not fit \d+\.\d "
-                                              r"GiB \(90% of 0.5 GiB",
+    assert small.returncode == 2 and re.match(r"moe-rl: error: colocated, generation: engine \d+\.\d \+ "
+                                              r"policy \d+\.\d \+ critic \d+\.\d = \d+\.\d GiB per GPU does "
+                                              r"not fit \d+\.\d GiB \(90% of 0.5 GiB",
                                               small.stderr), small.stderr
     assert len(small.stderr.strip().splitlines()) == 1
 
