@@ -108,6 +108,12 @@ def _cmd_config_docs(args) -> int:
     return 0
 
 
+def _cmd_metrics(args) -> int:
+    from moe_rl import glossary
+
+    return glossary.command(args.action, getattr(args, "tag", None))
+
+
 def _size_for_check(cfg, path: str) -> str:
     """check-config --assume-cuda: will the run fit the GPUs it names (cluster.gpus_per_node, gpu_memory_gb)?
     Raises UserError (one line) if not; returns what to print."""
@@ -410,6 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     ge.set_defaults(fn=_cmd_config_explain)
     gd = gsub.add_parser("docs", **fmt, help="every section and setting as Markdown (docs/config.md)")
     gd.set_defaults(fn=_cmd_config_docs)
+
+    m = sub.add_parser("metrics", **fmt, help="what a logged metric means; every metric's docs",
+                       description="`explain TAG`: what a logged scalar (policy/loss) means, its unit; "
+                       "`docs`: every metric as Markdown (docs/metrics.md), from moe_rl/glossary.py.")
+    msub = m.add_subparsers(dest="action", metavar="ACTION", required=True)  # explain | docs
+    me = msub.add_parser("explain", **fmt, help="a logged tag's meaning and unit")
+    me.add_argument("tag", help="a tag as TensorBoard shows it, e.g. policy/loss")
+    me.set_defaults(fn=_cmd_metrics)
+    md = msub.add_parser("docs", **fmt, help="every metric as Markdown (docs/metrics.md)")
+    md.set_defaults(fn=_cmd_metrics)
 
     b = sub.add_parser("bench", **fmt,
                        help="run a benchmark from tools/bench (prints ratios and a JSON line)",

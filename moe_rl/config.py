@@ -141,6 +141,7 @@ _REMOVED = {
     "parallel.sequence_parallel": "removed: sequence parallelism is on exactly when parallel.tp > 1",
     "rollout.engine": "removed: vLLM is the only rollout engine",
     "rollout.in_process": "removed: it was never read",
+    "logging.tensorboard": "removed: logging.backends lists the trackers ([tensorboard] as before; [] none)",
 }
 
 

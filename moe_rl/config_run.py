@@ -233,10 +233,20 @@ def layout_problem(world_size: int, tp: int, pp: int, cp: int, ep: int,
 
 @dataclass(frozen=True)
 class LoggingSection:
-    """What the run logs and how often (TensorBoard under run.output_dir/tensorboard/run.name)."""
+    """What the run logs, where (the experiment trackers of logging.backends) and how often."""
 
-    tensorboard: bool = True
-    """Write TensorBoard event files under run.output_dir/tensorboard/run.name."""
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    """The experiment trackers that get the run's scalars, histograms, pictures and the config (each the same;
+    [] none): tensorboard (event files under run.output_dir/tensorboard/run.name), wandb (an offline W&B run
+    under run.output_dir/wandb, project and name run.name; `wandb sync` uploads it), mlflow (a run in
+    experiment run.name of the SQLite store run.output_dir/mlflow.db, pictures and texts under
+    run.output_dir/mlflow_artifacts; MLflow has no histograms). wandb and mlflow need the trackers extra
+    (pip install 'moe_rl[trackers]'). On the command line: logging.backends=[tensorboard,mlflow]"""
+    wandb_dir: str = ""
+    """The directory W&B writes its wandb/offline-run-* folder under ("": run.output_dir)."""
+    mlflow_tracking_uri: str = ""
+    """The MLflow tracking store, e.g. http://HOST:5000 or sqlite:///PATH.db ("": the SQLite store
+    run.output_dir/mlflow.db)."""
     progress_bar: bool = True
     """Show progress bars for the warm start and the RL steps."""
     log_every: int = 1
@@ -250,6 +260,14 @@ class LoggingSection:
     forward; it never runs when routes are not replayed (it would repeat the plain one)"""
 
     def check(self) -> None:
+        from moe_rl.trackers import missing_packages
+
+        if len(set(self.backends)) != len(self.backends):
+            raise ConfigError("logging.backends", f"{self.backends} names a tracker twice")
+        for backend in self.backends:
+            if missing := missing_packages(backend):
+                raise ConfigError("logging.backends", f"{backend} needs the Python package(s) "
+                                  f"{', '.join(missing)}, not installed here: pip install 'moe_rl[trackers]'")
         positive("logging.log_every", self.log_every)
         in_range("logging.heatmap_every", self.heatmap_every, 0, None)
         in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)

@@ -70,23 +70,25 @@ def reduce_updates(updates: list[dict[str, object]]) -> dict[str, float]:
 
 
 class Metrics:
-    """TensorBoard scalars under `log_dir`, written every `every` steps (and at the last step), and a
-    progress bar advanced every step."""
+    """Scalars, histograms, heatmaps and texts to each of `writers` (moe_rl.trackers; None: TensorBoard
+    under `log_dir`, or nothing where not `enabled`), written every `every` steps (and at the last step),
+    and a progress bar advanced every step."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool = True, total_steps: int = 0, progress: bool = True,
-                 every: int = 1, heatmap_every: int = 0):
-        self.writer = None
+    def __init__(self, log_dir: str | Path | None = None, enabled: bool = True, total_steps: int = 0,
+                 progress: bool = True, every: int = 1, heatmap_every: int = 0, writers: list | None = None):
+        from moe_rl.trackers import TensorBoardWriter
+
+        if writers is None:
+            writers = [TensorBoardWriter(log_dir)] if enabled and log_dir is not None else []
+        self.writers = writers
         self.every, self.total, self.heatmap_every = every, total_steps, heatmap_every
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(log_dir))
         self.bar, self.progress = None, progress  # the bar starts after the first step: its one-time costs
         # (engine warm-up, first compilations) stay out of the rate and the time left
+
     def log(self, step: int, values: dict[str, object], advance: bool = True) -> dict[str, float]:
         """Scalars (returned), plus `hist/TAG` values as histograms and `heatmap/TAG/PANEL` [L, E] expert
         loads as one labelled image per TAG, its panels side by side (plots.expert_load_image; every
-        `heatmap_every` steps), in TensorBoard."""
+        `heatmap_every` steps), to each writer."""
         clean, extra = {}, {}
         for k, v in values.items():
             if k.startswith(("hist/", "heatmap/")):
@@ -94,22 +96,26 @@ class Metrics:
             elif (f := scalar(v)) is not None:
                 clean[k] = f
         clean["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
-        if self.writer is not None and (step % self.every == 0 or step == self.total or not advance):
-            for k, v in clean.items():
-                self.writer.add_scalar(k, v, step)
+        if self.writers and (step % self.every == 0 or step == self.total or not advance):
             heatmaps: dict[str, dict[str, torch.Tensor]] = {}
+            hists = {}
             for k, v in extra.items():
                 if k.startswith("hist/") and v.numel():
-                    self.writer.add_histogram(k.removeprefix("hist/"), v.double(), step)
+                    hists[k.removeprefix("hist/")] = v
                 elif k.startswith("heatmap/") and self.heatmap_every and step % self.heatmap_every == 0:
                     tag, _, panel = k.removeprefix("heatmap/").rpartition("/")
                     heatmaps.setdefault(tag, {})[panel] = v
             if heatmaps:
                 from moe_rl.plots import expert_load_image
-            for tag, panels in heatmaps.items():
-                self.writer.add_image(tag, expert_load_image({p: v.numpy() for p, v in panels.items()}), step,
-                                      dataformats="HWC")
-            self.writer.flush()
+            images = {tag: expert_load_image({p: v.numpy() for p, v in panels.items()})
+                      for tag, panels in heatmaps.items()}
+            for w in self.writers:
+                w.scalars(clean, step)
+                for tag, v in hists.items():
+                    w.histogram(tag, v, step)
+                for tag, image in images.items():
+                    w.image(tag, image, step)
+                w.flush()
         if self.progress and advance:
             if self.bar is None:
                 from tqdm import tqdm
@@ -120,20 +126,32 @@ class Metrics:
                 self.bar.update(1)
             if step >= self.total:  # the last step: what follows (evaluation, saving) is not a step
                 self.bar.close()
-            self.bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
-                                 len=f"{clean.get('rollout/length_mean', float('nan')):.0f}")
+            self.bar.set_postfix(progress_figures(clean))
         return clean
 
-    def text(self, tag: str, text: str) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, text, 0)
-            self.writer.flush()
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        for w in self.writers:
+            w.text(tag, text, step)
+            w.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for w in self.writers:
+            w.close()
+        self.writers = []
         if self.bar is not None:
             self.bar.close()
+
+
+def progress_figures(figures: dict[str, float]) -> dict[str, str]:
+    """What the progress bar shows of a step: the reward, the mean episode length, the step's time and,
+    where the environment reports a success figure (env/success), the success rate."""
+    out = {"reward": f"{figures.get('reward/mean', float('nan')):.3f}",
+           "len": f"{figures.get('rollout/length_mean', float('nan')):.0f}"}
+    if "timing/step_s" in figures:
+        out["step"] = f"{figures['timing/step_s']:.1f}s"
+    if "env/success" in figures:
+        out["success"] = f"{figures['env/success']:.0%}"
+    return out
 
 
 def expert_load_figures(name: str, load_LE: torch.Tensor, title: str) -> dict[str, object]:
@@ -257,12 +275,12 @@ class Timeline:
 
 
 class StepLog:
-    """A run's metrics: timers, one merged dict per step, TensorBoard and the progress bar, history; the
+    """A run's metrics: timers, one merged dict per step, the trackers and the progress bar, history; the
     driver's timeline."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int, progress: bool, every: int,
-                 heatmap_every: int = 0):
-        self.metrics = Metrics(log_dir, enabled, total_steps, progress, every, heatmap_every)
+    def __init__(self, log_dir: str | Path | None, enabled: bool, total_steps: int, progress: bool,
+                 every: int, heatmap_every: int = 0, writers: list | None = None):
+        self.metrics = Metrics(log_dir, enabled, total_steps, progress, every, heatmap_every, writers)
         self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = {}
         self.timeline = Timeline()

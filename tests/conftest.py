@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the experiment trackers (logging.backends) stay on this machine: W&B offline, no telemetry or error reports
+for _key, _value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_ERROR_REPORTING", "false"),
+                     ("MLFLOW_DISABLE_TELEMETRY", "true"), ("DO_NOT_TRACK", "1")):
+    os.environ.setdefault(_key, _value)
 
 
 # `make test` runs the suite on two workers, a file at a time each (pytest-xdist --dist loadfile), handing

@@ -44,7 +44,7 @@ def test_unknown_key_suggests_the_closest():
 def test_wrong_type():
     assert _err(["rollout.top_p=abc"]) == "rollout.top_p: expected float, got 'abc' (str)"
     assert "expected int" in _err(["parallel.tp=1.5"])
-    assert "expected bool" in _err(["logging.tensorboard=3"])
+    assert "expected bool" in _err(["logging.progress_bar=3"])
     assert "not allowed" in _err(["model.dtype=float16"])
 
 

@@ -20,8 +20,9 @@ from conftest import ROOT
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-# generated from the config's docstrings (tests/test_config_docs.py keeps it current)
-GENERATED = {"config.md"}
+# generated from the config's docstrings and the metric glossary (tests/test_config_docs.py and
+# tests/test_glossary.py keep them current)
+GENERATED = {"config.md", "metrics.md"}
 # the records of what has run on a GPU and of the GPU stack's installation, kept with the GPU work (their
 # figures are repeated in results.md, each with its command)
 OWN_RECORDS = {"gpu.md", "install.md"}

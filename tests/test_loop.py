@@ -32,6 +32,7 @@ from cli_runs import (
     train_cmd,
 )
 from conftest import ROOT
+from glossary_check import assert_tags_in_glossary
 from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    proc = run_cli(out, "logging.progress_bar=true", "checkpoint.export_hf_every=3")
+    proc = run_cli(out, "logging.progress_bar=true", "checkpoint.export_hf_every=3",
+                   "logging.backends=[tensorboard,mlflow,wandb]")
     return out, proc
 
 
@@ -65,7 +67,7 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
         assert noise not in proc.stderr, noise  # a local run does not repeat Ray's and megatron's notices
     acc = EventAccumulator(str(out / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
-    tags = set(acc.Tags()["scalars"])
+    tags = assert_tags_in_glossary(out / "tensorboard" / "quickstart")
     for tag in ("reward/mean", "policy/loss", "policy/clipfrac_high", "policy/approx_kl_k3", "policy/entropy",
                 "critic/loss", "critic/explained_variance", "routing/agreement",
                 "correction/logp_mismatch_mean", "correction/logp_mismatch_no_replay", "rollout/length_mean",
@@ -107,6 +109,26 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
         assert 0.1 < acc.Scalars(f"memory/{role}_rss_gib_max")[-1].value < 20, role
     assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
     assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
+    assert re.search(r"step=[\d.]+s", proc.stderr)  # the progress bar: each step's time
+
+
+def test_the_trackers_get_the_same_scalars_as_tensorboard(reference):
+    """logging.backends=[tensorboard,mlflow,wandb]: MLflow's SQLite store and the offline W&B run in the run
+    directory hold TensorBoard's scalars, step for step (tests/test_trackers.py: each writer alone)."""
+    from tracker_files import mlflow_scalars, same, tensorboard_scalars, wandb_history
+
+    out, _ = reference
+    tb = tensorboard_scalars(out / "tensorboard" / "quickstart")
+    ml = mlflow_scalars(f"sqlite:///{out / 'mlflow.db'}", "quickstart")
+    (wandb_run,) = (out / "wandb").glob("offline-run-*")
+    wb = wandb_history(wandb_run)
+    assert "reward/mean" in tb and ml.keys() == tb.keys() and tb.keys() <= wb.keys()
+    for tag, values in tb.items():  # TensorBoard keeps float32
+        assert ml[tag].keys() == wb[tag].keys() == values.keys(), tag
+        for step, v in values.items():
+            assert same(ml[tag][step], wb[tag][step]), (tag, step)
+            assert same(v, ml[tag][step]) or v == pytest.approx(ml[tag][step], rel=1e-6, abs=1e-30), \
+                (tag, step)
 
 
 def test_run_summary_reports_the_runs_figures(reference):
@@ -230,6 +252,7 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
     ref = torch.load(ref_out / "history.pt", weights_only=False)
     acc = EventAccumulator(str(out / "tensorboard" / "quickstart"))  # step 2: logged by the first retry only
     acc.Reload()
+    assert_tags_in_glossary(out / "tensorboard" / "quickstart")
     for key in ("reward/mean", "policy/loss", "critic/loss"):
         assert [e.step for e in acc.Scalars(key)][:2] == [1, 2]
         assert acc.Scalars(key)[1].value == pytest.approx(ref[1][key], rel=1e-4, abs=1e-5), key

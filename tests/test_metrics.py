@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from glossary_check import assert_tags_in_glossary
 
 from moe_rl.algos import stats
 from moe_rl.algos.targets import Scores
@@ -54,6 +55,7 @@ def test_expert_load_reaches_tensorboard(tmp_path):
     images = acc.Images("moe/expert_load")
     assert [i.step for i in images] == [2]  # heatmap_every=2
     assert images[0].height >= 150 and images[0].width >= 250  # a labelled figure (tests/test_plots.py)
+    assert_tags_in_glossary(tmp_path)
     hist = acc.Histograms("reward/score")
     assert [h.step for h in hist] == [1, 2] and hist[0].histogram_value.num == 3 \
         and hist[0].histogram_value.sum == 2

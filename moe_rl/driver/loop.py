@@ -23,6 +23,7 @@ from moe_rl.driver.run_checkpoints import Checkpoints
 from moe_rl.driver.schedule import Evaluation, RolloutSchedule
 from moe_rl.driver.startup import start
 from moe_rl.metrics import StepLog, step_figures
+from moe_rl.trackers import open_writers
 
 
 def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
@@ -55,8 +56,8 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
         say(f"resumed at step {first}{done}")
     baselines = rollouts.baselines()  # the reference policies on the held-out prompts, before RL
     lg = cfg.logging
-    log = StepLog(out / "tensorboard" / cfg.run.name, lg.tensorboard, cfg.run.steps, lg.progress_bar,
-                  lg.log_every, lg.heatmap_every)
+    log = StepLog(None, False, cfg.run.steps, lg.progress_bar, lg.log_every, lg.heatmap_every,
+                  writers=open_writers(cfg, out))  # logging.backends
     # the config as run: with every default
     log.metrics.text("config", f"```\n{(out / CONFIG_FILE).read_text()}```")
     if summary:  # the warm start, at step 0

@@ -61,22 +61,16 @@ class OptimSettings:
     grad_clip: float
     distributed_optimizer: bool  # parallel.distributed_optimizer
     micro_batch_tokens: int  # trainer.*
-    # trainer.*; THD: each microbatch's sequences end to end in one row (train/packing.py)
-    pack_sequences: bool
-    # trainer.*: the log-probs from the hidden states and the output layer this many tokens at a time (0: the
-    # whole logits), train/logprobs.chunked_target_logprobs
-    logit_chunk_tokens: int
-    # trainer.*: the fraction of the optimizer's state and step on the host (megatron's HybridDeviceOptimizer)
-    optimizer_offload: float
+    pack_sequences: bool  # trainer.*; THD: a microbatch's sequences end to end in one row (train/packing.py)
+    logit_chunk_tokens: int  # trainer.*: log-probs this many tokens at a time (train/logprobs.py; 0: whole)
+    optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
     adam_eps: float = 1e-8  # no config field
 
 
 def offload_config(fraction: float) -> dict:
     """megatron-core OptimizerConfig fields for `fraction` of the optimizer's state on the host: its
-    HybridDeviceOptimizer keeps that share of the parameters' fp32 copies and Adam moments in (pinned) host
-    memory and steps them with torch's CPU AdamW, the rest on the GPU; gradients go down and weights come
-    back on streams of their own, overlapped with the CPU step (CUDA only: the config refuses it
-    without, where the state is in host memory already)."""
+    HybridDeviceOptimizer keeps that share of the fp32 copies and Adam moments in pinned host memory and
+    steps them with torch's CPU AdamW; copies overlapped with the CPU step (CUDA only: config_rules)."""
     if not fraction:
         return {}
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
@@ -118,9 +112,8 @@ class TrainWorker:
             lora.add_adapters(module, spec.lora, hf.rank_names(module, self.config.num_moe_experts), seed)
         self.model, self.optimizer = module, None
         if trains:
-            # the distributed optimizer shards state over data-parallel ranks; with one DP rank it only adds
-            # copies (about 3x the optimizer time on CPU), so it is used where there is something to shard,
-            # and always under optimizer offload (megatron's HybridDeviceOptimizer steps its fp32 shards)
+            # the distributed optimizer where there is something to shard (at dp 1 it only adds copies: 3x
+            # optimizer time on CPU), and under optimizer offload (HybridDeviceOptimizer steps fp32 shards)
             distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1 \
                 or bool(optim.optimizer_offload)
             self.ddp_config = DistributedDataParallelConfig(

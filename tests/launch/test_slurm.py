@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from glossary_check import assert_tags_in_glossary
 from slurm_cluster import NODES, SlurmCluster
 
 from moe_rl.train.parallel import free_port
@@ -86,6 +87,7 @@ def test_quickstart_runs_across_both_nodes_and_a_fault_is_retried_on_the_same_cl
     acc.Reload()
     # step 1 by the first try, 2 and 3 by the retry
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    assert_tags_in_glossary(tmp_path / "run" / "tensorboard" / "quickstart")
     time.sleep(1)
     assert job_processes(job) == []
 

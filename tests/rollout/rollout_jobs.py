@@ -376,7 +376,8 @@ def gateway_job(rank, world, model_path):
     """Each harness of tests/rollout/harnesses.py through a gateway on the real engine: two rows, one
     sample each (during multi_turn's, a weight sync of the same weights, as version 1, after the third
     engine call). {harness: (trajectories, stats, SEEN of its rows)}, the tokenizer's opening ids of the
-    prompt "hi", the engine's layer count."""
+    prompt "hi", the engine's layer count, and the routes the engine computes for each single-turn
+    episode's tokens when given them whole."""
     import asyncio
     from pathlib import Path
 
@@ -435,6 +436,12 @@ def gateway_job(rank, world, model_path):
 
     results = asyncio.run(run_all())
     games = asyncio.run(same_game())
+    from moe_rl.rollout.engine import Sampling
+
+    # the single-turn episodes' tokens, each episode whole in one prompt of its own: the routes the
+    # engine computes for them
+    routes_again = {t.group_id: engine.generate([t.token_ids], Sampling(max_tokens=1, seed=0))[0].routes
+                    for t in results["single_turn"][0]}
     chat = Agent(engine, tok, EnvSpec("guess_number"), agent_settings()).chat
     def turns(t):
         return [tok.decode(t.token_ids[b: e + 1], skip_special_tokens=True) for b, e in t.spans]
@@ -445,4 +452,4 @@ def gateway_job(rank, world, model_path):
             "after_turn": {(t, closed): chat.after_turn_ids([{"role": "user", "content": f"turn {t} seen"}],
                                                             closed)
                            for t in range(3) for closed in (True, False)},
-            "layers": engine.num_moe_layers, "prompt_ids": prompt_ids}
+            "layers": engine.num_moe_layers, "prompt_ids": prompt_ids, "routes_again": routes_again}

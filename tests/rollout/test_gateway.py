@@ -35,6 +35,15 @@ def test_a_single_turn_harness_trains_on_exactly_the_tokens_it_was_served(gatewa
         assert len(t.logprobs) == len(t.token_ids) and all(lp < 0 for lp in model_logps)
         routes, tail = t.routes.to_replay(len(t.token_ids), top_k=2)  # R3: every computed position routed
         assert routes.shape == (len(t.token_ids), gateway["layers"], 2) and tail == 1
+        # ... by the experts the engine chooses for these tokens: the episode given whole to the engine
+        # as one prompt (no prefix cache with captured routes) is routed alike, position by position, but
+        # the last sampled token, which was never fed back
+        n, again = len(t.token_ids) - 1, gateway["routes_again"][t.group_id]
+        assert t.routes.computed_P.tolist() == [True] * n and again.computed_P[:n].all()
+        assert t.routes.experts_PLK.tolist() == again.experts_PLK[:n].tolist()
+    # the two episodes sampled different tokens, routed differently: neither's routes fit the other's
+    a, b = trajs
+    assert a.routes.experts_PLK[a.prompt_len:].tolist() != b.routes.experts_PLK[b.prompt_len:].tolist()
 
 
 def test_multi_turn_messages_extend_the_episode_with_the_model_tokens_never_re_encoded(gateway):

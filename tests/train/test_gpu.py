@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+from glossary_check import assert_tags_in_glossary
 
 from moe_rl.train.hf_parity import exact_fp32_matmuls, hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
@@ -165,6 +166,7 @@ def test_loop_with_vllm_weight_transfer(tmp_path, transfer):
     assert f"weight sync: {transfer}" in proc.stdout
     acc = EventAccumulator(str(tmp_path / "tensorboard" / "quickstart"))  # run.name
     acc.Reload()
+    assert_tags_in_glossary(tmp_path / "tensorboard" / "quickstart")
     # after the syncs the engine scores like the trainer (R3 routes from vLLM itself). Both compute in fp32:
     # the trainer's products in full fp32, vLLM's dense layers too (VLLM_FLOAT32_MATMUL_PRECISION=highest);
     # its Triton attention and fused-MoE kernels' tl.dot take fp32 in TF32, whose rounding moves this
