@@ -4,17 +4,12 @@ the plan as `moe-rl plan` prints it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from moe_rl.plan import Plan, RolePlan
-
 GiB = 2**30
 
 RESIDENT = ("activations", "logits")  # a trainer's transient parts: held only while it computes
 
 
-def colocated_phases(roles: list[RolePlan], cfg) -> dict[str, tuple[float, str]]:
+def colocated_phases(roles: list, cfg) -> dict[str, tuple[float, str]]:
     """Colocated roles on one GPU, phase by phase: (bytes, what they are) for generation (the engine's
     weights, runtime and KV cache beside what the trainers keep resident: their weights, gradients and
     optimizer state, or nothing with cluster.offload, which moves those to host memory) and training
@@ -34,7 +29,7 @@ def colocated_phases(roles: list[RolePlan], cfg) -> dict[str, tuple[float, str]]
                               + [("engine asleep" if cfg.rollout.sleep_engines else "engine", asleep)])}
 
 
-def node_host_memory(roles: list[RolePlan], cfg) -> float:
+def node_host_memory(roles: list, cfg) -> float:
     """What the run keeps in host memory on the fullest node: the trainers' offloaded optimizer state
     (trainer.optimizer_offload), and where colocated the larger of the two phases' moves: in generation
     the trainers' weights, gradients and optimizer state (cluster.offload), in training the sleeping
@@ -59,7 +54,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def render(plan: Plan) -> str:
+def render(plan) -> str:
     s, gb = plan.shape, GiB
     lines = [f"model: {_count(s.total)} parameters, {_count(s.active)} active per token "
              f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
