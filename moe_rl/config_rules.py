@@ -93,6 +93,16 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
+    _check_placement(cfg)
+    _check_algorithm(cfg)
+    _check_episodes(cfg)
+    _check_distillation(cfg)
+    check_settings_are_read(cfg, file_cfg, overridden)
+
+
+def _check_placement(cfg) -> None:
+    """How weights reach the engines, and what shares a GPU, against the layout and the schedule."""
+    par = cfg.parallel
     if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
         raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys "
                           "by the sender's GPU: it needs engines on their trainer ranks' GPUs "
@@ -127,6 +137,10 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
         raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with "
                                                   "variable sequence lengths under pipeline parallelism; use "
                                                   "alltoall")
+
+
+def _check_algorithm(cfg) -> None:
+    """The advantage, policy loss, correction and mask against each other, the critic and the updates."""
     alg = cfg.algorithm
     if cfg.critic.enabled is False and alg.uses_critic:
         raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
@@ -166,6 +180,11 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
                           "is 0 on every token with one update a step (trainer.epochs=1, "
                           "trainer.minibatches=1) and pi_old the policy before it; use "
                           "algorithm.correction=bypass (the paper's pi_theta/mu), or more updates a step")
+
+
+def _check_episodes(cfg) -> None:
+    """The episode budget, the environment and the trainer's use of a step's samples."""
+    alg = cfg.algorithm
     if cfg.environment.token_budget < cfg.rollout.max_new_tokens:
         raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, whose excess could then "
@@ -202,6 +221,9 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
                           "equal, before the reward model scores them (reward_model.path): use one or the "
                           "other")
 
+
+def _check_distillation(cfg) -> None:
+    """Teachers' layout, and an advantage that reads no reward: a teacher's signal, nothing reward-shaped."""
     a = cfg.algorithm
     if a.distill_coef and not cfg.teacher.all:
         raise ConfigError("algorithm.distill_coef", f"{a.distill_coef} needs a teacher to distil from: set "
@@ -226,8 +248,6 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
             if on:
                 raise ConfigError(path, f"{on!r} acts on the reward, which algorithm.advantage="
                                   f"'{a.advantage}' does not use")
-
-    check_settings_are_read(cfg, file_cfg, overridden)
 
 
 def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
