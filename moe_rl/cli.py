@@ -41,18 +41,11 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def _cmd_check_config(args) -> int:
     from moe_rl import config
-    from moe_rl.algos import registry
 
     if args.list:
-        import typing
+        from moe_rl import config_docs
 
-        from moe_rl.rollout.envs import env_names
-
-        for kind in registry.KINDS:
-            print(f"{kind}: {', '.join(registry.names(kind))}")
-        print("aggregation: "
-              f"{', '.join(typing.get_args(typing.get_type_hints(config.AlgorithmSection)['aggregation']))}")
-        print(f"environment: {', '.join(env_names())}")
+        print(config_docs.registered())
         return 0
     if not args.config:
         raise UserError("check-config needs a config file (or --list)")
@@ -94,17 +87,10 @@ def _cmd_config_show(args) -> int:
     return 0
 
 
-def _cmd_config_explain(args) -> int:
+def _cmd_config_docs(args) -> int:  # config explain PATH | config docs
     from moe_rl import config_docs
 
-    print(config_docs.explain(args.path), end="")
-    return 0
-
-
-def _cmd_config_docs(args) -> int:
-    from moe_rl import config_docs
-
-    print(config_docs.markdown(), end="")
+    print(config_docs.explain(args.path) if args.action == "explain" else config_docs.markdown(), end="")
     return 0
 
 
@@ -344,7 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--version", action="version", version=f"moe-rl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_run_commands, _add_doc_commands, _add_tool_commands):
+        add(sub, fmt)
+    return p
 
+
+def _add_run_commands(sub, fmt: dict) -> None:
+    """check-config, plan, train, tiny."""
     c = sub.add_parser("check-config", **fmt, help="validate a config and print it fully resolved",
                        description="Load a YAML config with overrides, validate every field and the "
                        "combinations (parallel layout vs model, GPU-only features), print the result.")
@@ -397,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(reward_model.path; critic.init_from) instead of a causal LM")
     k.set_defaults(fn=_cmd_tiny)
 
+
+def _add_doc_commands(sub, fmt: dict) -> None:
+    """config (show, explain, docs) and metrics (explain, docs)."""
     g = sub.add_parser("config", **fmt,
                        help="show a config fully resolved; explain a setting; every setting's docs",
                        description="`moe-rl config show CONFIG [overrides]` prints the config as a run would "
@@ -413,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     ge = gsub.add_parser("explain", **fmt,
                          help="what a setting or a section is: its type, default and description")
     ge.add_argument("path", help="a setting (rollout.temperature) or a section (rollout, model.tiny)")
-    ge.set_defaults(fn=_cmd_config_explain)
+    ge.set_defaults(fn=_cmd_config_docs)
     gd = gsub.add_parser("docs", **fmt, help="every section and setting as Markdown (docs/config.md)")
     gd.set_defaults(fn=_cmd_config_docs)
 
@@ -427,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     md = msub.add_parser("docs", **fmt, help="every metric as Markdown (docs/metrics.md)")
     md.set_defaults(fn=_cmd_metrics)
 
+
+def _add_tool_commands(sub, fmt: dict) -> None:
+    """bench and convert."""
     b = sub.add_parser("bench", **fmt,
                        help="run a benchmark from tools/bench (prints ratios and a JSON line)",
                        description=f"Run tools/bench/NAME.py. Available: {', '.join(_benches()) or 'none'}.")
@@ -462,7 +460,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "W + (alpha/r) B A instead of the PEFT adapter (adapter_config.json, "
                    "adapter_model.safetensors) it writes by default")
     v.set_defaults(fn=_cmd_convert)
-    return p
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

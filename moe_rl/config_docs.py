@@ -113,3 +113,16 @@ def markdown() -> str:
                 lines.append(f"| `{f.path}` | {f.type} | `{f.default}` | {doc} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def registered() -> str:
+    """`check-config --list`: the registered advantage estimators, policy losses, corrections, aggregation
+    modes and environments, a line each."""
+    from moe_rl.algos import registry
+    from moe_rl.config import AlgorithmSection
+    from moe_rl.rollout.envs import env_names
+
+    lines = [f"{kind}: {', '.join(registry.names(kind))}" for kind in registry.KINDS]
+    aggregation = typing.get_args(typing.get_type_hints(AlgorithmSection)["aggregation"])
+    lines += [f"aggregation: {', '.join(aggregation)}", f"environment: {', '.join(env_names())}"]
+    return "\n".join(lines)

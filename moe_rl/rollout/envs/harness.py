@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from dataclasses import dataclass
 
 from moe_rl.rollout.envs import Environment, absolute_name, import_object, register_env
@@ -184,34 +185,39 @@ def harness_function(spec: str):
     return fn
 
 
-def environment_harness(name: str, options: dict | None = None):
+def environment_harness(name: str, options: dict | None = None, timings: list | None = None):
     """A harness that plays a registered environment through the gateway: its `reset` messages open the
     chat, each reply goes to `step`, each observation comes back as the next message, until the episode
     is done (or the gateway refuses a turn past the run's limits). An observation of None (the model goes
     on) has no chat form: it is sent as an empty message. The same game as the agent loop plays,
     token for token with the same seeds, but over HTTP: what tools/bench/gateway.py and the gateway's
-    tests compare."""
+    tests compare. `timings`, if given, gets each request's seconds as the client sees them."""
     from moe_rl.rollout.envs import EnvSpec
 
     spec = EnvSpec(name, dict(options or {}))
-    # one HTTP client per event loop for every episode: an openai client's own costs ~10 ms to make (its TLS
-    # context), more than a quickstart-sized turn
-    http: dict = {}
+    # one client per event loop for every episode (its connections shared; making one costs ~10 ms, more
+    # than a quickstart-sized turn), pointed at each episode's base URL and the run's key as it starts
+    clients: dict = {}
 
     async def play(base_url: str, row: dict) -> float:
-        import asyncio
+        import os
 
-        import httpx
+        import httpx2
         import openai
 
         loop = asyncio.get_running_loop()
-        if loop not in http:
-            http[loop] = httpx.AsyncClient(timeout=None)
-        client = openai.AsyncOpenAI(base_url=base_url, max_retries=0, http_client=http[loop])
+        if loop not in clients:  # as many connections kept as episodes at once (openai's default keeps 100)
+            limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+            clients[loop] = openai.AsyncOpenAI(base_url=base_url, max_retries=0, http_client=(
+                openai.DefaultAsyncHttpxClient(timeout=None, limits=limits)))
+        client = clients[loop].with_options(base_url=base_url, api_key=os.environ["OPENAI_API_KEY"])
         env = spec.make()
         messages = await env.reset(row)
         while True:
+            t0 = time.perf_counter()
             reply = await client.chat.completions.create(model="policy", messages=messages)
+            if timings is not None:
+                timings.append(time.perf_counter() - t0)
             text = reply.choices[0].message.content or ""
             step = await env.step(text)
             if step.done:
