@@ -44,6 +44,8 @@ once (gateway max_concurrent = sessions), each a game of several turns, until th
                             (games the loop cut for repetition, a rule of its own, are not)
   rss_growth_frac, fds_growth, threads_growth, connections_growth   this process's resident memory, open
                             files, threads and TCP connections after the last wave against the second
+  rss_growth_late_frac      resident memory after the last wave against the middle one: what still grows
+                            once the first minutes' allocations (new batch shapes, allocator arenas) are made
 """
 
 from __future__ import annotations
@@ -190,6 +192,7 @@ async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s:
             "exact_sample": f"{sum(s for s, _ in compared)}/{len(compared)}",
             "max_logprob_diff": max((d for _, d in compared), default=0.0),
             "rss_growth_frac": round(marks[-1][0] / marks[1][0] - 1, 4),
+            "rss_growth_late_frac": round(marks[-1][0] / marks[len(marks) // 2][0] - 1, 4),
             "fds_growth": marks[-1][1] - marks[1][1], "threads_growth": marks[-1][2] - marks[1][2],
             "connections_growth": marks[-1][3] - marks[1][3], "episodes_left": marks[-1][4]}
 
@@ -314,7 +317,8 @@ def main() -> None:
         print(f"load: {loaded['sessions']} sessions ({args.sessions} at once) in {loaded['load_s']} s, "
               f"{loaded['sessions_per_s']} a second; lost {loaded['lost']}; request p50 "
               f"{loaded['latency_p50_ms']} ms, p99 {loaded['latency_p99_ms']} ms; exact "
-              f"{loaded['exact_sample']}; RSS {100 * loaded['rss_growth_frac']:+.1f}%, fds "
+              f"{loaded['exact_sample']}; RSS {100 * loaded['rss_growth_frac']:+.1f}% (second half "
+              f"{100 * loaded['rss_growth_late_frac']:+.1f}%), fds "
               f"{loaded['fds_growth']:+d}, threads {loaded['threads_growth']:+d}, connections "
               f"{loaded['connections_growth']:+d}")
     print(json.dumps(figures))
