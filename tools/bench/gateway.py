@@ -32,6 +32,7 @@ engine's event loop and the harnesses run on a loop of their own in another thre
 
 The load (--sessions, default 512; --duration-s, default 180; 0 skips it): waves of that many sessions at
 once (gateway max_concurrent = sessions), each a game of several turns, until the duration has passed.
+--load-through agent runs the same waves through the agent loop (no HTTP): the memory figures' control.
 
   sessions, waves, sessions_per_s   sessions started, waves, sessions ended per second
   lost                      sessions that neither completed nor failed with a reason (an exception out of
@@ -142,9 +143,11 @@ def same_game(h, a) -> tuple[bool, float]:
     return same, diff
 
 
-async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s: float, sample: int) -> dict:
+async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s: float, sample: int,
+               through: str = "gateway") -> dict:
     """Waves of `sessions` gateway sessions at once until `duration_s` has passed (two waves at least), the
-    harness's request times in `timings`; the module docstring names the figures."""
+    harness's request times in `timings`; the module docstring names the figures. `through="agent"`: the
+    same waves through the agent loop (no HTTP, no gateway), for the memory figures' control."""
     import psutil
 
     from moe_rl.rollout.seeds import sample_seed
@@ -159,9 +162,11 @@ async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s:
         wave = len(marks)
         prompts = env.generate_prompts(sessions, seed=1000 + wave, options=env.Options())
         seed = 2000 + wave
+        play = agent.run_harness_episode if through == "gateway" else loop_agent.run_episode
         results = await asyncio.gather(*(
-            asyncio.wait_for(agent.run_harness_episode(row, g, 0, sample_seed(seed, "sample", g, 0)), limit)
+            asyncio.wait_for(play(row, g, 0, sample_seed(seed, "sample", g, 0)), limit)
             for g, row in enumerate(prompts)), return_exceptions=True)
+        results = [r if isinstance(r, (list, BaseException)) else [r] for r in results]
         for r in results:
             if isinstance(r, BaseException):
                 lost += 1
@@ -187,8 +192,9 @@ async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s:
     ms = sorted(1000 * s for s in timings)
     return {"sessions": sessions * len(marks), "waves": len(marks), "load_s": round(seconds, 1),
             "sessions_per_s": round(sessions * len(marks) / seconds, 2), "lost": lost,
-            "failed": dict(+failed), "outcomes": dict(outcomes), "requests": len(ms),
-            "latency_p50_ms": round(ms[len(ms) // 2], 1), "latency_p99_ms": round(ms[int(0.99 * len(ms))], 1),
+            "through": through, "failed": dict(+failed), "outcomes": dict(outcomes), "requests": len(timings),
+            "latency_p50_ms": round(ms[len(ms) // 2], 1) if ms else None,  # none through the agent loop
+            "latency_p99_ms": round(ms[int(0.99 * len(ms))], 1) if ms else None,
             "exact_sample": f"{sum(s for s, _ in compared)}/{len(compared)}",
             "max_logprob_diff": max((d for _, d in compared), default=0.0),
             "rss_growth_frac": round(marks[-1][0] / marks[1][0] - 1, 4),
@@ -205,6 +211,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=512, help="sessions at once in the load")
     ap.add_argument("--duration-s", type=float, default=180.0, help="the load's length (0: no load)")
     ap.add_argument("--sample", type=int, default=16, help="sessions of the load replayed by the agent loop")
+    ap.add_argument("--load-through", choices=["gateway", "agent"], default="gateway",
+                    help="agent: the load's waves through the agent loop (the memory figures' control)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING)
@@ -284,7 +292,7 @@ def main() -> None:
         loaded = {}
         if args.duration_s > 0:
             loaded = await load(arms["gateway"], arms["agent"], env, timings, args.sessions, args.duration_s,
-                                args.sample)
+                                args.sample, args.load_through)
         await (await arms["gateway"].gateway()).close()
         return times, cpu, tokens, steps, engine_s, loaded
 

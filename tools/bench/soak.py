@@ -132,8 +132,9 @@ def main() -> None:
         "engine_restarts": hist[-1].get("rollout/engine_restarts", 0),
     }
     summary["steps_per_s_ratio"] = summary["steps_per_s"][1] / summary["steps_per_s"][0]
-    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, calculator tool; processes sampled at "
-          f"steps {first} and {last} ({len(both)} in both)")
+    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, the calculator tool"
+          f"{' with ' + ' '.join(args.overrides) if args.overrides else ''}; processes sampled at steps "
+          f"{first} and {last} ({len(both)} in both)")
     print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; "
           f"most: {summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   "
           "goal <= +5%")
