@@ -2,8 +2,10 @@
 
 Runs `moe-rl train` at quickstart size for --steps asynchronous steps (default 200) with two engines
 and the calculator tool (a supervised warm start on its scripted expert first, so that episodes call
-the tool: its code runs in the sandbox), and samples every process of the run (the driver, trainer
-ranks, engines, Ray's own) every step after --warmup:
+the tool: its code runs in the sandbox), or --config as it is (e.g. examples/openai_agent/config.yaml:
+the gateway), with any overrides (model.lora.rank=8; teacher.path=... algorithm.distill_coef=1.0), and
+samples every process of the run (the driver, trainer ranks, engines, Ray's own) every step after
+--warmup:
 
   rss_growth      resident memory of all processes at the end vs after --warmup steps (goal <= 5%),
                   the process that grew most, and every process's own figures
@@ -30,6 +32,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = "configs/quickstart.yaml"
 
 
 def role(p: psutil.Process, driver: int) -> str:
@@ -64,14 +67,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20, help="steps before the first memory sample")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--config", default=QUICKSTART, help="the run's config (the quickstart's: with the "
+                    "calculator tool after a warm start)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=16")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="moe_rl_soak_"))
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "configs/quickstart.yaml", f"run.output_dir={out}",
-           f"run.steps={args.steps}", "environment.name=calculator", "environment.options={}",
-           # the calculator's expert teaches the tool's format first, so that RL episodes call it
-           "environment.token_budget=192", "rollout.max_new_tokens=24", "trainer.warm_start_steps=60",
-           "trainer.eval_prompts=0", "trainer.eval_every=0",
+    # the quickstart's soak: the calculator's expert teaches the tool's format first, so that RL episodes
+    # call it (its code runs in the sandbox); another config runs as it is
+    recipe = ["environment.name=calculator", "environment.options={}", "environment.token_budget=192",
+              "rollout.max_new_tokens=24", "trainer.warm_start_steps=60"] if args.config == QUICKSTART else []
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"run.output_dir={out}",
+           f"run.steps={args.steps}", *recipe, "trainer.eval_prompts=0", "trainer.eval_every=0",
            "rollout.async_mode=true", "rollout.num_engines=2",
            "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -132,7 +138,8 @@ def main() -> None:
         "engine_restarts": hist[-1].get("rollout/engine_restarts", 0),
     }
     summary["steps_per_s_ratio"] = summary["steps_per_s"][1] / summary["steps_per_s"][0]
-    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, the calculator tool"
+    what = "the calculator tool" if args.config == QUICKSTART else args.config
+    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, {what}"
           f"{' with ' + ' '.join(args.overrides) if args.overrides else ''}; processes sampled at steps "
           f"{first} and {last} ({len(both)} in both)")
     print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; "
