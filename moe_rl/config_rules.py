@@ -397,6 +397,7 @@ SWITCHES = (
            lambda c: _env_class(c).reads_tool_timeout, ("environment.tool_timeout_s",)),
     Switch("rollout.record_routes=true (the routes they show)", lambda c: c.rollout.record_routes,
            ("logging.heatmap_every", "logging.routing_diagnostics_every")),
+    Switch("logging.samples > 0", lambda c: c.logging.samples > 0, ("logging.samples_every",)),
     Switch("logging.backends with wandb", lambda c: "wandb" in c.logging.backends, ("logging.wandb_dir",)),
     Switch("logging.backends with mlflow", lambda c: "mlflow" in c.logging.backends,
            ("logging.mlflow_tracking_uri",)),

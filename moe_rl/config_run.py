@@ -254,6 +254,13 @@ class LoggingSection:
     heatmap_every: int = 10
     """the expert-load heatmaps (TensorBoard images; rows: MoE layers, columns: experts) every this many steps
     (on logged steps); 0: never. The load figures themselves are scalars every logged step."""
+    samples: int = 4
+    """Generated episodes logged at each held-out evaluation and every logging.samples_every steps: the
+    prompt, each turn (the model's text; observations marked), reward, success and how it ended, as text to
+    every tracker (samples/eval, samples/train) and as lines of run.output_dir/samples.jsonl; 0: none"""
+    samples_every: int = 10
+    """Training steps between logged samples of a step's episodes (logging.samples of them); 0: only at
+    evaluations"""
     routing_diagnostics_every: int = 10
     """the diagnostic forward without routing replay (how far the trainer's own routing is from the rollout's:
     routing/agreement, correction/logp_mismatch_no_replay) every this many steps; 0: never. It is a full extra
@@ -271,6 +278,8 @@ class LoggingSection:
         positive("logging.log_every", self.log_every)
         in_range("logging.heatmap_every", self.heatmap_every, 0, None)
         in_range("logging.routing_diagnostics_every", self.routing_diagnostics_every, 0, None)
+        in_range("logging.samples", self.samples, 0, None)
+        in_range("logging.samples_every", self.samples_every, 0, None)
 
 
 @dataclass(frozen=True)

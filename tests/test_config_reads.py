@@ -34,6 +34,7 @@ SWITCH_CASES = {
                                            [["algorithm.advantage=grpo", "rollout.samples_per_prompt=2"]]),
     "the tiny model (model.path empty)": ([], [["model.path=/checkpoints/base"]]),
     "rollout.async_mode=true": (["rollout.async_mode=true", "rollout.max_staleness=4"], [[]]),
+    "logging.samples > 0": ([], [["logging.samples=0"]]),
     "logging.backends with wandb": (["logging.backends=[wandb]"], [[]]),
     "logging.backends with mlflow": (["logging.backends=[tensorboard,mlflow]"], [[]]),
     "algorithm.distill_coef > 0": (["algorithm.distill_coef=1", "teacher.path=/teachers/one"], [[]]),

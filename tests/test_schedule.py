@@ -52,11 +52,11 @@ class Recorder:
 
     def wait(self, rollout: InFlight):
         self.events.append(f"wait {rollout.step}")
-        return None, {}
+        return None, {}, []
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> tuple[dict, list]:
         self.events.append("evaluate")
-        return {"eval/reward_mean": 0.5}
+        return {"eval/reward_mean": 0.5}, []
 
     # the step's update (train_step: score, targets, fit, sync)
     def update(self, batch, step: int) -> list[dict]:

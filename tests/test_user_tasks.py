@@ -16,6 +16,8 @@ from cli_runs import train_on_kept_ray
 from conftest import ROOT
 from glossary_check import assert_tags_in_glossary
 
+from moe_rl.trajectory import Outcome
+
 pytestmark = pytest.mark.slow
 
 QUICK = ["logging.progress_bar=false", "cluster.num_cpus=2"]
@@ -93,7 +95,7 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
     proc = train_here(ROOT / "examples" / "tool_env" / "config.yaml", out, "run.steps=2",
                       "trainer.warm_start_steps=4", "trainer.eval_prompts=4", "trainer.eval_every=1",
                       "trainer.eval_samples=2", "rollout.async_mode=true", "checkpoint.every=1",
-                      "rollout.prompts_per_step=4")
+                      "rollout.prompts_per_step=4", "logging.samples=3", "logging.samples_every=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary["evaluations"]) == ["0", "1", "2"]
@@ -118,6 +120,20 @@ def test_a_tool_environment_loaded_by_file_path_with_evaluation_during_training(
             # the tool's result between: mask 0
             assert start > end + 1 and not any(t.response_mask[end + 1:start])
     assert any(len(t.spans) > 1 for t in trajs), "no episode called the tool after the warm start"
+    # generated samples: the first 3 held-out episodes at each evaluation (prompts 0, 0, 1: 2 samples each),
+    # step 2's first training episodes (samples_every=2; one sample a prompt), in samples.jsonl and as
+    # TensorBoard texts
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["group"], r["sample"]) for r in samples] == [
+        *[("eval", s, g, k) for s in (0, 1, 2) for g, k in ((0, 0), (0, 1), (1, 0))],
+        ("train", 2, 0, 0), ("train", 2, 1, 0), ("train", 2, 2, 0)]
+    for r in samples:  # the prompt, then model turns, each after the last one's observation (a tool result)
+        roles = [turn["role"] for turn in r["turns"]]
+        assert r["prompt"] and roles[0] == "model" and "model model" not in " ".join(roles), r
+        assert isinstance(r["success"], bool) and r["outcome"] in {o.value for o in Outcome}
+    assert any(len(r["turns"]) > 2 for r in samples), "no sample shows a tool call and its result"
+    assert [e.step for e in acc.Tensors("samples/eval/text_summary")] == [0, 1, 2]
+    assert [e.step for e in acc.Tensors("samples/train/text_summary")] == [2]
 
 
 def test_math_word_problems_config_trains_and_evaluates(tmp_path):

@@ -23,6 +23,7 @@ from moe_rl.driver.run_checkpoints import Checkpoints
 from moe_rl.driver.schedule import Evaluation, RolloutSchedule
 from moe_rl.driver.startup import start
 from moe_rl.metrics import StepLog, step_figures
+from moe_rl.samples import SampleLog
 from moe_rl.trackers import open_writers
 
 
@@ -67,11 +68,13 @@ def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]
     def update(batch: Batch, step: int) -> list[dict[str, float]]:  # free routing on logged steps N, 2N, ...
         return train_step(models, rollouts, batch, step, params, log, bool(diag) and (step + 1) % diag == 0)
 
-    evaluation = Evaluation(cfg, out, rollouts, log, summary, evals)
+    samples = SampleLog(out, rollouts.model_path, lg.samples, lg.samples_every, log.metrics)
+    evaluation = Evaluation(cfg, out, rollouts, log, summary, evals, samples)
     checkpoints.evals = evals  # the evaluations as they come: the best one's checkpoint is kept
     try:
         trips = round_trips()  # the first rollout's start (and evaluation) counts in the first step's
-        schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, checkpoints.in_flight)
+        schedule = RolloutSchedule(cfg, models, rollouts, log, evaluation, first, checkpoints.in_flight,
+                                   samples)
         steps(first, cfg.run.steps, schedule, update, checkpoints, log, trips)
         session.check_interrupted()
         last = max(first, cfg.run.steps)

@@ -2,7 +2,7 @@
 
     rollouts = Rollouts(cfg, place, model_path, training_prompts(cfg))
     rollout = rollouts.generate(step)             # InFlight: the step's prompts split over the engines
-    batch, metrics = rollouts.wait(rollout)       # one Batch; merged statistics; stale samples dropped
+    batch, metrics, episodes = rollouts.wait(rollout)  # one Batch; merged statistics; stale samples dropped
     rollouts.sync(policy, version)                # the policy's weights into every engine
 
 Evaluation (held-out prompts) and the warm start's scripted-expert demonstrations live here too.
@@ -284,10 +284,10 @@ class Rollouts:
             rollout.done, rollout.calls = Collected(results, time.perf_counter() - t0), []
         return rollout.done
 
-    def wait(self, rollout: InFlight) -> tuple[Batch, dict]:
+    def wait(self, rollout: InFlight) -> tuple[Batch, dict, list]:
         """The step's batch (samples more than rollout.max_staleness versions behind the engines'
-        current weights dropped, in async mode, measured from a sample's oldest token) and the rollout's
-        figures, merged over the engines."""
+        current weights dropped, in async mode, measured from a sample's oldest token), the rollout's
+        figures, merged over the engines, and its trajectories."""
         from moe_rl.rollout.agent import RolloutStats
 
         done = self.finish(rollout)
@@ -344,7 +344,7 @@ class Rollouts:
             **{f"rollout/rejected_{reason}": n for reason, n in st.rejected.items()},
             **{f"rollout/{name}": n for name, n in st.counts.items()},
             **{f"memory/engine_{k.removeprefix('memory_')}": v for k, v in st.memory.items()},
-        }
+        }, trajs
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -386,15 +386,15 @@ class Rollouts:
 
     # -- evaluation and demonstrations ---------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list]:
         """The held-out prompts, trainer.eval_samples samples each (seeded apart from training), on
-        engine 0: mean reward, success rate, pass@k (`evaluation_figures`)."""
+        engine 0: mean reward, success rate, pass@k (`evaluation_figures`), and the trajectories."""
         # the same at every evaluation
         n, seed = self.cfg.trainer.eval_samples, sample_seed(self.cfg.run.seed, "eval")
         greedy = self.cfg.trainer.eval_greedy
         trajs, _ = self._run([self._submit(Call(0, "collect", (self.eval_prompts, n, seed, 0, 0, greedy),
                                                 "evaluation"))])[0]
-        return evaluation_figures(trajs, len(self.eval_prompts), n)
+        return evaluation_figures(trajs, len(self.eval_prompts), n), trajs
 
     def scripted_agent(self, turn):
         """The agent loop with a scripted player in the engine's place (ExpertPolicy playing

@@ -25,14 +25,17 @@ from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.report import say, write_summary
 from moe_rl.driver.rollout_manager import Collected, InFlight
+from moe_rl.samples import SampleLog
 
 
 class Evaluation:
     """The held-out evaluation: when it is due (`due`), and its figures by step (`results`); summary.json
     is written after each. `summary`: the figures before RL (the warm start's) it is written with."""
 
-    def __init__(self, cfg: RunConfig, out: Path, rollouts, log, summary: dict, results: dict[int, dict]):
+    def __init__(self, cfg: RunConfig, out: Path, rollouts, log, summary: dict, results: dict[int, dict],
+                 sample_log: SampleLog | None = None):
         self.out, self.rollouts, self.log, self.summary, self.results = out, rollouts, log, summary, results
+        self.sample_log = sample_log  # a few of its episodes as text (logging.samples)
         tr = cfg.trainer
         self.prompts, self.every, self.samples = tr.eval_prompts, tr.eval_every, tr.eval_samples
         self.steps = cfg.run.steps
@@ -47,8 +50,10 @@ class Evaluation:
         prompts = len(self.rollouts.eval_prompts)
         say(f"evaluating on {prompts} held-out prompts x {self.samples} (step {step})")
         with self.log.timeline.span("evaluate", step):
-            self.results[step] = self.rollouts.evaluate()
+            self.results[step], episodes = self.rollouts.evaluate()
         self.log.metrics.log(step, self.results[step], advance=False)
+        if self.sample_log is not None:
+            self.sample_log.write("eval", step, episodes)
         write_summary(self.out, self.summary, self.results)
 
     def final(self, step: int) -> None:
@@ -64,8 +69,9 @@ class RolloutSchedule:
     rollout.async_depth asynchronous; none after the last step's."""
 
     def __init__(self, cfg: RunConfig, models, rollouts, log, evaluation: Evaluation, first: int,
-                 resumed: list[Collected]):
+                 resumed: list[Collected], sample_log: SampleLog | None = None):
         self.models, self.rollouts, self.log, self.evaluation = models, rollouts, log, evaluation
+        self.sample_log = sample_log  # a few of a step's episodes as text, every logging.samples_every
         self.steps, self.overlap = cfg.run.steps, cfg.rollout.async_mode
         self.depth = cfg.rollout.async_depth if self.overlap else 0
         self.queue: deque[InFlight] = deque(InFlight(first + i, done=c) for i, c in enumerate(resumed))
@@ -91,7 +97,9 @@ class RolloutSchedule:
         if not self.queue or self.queue[0].step != step:
             raise RuntimeError(f"step {step}: the rollouts in flight are {list(self.queue)}")
         with self.log.timeline.span("wait", step):
-            batch, figures = self.rollouts.wait(self.queue.popleft())
+            batch, figures, episodes = self.rollouts.wait(self.queue.popleft())
+        if self.sample_log is not None and self.sample_log.due(step + 1):  # as the step's figures: step + 1
+            self.sample_log.write("train", step + 1, episodes)
         with self.log.timer("onload", step):
             self.rollouts.sleep()
             self.models.onload()
