@@ -346,6 +346,16 @@ class TrainerSection:
     1.0 moves it all, as slime does for Qwen3-30B-A3B on one node; 0: none. Uses megatron's distributed
     optimizer (even at dp 1). Needs CUDA (on CPU the state is in host memory already); `moe-rl plan` counts
     the host memory per node against cluster.host_memory_gb"""
+    precision_aware_optimizer: bool = False
+    """megatron-core's precision-aware optimizer (a bfloat16 model on CUDA): the optimizer owns the fp32 main
+    weights, not the distributed optimizer's copy beside the bf16 ones. Without trainer.optimizer_offload it
+    is Transformer Engine's FusedAdam, which keeps them as the 16-bit remainders of the bf16 weights (2 bytes
+    a parameter instead of 4) and Adam's moments in trainer.adam_moments_dtype; with it, the host optimizer
+    keeps them with the state it moves, so at 1.0 the GPUs keep no optimizer state (slime's recipe for
+    Qwen3-30B-A3B on one node)"""
+    adam_moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam's two moments under trainer.precision_aware_optimizer without optimizer offload (Transformer
+    Engine's FusedAdam): bfloat16 halves them, 8 to 4 bytes a parameter of the optimizer's shard"""
     dp_balance: Literal["cost", "count"] = "cost"
     """How a batch's rows are cut into data-parallel shards: "cost" balances their estimated compute (tokens
     plus attention's term quadratic in length; long-tailed episodes spread over the replicas), "count" gives

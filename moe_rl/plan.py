@@ -304,7 +304,10 @@ def trainer_memory_and_host(shape: ModelShape, cfg, role: str) -> tuple[dict[str
     trainer.optimizer_offload f, megatron's HybridDeviceOptimizer moves f of the Adam moments (8 bytes a
     parameter of the rank's shard) off the GPU, and keeps on the host an fp32 copy of those parameters,
     their fp32 gradients and the moments (16 bytes each); the fp32 main shard stays on the GPU, the
-    step's copy target."""
+    step's copy target. With trainer.precision_aware_optimizer the optimizer owns the main weights: under
+    offload, the host part's with its state (the GPU keeps 12 bytes of (1 - f) of the shard); without,
+    Transformer Engine's FusedAdam keeps their 16-bit remainders (2 bytes) and the two moments in
+    trainer.adam_moments_dtype."""
     trains = role in ("policy", "critic")
     par, b = cfg.parallel, dtype_bytes(cfg)
     tp, pp, cp, ep, etp = par.tp, par.pp, par.cp, par.ep, par.expert_tp
@@ -324,12 +327,18 @@ def trainer_memory_and_host(shape: ModelShape, cfg, role: str) -> tuple[dict[str
         edp = max(par.world_size // (pp * ep * etp), 1)
         # as train/worker.py: megatron's distributed optimizer where dp > 1 (or offloading), sharding over
         # its dp*cp group
-        offload = cfg.trainer.optimizer_offload
-        distributed = par.distributed_optimizer and par.dp > 1 or bool(offload)
+        offload, aware = cfg.trainer.optimizer_offload, cfg.trainer.precision_aware_optimizer
+        distributed = par.distributed_optimizer and par.dp > 1 or bool(offload) or aware
         dp_shards, edp_shards = (par.dp * cp, edp) if distributed else (1, 1)
         out["gradients"] = (p_dense + p_expert) * 4
         shard = p_dense / dp_shards + p_expert / edp_shards  # parameters whose Adam state this rank holds
-        out["optimizer"] = shard * (opt - 8 * offload)
+        if aware and offload:
+            opt = 12 * (1 - offload)
+        elif aware:
+            opt = 2 + 2 * (4 if cfg.trainer.adam_moments_dtype == "float32" else 2)
+        else:
+            opt -= 8 * offload
+        out["optimizer"] = shard * opt
         host = shard * 16 * offload
         # 1F1B: pp microbatches of L/pp
         kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)

@@ -37,14 +37,16 @@ def teacher_spec(cfg: RunConfig, hf_path: str):
 
 
 def optim_settings(cfg: RunConfig, lr: float):
-    from moe_rl.train.worker import OptimSettings
+    from moe_rl.train.optim import OptimSettings
 
     tr = cfg.trainer
     return OptimSettings(lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
                          adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
                          distributed_optimizer=cfg.parallel.distributed_optimizer,
                          micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences,
-                         logit_chunk_tokens=tr.logit_chunk_tokens, optimizer_offload=tr.optimizer_offload)
+                         logit_chunk_tokens=tr.logit_chunk_tokens, optimizer_offload=tr.optimizer_offload,
+                         precision_aware=tr.precision_aware_optimizer,
+                         adam_moments_dtype=tr.adam_moments_dtype)
 
 
 def engine_settings(cfg: RunConfig, model_path: str):

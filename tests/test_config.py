@@ -114,6 +114,24 @@ def test_colocation_settings_on_gpu():
     assert from_dict({}, ["cluster.offload=true"], cuda_available=False).cluster.offload  # a copy on CPU
 
 
+def test_the_precision_aware_optimizer_on_gpu():
+    """For a bfloat16 model; bfloat16 moments only where Transformer Engine's FusedAdam steps them (not under
+    optimizer offload); the moments' dtype alone, without the optimizer that reads it, is refused."""
+    bf16 = ["model.dtype=bfloat16", "trainer.precision_aware_optimizer=true"]
+    cfg = from_dict({}, [*bf16, "trainer.optimizer_offload=1.0"], cuda_available=True)
+    assert cfg.trainer.precision_aware_optimizer and cfg.trainer.adam_moments_dtype == "float32"
+    assert _err(["trainer.precision_aware_optimizer=true", "trainer.optimizer_offload=1.0"], cuda=True) == (
+        "trainer.precision_aware_optimizer: lowers the optimizer's precision below a float32 model's: it is "
+        "for bfloat16 models (model.dtype)")
+    assert _err([*bf16, "trainer.optimizer_offload=1.0", "trainer.adam_moments_dtype=bfloat16"],
+                cuda=True).startswith("trainer.adam_moments_dtype: bfloat16: the offloaded optimizer")
+    assert _err(["trainer.adam_moments_dtype=bfloat16"], cuda=True).startswith(
+        "trainer.adam_moments_dtype: 'bfloat16' has no effect in this run: only "
+        "trainer.precision_aware_optimizer=true reads it")
+    assert from_dict({}, [*bf16, "trainer.adam_moments_dtype=bfloat16"],
+                     cuda_available=True).trainer.adam_moments_dtype == "bfloat16"
+
+
 def test_nccl_weight_transfer_needs_separate_gpus():
     """NCCL refuses two ranks on one GPU: colocated trainer and engines cannot share an NCCL group."""
     with pytest.raises(ConfigError, match="^rollout.weight_transfer: 'nccl' joins"):
@@ -223,6 +241,9 @@ DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip
     (["trainer.optimizer_offload=0.5"], "trainer.optimizer_offload: 0.5 moves optimizer state from GPUs to "
      "host memory, and this machine has no GPU"),
     (["trainer.optimizer_offload=1.5"], "trainer.optimizer_offload: 1.5 is outside the allowed range"),
+    (["trainer.precision_aware_optimizer=true"], "trainer.precision_aware_optimizer: megatron's "
+     "precision-aware optimizer needs CUDA (and, without optimizer offload, Transformer Engine), and this "
+     "machine has no GPU; use false"),
     (["cluster.host_memory_gb=0"], "cluster.host_memory_gb: 0.0 is outside the allowed range"),
     (["algorithm.distill_coef=1", "teacher.path=/t", "parallel.world_size=2", "teacher.tp=4"],
      "teacher.tp/pp: the teachers' layout over parallel.world_size=2 ranks: 2 is not a multiple of "

@@ -1,4 +1,4 @@
-"""A setting that nothing in the run reads is refused (config_rules.check_settings_are_read).
+"""A setting that nothing in the run reads is refused (config_reads.check_settings_are_read).
 
 Every config field and every registered method are enumerated, so a field added later without a
 reader, or a method whose declared settings are wrong, fails here:
@@ -19,7 +19,7 @@ from conftest import ROOT, moe_rl_cli
 
 from moe_rl.algos import registry
 from moe_rl.config import ConfigError, RunConfig, from_dict
-from moe_rl.config_rules import SWITCHES, conditional_readers, leaf_paths
+from moe_rl.config_reads import SWITCHES, conditional_readers, leaf_paths
 
 DEFAULTS = leaf_paths(RunConfig())
 
@@ -35,6 +35,8 @@ SWITCH_CASES = {
     "the tiny model (model.path empty)": ([], [["model.path=/checkpoints/base"]]),
     "rollout.async_mode=true": (["rollout.async_mode=true", "rollout.max_staleness=4"], [[]]),
     "logging.samples > 0": ([], [["logging.samples=0"]]),
+    "trainer.precision_aware_optimizer=true": (
+        ["model.dtype=bfloat16", "trainer.precision_aware_optimizer=true"], [[]]),
     "logging.backends with wandb": (["logging.backends=[wandb]"], [[]]),
     "logging.backends with mlflow": (["logging.backends=[tensorboard,mlflow]"], [[]]),
     "algorithm.distill_coef > 0": (["algorithm.distill_coef=1", "teacher.path=/teachers/one"], [[]]),
@@ -99,13 +101,17 @@ def other_value(path: str, tmp_path: Path):
     raise AssertionError(f"no other value for {path} ({tp})")
 
 
-def load(overrides: list[str]) -> RunConfig:
-    return from_dict({}, overrides, cuda_available=False)
+# switches of GPU-only settings: checked as on a GPU machine
+ON_GPU = {"trainer.precision_aware_optimizer=true"}
 
 
-def refused(overrides: list[str], path: str) -> str:
+def load(overrides: list[str], cuda: bool = False) -> RunConfig:
+    return from_dict({}, overrides, cuda_available=cuda)
+
+
+def refused(overrides: list[str], path: str, cuda: bool = False) -> str:
     with pytest.raises(ConfigError) as info:
-        load(overrides)
+        load(overrides, cuda)
     msg = str(info.value)
     assert msg.startswith(f"{path}: ") and "has no effect in this run: only " in msg and "\n" not in msg, msg
     return msg
@@ -145,9 +151,10 @@ def test_every_switch_turns_its_settings_on_and_off(tmp_path):
         assert paths, switch.choice
         for path in paths:
             value = f"{path}={other_value(path, tmp_path)}"
-            assert load([*on, value])  # read where the switch is on
+            cuda = switch.choice in ON_GPU
+            assert load([*on, value], cuda)  # read where the switch is on
             for off in offs:
-                assert switch.choice in refused([*off, value], path)
+                assert switch.choice in refused([*off, value], path, cuda)
 
 
 def _attributes_read_outside_the_config() -> set[str]:
@@ -156,7 +163,7 @@ def _attributes_read_outside_the_config() -> set[str]:
     names = set()
     for file in (ROOT / "moe_rl").rglob("*.py"):
         tree = ast.parse(file.read_text())
-        if file.name in ("config.py", "config_rules.py", "schema.py"):
+        if file.name in ("config.py", "config_rules.py", "config_reads.py", "schema.py"):
             tree = ast.Module([node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                                and any(getattr(d, "id", "") == "property" for d in node.decorator_list)], [])
         names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}

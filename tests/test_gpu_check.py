@@ -25,7 +25,7 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
     assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out \
         and "tools/gpu_check.py" in out
     assert "mbridge-0.15.1-py3-none-any.whl" in out and "megatron_core-0.16.1-cp312" in out
-    assert "collects: 11 gpu tests" in out \
+    assert "collects: 12 gpu tests" in out \
         and re.search(r"wheel cache: \.whl holds 3 wheels, [\d.]+ MiB", out)
     assert "FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree" in out
     budget = re.search(r"time budget: .* at most (\d+) s of (\d+) s", out)

@@ -190,6 +190,29 @@ def test_optimizer_offload_moves_adam_state_to_the_host_worked_by_hand():
                               "routes) does not fit 230.4 GiB (90% of cluster.host_memory_gb=256)"]
 
 
+def test_the_precision_aware_optimizer_worked_by_hand():
+    """trainer.precision_aware_optimizer: the optimizer owns the fp32 main weights. Without offload,
+    Transformer Engine's FusedAdam keeps their 16-bit remainders (2 bytes) and the moments (8 bytes, or 4 in
+    bfloat16) of the rank's shard: 10 or 6 bytes a parameter instead of 12; under offload f the host part's
+    optimizer holds them with its state, the GPU 12 bytes of the other 1 - f (none at 1.0, the fp32 main
+    shard's 4 bytes gone), the host's 16 bytes of f as before."""
+    recipe = ROOT / "configs/qwen3_30b_a3b_grpo_2n8g.yaml"  # tp 2, pp 2, ep 2, 8 trainer ranks: dp 2
+    s = ModelShape.from_hf(QWEN3_30B_A3B)
+    dense = (24 * s.attention + 24 * s.moe_shared + s.hidden + s.vocab * s.hidden) / 2  # stage 1, tp 2
+    shard = dense / 2 + 24 * 128 * s.expert / 4 / (8 / (2 * 4))
+
+    def policy(*overrides):
+        cfg = load_config(recipe, ["trainer.precision_aware_optimizer=true", *overrides], cuda_available=True)
+        return make_plan(cfg, QWEN3_30B_A3B).roles[0]
+
+    assert policy().per_gpu["optimizer"] == pytest.approx(shard * 10)
+    assert policy("trainer.adam_moments_dtype=bfloat16").per_gpu["optimizer"] == pytest.approx(shard * 6)
+    for f in (0.5, 1.0):
+        got = policy(f"trainer.optimizer_offload={f}")
+        assert got.per_gpu["optimizer"] == pytest.approx(shard * 12 * (1 - f)) and \
+            got.host == pytest.approx(shard * 16 * f), f
+
+
 def test_colocated_phases_worked_by_hand():
     """Colocated roles share each GPU phase by phase: in generation the engine beside what the trainer keeps
     resident (its weights, gradients and optimizer state; nothing with cluster.offload), in training the
@@ -214,9 +237,14 @@ def test_colocated_phases_worked_by_hand():
         engine_weights = engine.per_gpu["weights"]
         moved = max(8 * resident if offload else 0, 8 * engine_weights if sleep else 0)
         assert p.host_bytes == pytest.approx(8 * policy.host + moved + p.route_bytes)
-    # everything resident at once: 38.0 + 44.0 GiB, over 72 GiB (90% of 80): refused, naming the phase
-    both = plan("cluster.offload=false", "rollout.sleep_engines=false")
+    # everything resident at once, the fp32 main weights on the GPUs too (no precision-aware optimizer):
+    # 38.0 + 44.0 GiB, over 72 GiB (90% of 80): refused, naming the phase
+    both = plan("cluster.offload=false", "rollout.sleep_engines=false",
+                "trainer.precision_aware_optimizer=false")
     assert both.phases["training"][0] / gib == pytest.approx(82.0, abs=0.1)
+    # with it, the recipe's: 23.7 + 44.0 GiB fits even so
+    assert plan("cluster.offload=false", "rollout.sleep_engines=false").phases["training"][0] / gib \
+        == pytest.approx(67.7, abs=0.1)
     assert [x.split(":")[0] for x in both.problems] == ["colocated, generation", "colocated, training"]
 
 

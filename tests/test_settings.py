@@ -31,7 +31,7 @@ from moe_rl.rollout.engine_settings import EngineLora, EngineSettings
 from moe_rl.train.lora import LoraSettings
 from moe_rl.train.model import ModelSpec
 from moe_rl.train.objectives import PolicyLoss
-from moe_rl.train.worker import OptimSettings
+from moe_rl.train.optim import OptimSettings
 
 # every config field a settings object reads, away from its default
 CFG = RunConfig(
@@ -91,6 +91,8 @@ CASES = {
         "pack_sequences": at("trainer.pack_sequences"),
         "logit_chunk_tokens": at("trainer.logit_chunk_tokens"),
         "optimizer_offload": at("trainer.optimizer_offload"),
+        "precision_aware": at("trainer.precision_aware_optimizer"),
+        "adam_moments_dtype": at("trainer.adam_moments_dtype"),
     }, {"adam_eps"}),
     "engine_settings": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir"), EngineSettings, {
         "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -44,37 +43,10 @@ from moe_rl.train.logprobs import (
     target_logprobs,
 )
 from moe_rl.train.offload import HostCopies, storages
+from moe_rl.train.optim import OptimSettings, optimizer_config, uses_distributed_optimizer
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.train.results import ScoreResult, UpdateResult
 from moe_rl.trajectory import route_torch_dtype
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
-
-    lr: float  # trainer.lr or critic.lr
-    weight_decay: float  # trainer.*
-    adam_beta1: float
-    adam_beta2: float
-    grad_clip: float
-    distributed_optimizer: bool  # parallel.distributed_optimizer
-    micro_batch_tokens: int  # trainer.*
-    pack_sequences: bool  # trainer.*; THD: a microbatch's sequences end to end in one row (train/packing.py)
-    logit_chunk_tokens: int  # trainer.*: log-probs this many tokens at a time (train/logprobs.py; 0: whole)
-    optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
-    adam_eps: float = 1e-8  # no config field
-
-
-def offload_config(fraction: float) -> dict:
-    """megatron-core OptimizerConfig fields for `fraction` of the optimizer's state on the host: its
-    HybridDeviceOptimizer keeps that share of the fp32 copies and Adam moments in pinned host memory and
-    steps them with torch's CPU AdamW; copies overlapped with the CPU step (CUDA only: config_rules)."""
-    if not fraction:
-        return {}
-    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
-                overlap_cpu_optimizer_d2h_h2d=True, pin_cpu_grads=True, pin_cpu_params=True)
 
 
 class TrainWorker:
@@ -85,7 +57,7 @@ class TrainWorker:
         gradient buffers, no optimizer state; `optim` still sets its microbatching."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         from moe_rl.train import hf_io as hf
@@ -112,24 +84,13 @@ class TrainWorker:
             lora.add_adapters(module, spec.lora, hf.rank_names(module, self.config.num_moe_experts), seed)
         self.model, self.optimizer = module, None
         if trains:
-            # the distributed optimizer where there is something to shard (at dp 1 it only adds copies: 3x
-            # optimizer time on CPU), and under optimizer offload (HybridDeviceOptimizer steps fp32 shards)
-            distributed = optim.distributed_optimizer and ps.get_data_parallel_world_size() > 1 \
-                or bool(optim.optimizer_offload)
+            distributed = uses_distributed_optimizer(optim, ps.get_data_parallel_world_size())
             self.ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
             self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config,
                                                  module=module)
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
-                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                    clip_grad=optim.grad_clip, use_distributed_optimizer=distributed,
-                    bf16=spec.torch_dtype is torch.bfloat16, params_dtype=spec.torch_dtype,
-                    **offload_config(optim.optimizer_offload),
-                ),
-                [self.model],
-            )
+            self.optimizer = get_megatron_optimizer(optimizer_config(optim, distributed, spec.torch_dtype),
+                                                    [self.model])
             # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
             # embedding grads across the pipeline
             from megatron.core.distributed import finalize_model_grads

@@ -229,3 +229,20 @@ def test_optimizer_offload_takes_the_same_steps(tiny_qwen):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
     assert on_gpu["figures"][0]["loss"] != on_gpu["figures"][-1]["loss"]  # the steps moved the policy
     assert largest_gap(on_gpu["after"], on_host["after"]) <= 1e-5
+
+
+# last: the newest, never run on a GPU yet (a run out of time cuts it alone)
+def test_the_precision_aware_optimizer_under_offload_takes_offloads_steps(tiny_qwen):
+    """trainer.precision_aware_optimizer with optimizer_offload=1.0 (slime's Qwen3-30B-A3B recipe; no
+    Transformer Engine needed), a bf16 model: the host optimizer owns the fp32 main weights instead of the
+    distributed optimizer's GPU copy, and three updates land where offload alone lands them (both keep
+    fp32 main weights on the host and step them with torch's CPU AdamW)."""
+    from train_jobs import optimizer_offload_job
+
+    plain, aware = (run_ranks(optimizer_offload_job, 1, (str(tiny_qwen), {}, 1.0, 3, p, "bfloat16"))[0]
+                    for p in (False, True))
+    assert aware["inner"] == plain["inner"] == ["HybridDeviceOptimizer"]
+    for a, b in zip(plain["figures"], aware["figures"], strict=True):
+        assert a["update_ok"] == b["update_ok"] == 1.0
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
+    assert largest_gap(plain["after"], aware["after"]) <= 2e-2  # bf16 log-probs

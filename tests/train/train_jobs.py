@@ -475,17 +475,20 @@ def chunk_worker_job(rank, world, hf_path, layout, chunk, pack=False):
             "after": after.logp_BS, "params": {n: p.detach().clone() for n, p in w.module.named_parameters()}}
 
 
-def optimizer_offload_job(rank, world, hf_path, layout, offload, steps=3):
-    """`steps` PPO updates on the same batch with trainer.optimizer_offload=`offload` (a GPU feature): each
-    step's figures, the log-probs after, and the optimizer's class (HybridDeviceOptimizer where offloaded)."""
+def optimizer_offload_job(rank, world, hf_path, layout, offload, steps=3, precision_aware=False,
+                          dtype="float32"):
+    """`steps` PPO updates on the same batch with trainer.optimizer_offload=`offload` (a GPU feature; and
+    trainer.precision_aware_optimizer, a `dtype` model): each step's figures, the log-probs after, and the
+    optimizer's class (HybridDeviceOptimizer where offloaded)."""
     from moe_rl.train import parallel
     from moe_rl.train.hf_parity import exact_fp32_matmuls
     from moe_rl.train.worker import TrainWorker
 
     exact_fp32_matmuls()
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24,
-                                                             optimizer_offload=offload))
+    w = TrainWorker(model_spec(hf_path, dtype=dtype),
+                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24,
+                                         optimizer_offload=offload, precision_aware=precision_aware))
     ids, lengths, mask, adv = batch_tensors()
     routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
     before = w.score(Batch(ids, lengths, routes))

@@ -1,0 +1,69 @@
+"""The trainer's optimizer settings and the megatron-core OptimizerConfig a trainer rank builds from them:
+Adam, megatron's distributed optimizer where it shards something, the share of its state on the host
+(trainer.optimizer_offload) and the precision-aware optimizer (trainer.precision_aware_optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections,
+    config_run.py and config_rl.py)."""
+
+    lr: float  # trainer.lr or critic.lr
+    weight_decay: float  # trainer.*
+    adam_beta1: float
+    adam_beta2: float
+    grad_clip: float
+    distributed_optimizer: bool  # parallel.distributed_optimizer
+    micro_batch_tokens: int  # trainer.*
+    pack_sequences: bool  # trainer.*; THD: a microbatch's sequences end to end in one row (train/packing.py)
+    logit_chunk_tokens: int  # trainer.*: log-probs this many tokens at a time (train/logprobs.py; 0: whole)
+    optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
+    precision_aware: bool = False  # trainer.precision_aware_optimizer
+    adam_moments_dtype: str = "float32"  # trainer.*: under the precision-aware optimizer without offload
+    adam_eps: float = 1e-8  # no config field
+
+
+def offload_config(fraction: float) -> dict:
+    """megatron-core OptimizerConfig fields for `fraction` of the optimizer's state on the host: its
+    HybridDeviceOptimizer keeps that share of the fp32 copies and Adam moments in pinned host memory and
+    steps them with torch's CPU AdamW; copies overlapped with the CPU step (CUDA only: config_rules)."""
+    if not fraction:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
+                overlap_cpu_optimizer_d2h_h2d=True, pin_cpu_grads=True, pin_cpu_params=True)
+
+
+def precision_config(precision_aware: bool, moments_dtype: str) -> dict:
+    """megatron-core OptimizerConfig fields of the precision-aware optimizer: the fp32 main weights owned by
+    the optimizer (Transformer Engine's FusedAdam, which keeps their 16-bit remainders; under offload the
+    HybridDeviceOptimizer), Adam's moments in `moments_dtype` (CUDA and a bf16 model only: config_rules)."""
+    if not precision_aware:
+        return {}
+    moments = {"float32": torch.float32, "bfloat16": torch.bfloat16}[moments_dtype]
+    return dict(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+
+
+def uses_distributed_optimizer(optim: OptimSettings, dp: int) -> bool:
+    """megatron's distributed optimizer where there is something to shard (at dp 1 it only adds copies: 3x
+    optimizer time on CPU), and always under optimizer offload (HybridDeviceOptimizer steps fp32 shards)
+    and the precision-aware optimizer (megatron supports it with the distributed optimizer only)."""
+    return optim.distributed_optimizer and dp > 1 or bool(optim.optimizer_offload) or optim.precision_aware
+
+
+def optimizer_config(optim: OptimSettings, distributed: bool, params_dtype: torch.dtype):
+    """The OptimizerConfig of a trainer rank: Adam with `optim`'s settings over parameters of `params_dtype`
+    (bf16 ones: fp32 main weights beside them)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps, clip_grad=optim.grad_clip,
+        use_distributed_optimizer=distributed, bf16=params_dtype is torch.bfloat16, params_dtype=params_dtype,
+        **offload_config(optim.optimizer_offload),
+        **precision_config(optim.precision_aware, optim.adam_moments_dtype))
