@@ -57,7 +57,8 @@ CFG = RunConfig(
         overlong_buffer=20, overlong_penalty=0.5, distill_coef=0.7),
     trainer=TrainerSection(lr=3e-4, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95, grad_clip=0.5,
                            micro_batch_tokens=999, pack_sequences=False,
-                           logit_chunk_tokens=333, optimizer_offload=0.25),
+                           logit_chunk_tokens=333, optimizer_offload=0.25, precision_aware_optimizer=True,
+                           adam_moments_dtype="bfloat16"),
     critic=CriticSection(lr=7e-4),
     reward_model=RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0),
 )

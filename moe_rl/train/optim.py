@@ -24,8 +24,8 @@ class OptimSettings:
     pack_sequences: bool  # trainer.*; THD: a microbatch's sequences end to end in one row (train/packing.py)
     logit_chunk_tokens: int  # trainer.*: log-probs this many tokens at a time (train/logprobs.py; 0: whole)
     optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
-    precision_aware: bool = False  # trainer.precision_aware_optimizer
-    adam_moments_dtype: str = "float32"  # trainer.*: under the precision-aware optimizer without offload
+    precision_aware: bool  # trainer.precision_aware_optimizer
+    adam_moments_dtype: str  # trainer.*: under the precision-aware optimizer without offload
     adam_eps: float = 1e-8  # no config field
 
 
