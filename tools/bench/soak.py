@@ -9,6 +9,8 @@ samples every process of the run (the driver, trainer ranks, engines, Ray's own)
 
   rss_growth      resident memory of all processes at the end vs after --warmup steps (goal <= 5%),
                   the process that grew most, and every process's own figures
+  private_growth  the same less file and shared-memory pages (Ray's object store, mapped by the
+                  processes that put and get objects, counts in each one's resident memory)
   fds, threads    open file descriptors and threads, summed, after warm-up vs at the end (no growth)
   steps/s         from the median step time of each quarter after warm-up (no decay: last vs first)
 
@@ -55,8 +57,9 @@ def snapshot(driver: int) -> dict[int, dict]:
     for p in procs:
         try:
             with p.oneshot():
-                out[p.pid] = {"role": role(p, driver), "rss": p.memory_info().rss, "fds": p.num_fds(),
-                              "threads": p.num_threads()}
+                mem = p.memory_info()  # shared: file and shared-memory pages (Ray's object store)
+                out[p.pid] = {"role": role(p, driver), "rss": mem.rss, "shared": mem.shared,
+                              "fds": p.num_fds(), "threads": p.num_threads()}
         except psutil.Error:
             pass
     return out
@@ -117,6 +120,10 @@ def main() -> None:
     both = sorted(set(a) & set(b))
     rss_a, rss_b = sum(a[p]["rss"] for p in both), sum(b[p]["rss"] for p in both)
     worst = max(both, key=lambda p: b[p]["rss"] / a[p]["rss"])
+
+    def private(snap: dict) -> int:  # resident memory less its file and shared-memory pages
+        return sum(snap[p]["rss"] - snap[p]["shared"] for p in both)
+
     times = [h["timing/step_s"] for h in hist[args.warmup:]]
     q = max(1, len(times) // 4)
     summary = {
@@ -129,8 +136,11 @@ def main() -> None:
         "steps_per_s": [1 / statistics.median(times[:q]), 1 / statistics.median(times[-q:])],
         "steps_per_s_by_quarter": [1 / statistics.median(times[i * q:(i + 1) * q]) for i in range(4)
                                    if times[i * q:(i + 1) * q]],
+        "private_growth": private(b) / private(a) - 1,
         "per_process": [{"role": b[p]["role"], "pid": p,
                          "rss_mib": [a[p]["rss"] / 2**20, b[p]["rss"] / 2**20],
+                         "private_mib": [(a[p]["rss"] - a[p]["shared"]) / 2**20,
+                                         (b[p]["rss"] - b[p]["shared"]) / 2**20],
                          "growth": b[p]["rss"] / a[p]["rss"] - 1, "fds": [a[p]["fds"], b[p]["fds"]],
                          "threads": [a[p]["threads"], b[p]["threads"]]} for p in both],
         "reward_mean": [hist[0]["reward/mean"], hist[-1]["reward/mean"]],
@@ -145,9 +155,12 @@ def main() -> None:
     print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; "
           f"most: {summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   "
           "goal <= +5%")
+    print(f"  private_growth  {summary['private_growth']:+.2%}  (resident less file and shared-memory pages, "
+          "such as Ray's object store that processes map)")
     for row in sorted(summary["per_process"], key=lambda r: -r["rss_mib"][1]):
         print(f"    {row['role']:<14} pid {row['pid']:<8} {row['rss_mib'][0]:8.1f} -> "
-              f"{row['rss_mib'][1]:8.1f} MiB ({row['growth']:+.2%})  fds {row['fds'][0]} -> {row['fds'][1]}  "
+              f"{row['rss_mib'][1]:8.1f} MiB ({row['growth']:+.2%}; private {row['private_mib'][0]:.1f} -> "
+              f"{row['private_mib'][1]:.1f})  fds {row['fds'][0]} -> {row['fds'][1]}  "
               f"threads {row['threads'][0]} -> {row['threads'][1]}")
     print(f"  fds             {summary['fds'][0]} -> {summary['fds'][1]}")
     print(f"  threads         {summary['threads'][0]} -> {summary['threads'][1]}")
