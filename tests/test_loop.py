@@ -10,6 +10,7 @@ Layouts (TP2, DP2), colocation, PPO-EWMA and the pre-update check (critics: test
 The reference, the faults and the one-line refusal run `moe-rl train` as a process, as a user does; the
 other scenarios call the CLI's main in this process, on a local Ray kept for the module (`run_train`)."""
 
+import json
 import os
 import re
 import signal
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.slow
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     proc = run_cli(out, "logging.progress_bar=true", "checkpoint.export_hf_every=3",
-                   "logging.backends=[tensorboard,mlflow,wandb]")
+                   "logging.backends=[tensorboard,mlflow,wandb]", "logging.samples_every=2")
     return out, proc
 
 
@@ -108,6 +109,11 @@ def test_smoke_run_writes_tensorboard_and_checkpoints(reference):
     assert "run:\n  name: quickstart" in (out / "config.yaml").read_text()
     assert "config" in " ".join(acc.Tags()["tensors"])  # the same YAML as TensorBoard text
     assert re.search(r"step=[\d.]+s", proc.stderr)  # the progress bar: each step's time
+    # generated samples every 2 steps (no evaluation here): step 2's first 4 episodes, as text too
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in samples] == [("train", 2)] * 4
+    assert all(r["prompt"] and r["turns"][0]["role"] == "model" for r in samples)
+    assert [e.step for e in acc.Tensors("samples/train/text_summary")] == [2]
 
 
 def test_the_trackers_get_the_same_scalars_as_tensorboard(reference):
