@@ -105,6 +105,23 @@ def test_a_config_mistake_is_not_retried_and_shuts_the_cluster_down(slurm, tmp_p
     assert job_processes(job) == [], explain(slurm, tmp_path)
 
 
+def test_a_ray_step_that_exits_while_starting_is_started_again_then_named(slurm, tmp_path):
+    """Ray gives a node a fixed 30 s to start; on a loaded node `ray start` gives up and its step ends: the
+    script starts it again, MOE_RL_RAY_START_TRIES times in all, then stops naming the node. Here every
+    start fails (an argument `ray start` refuses), so the head's step runs twice and the job ends."""
+    proc, job, logs = submit(slurm, tmp_path, env_extra={"MOE_RL_RAY_START_TRIES": "2",
+                                                         "MOE_RL_RAY_NODE_ARGS": "--no-such-ray-flag"})
+    head = list(NODES)[0]
+    script = (logs / "driver.log").read_text()
+    assert proc.returncode == 1, explain(slurm, tmp_path)
+    assert f"Ray on {head} exited while starting (start 1 of 2; see {logs}/ray-{head}.log): starting it " \
+        "again" in script, script
+    assert f"a Ray step exited early, on {head} after 2 start(s)" in script and "driver exited" not in script
+    assert (logs / f"ray-{head}.log").read_text().count("no-such-ray-flag") >= 2  # both starts' output kept
+    time.sleep(1)
+    assert job_processes(job) == [], explain(slurm, tmp_path)
+
+
 def test_cancelled_job_stops_everything_it_started(slurm, tmp_path):
     proc, job, logs = submit(slurm, tmp_path, wait=False)
     assert proc.returncode == 0 and job, proc.stderr
