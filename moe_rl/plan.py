@@ -325,10 +325,11 @@ def trainer_memory_and_host(shape: ModelShape, cfg, role: str) -> tuple[dict[str
     if trains:
         opt = 12 if b == 2 else 8
         edp = max(par.world_size // (pp * ep * etp), 1)
-        # as train/worker.py: megatron's distributed optimizer where dp > 1 (or offloading), sharding over
-        # its dp*cp group
+        # as a trainer rank: megatron's distributed optimizer sharding over its dp*cp group, where it shards
+        from moe_rl.train.optim import shards_optimizer
+
         offload, aware = cfg.trainer.optimizer_offload, cfg.trainer.precision_aware_optimizer
-        distributed = par.distributed_optimizer and par.dp > 1 or bool(offload) or aware
+        distributed = shards_optimizer(par.distributed_optimizer, par.dp, offload, aware)
         dp_shards, edp_shards = (par.dp * cp, edp) if distributed else (1, 1)
         out["gradients"] = (p_dense + p_expert) * 4
         shard = p_dense / dp_shards + p_expert / edp_shards  # parameters whose Adam state this rank holds

@@ -9,6 +9,7 @@ import time
 import ray
 import torch
 
+import moe_rl
 from moe_rl.driver.placement import _free_address, use_threads
 from moe_rl.driver.rollout_actor import EngineSyncClient
 from moe_rl.driver.session import failpoint
@@ -38,6 +39,7 @@ class RankActor:
         self.worker = TrainWorker(spec, role=role, optim=optim, seed=seed, load_weights=load_weights,
                                   value_head_from=value_head_from, trains=trains)
         self.anchor = None
+        moe_rl.started()
 
     def placed(self) -> tuple[str, int]:
         """(this rank's node IP, its CPU threads)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import moe_rl
 from moe_rl.config import RunConfig, dump_yaml
 from moe_rl.driver.report import CONFIG_FILE, say
 
@@ -82,6 +83,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     rollouts.connect(models.policy)
     phase("weight-sync connect")
     say(sync_line(cfg, (rollouts.lora_sync, rollouts.lora_sync_why)))
+    moe_rl.started()
     say(f"start-up: {time.perf_counter() - t0:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
         + ")")
     return models, rollouts

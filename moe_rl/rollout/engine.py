@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+import moe_rl
 from moe_rl.rollout import engine_rpc
 from moe_rl.rollout.engine_settings import (
     EngineLora,
@@ -161,6 +162,7 @@ class RolloutEngine:
             cpu_moe_without_lora()
         kwargs = engine_kwargs(settings, self.route_source, cuda)
         self.prefix_caching = kwargs["enable_prefix_caching"]
+        moe_rl.started()  # vLLM is imported: its start-up's collections pass over less
         self.llm = LLM(**kwargs)
         # where the engine gets adapters: those it holds
         self.adapters = Adapters(settings.lora, settings.model_path) if self.lora_sync == "adapters" else None

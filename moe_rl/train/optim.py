@@ -1,12 +1,15 @@
 """The trainer's optimizer settings and the megatron-core OptimizerConfig a trainer rank builds from them:
 Adam, megatron's distributed optimizer where it shards something, the share of its state on the host
-(trainer.optimizer_offload) and the precision-aware optimizer (trainer.precision_aware_optimizer)."""
+(trainer.optimizer_offload) and the precision-aware optimizer (trainer.precision_aware_optimizer).
+Imports no torch at module level: the planner (moe_rl/plan.py) reads `shards_optimizer` here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,20 +48,29 @@ def precision_config(precision_aware: bool, moments_dtype: str) -> dict:
     HybridDeviceOptimizer), Adam's moments in `moments_dtype` (CUDA and a bf16 model only: config_rules)."""
     if not precision_aware:
         return {}
+    import torch
+
     moments = {"float32": torch.float32, "bfloat16": torch.bfloat16}[moments_dtype]
     return dict(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
 
 
+def shards_optimizer(distributed_optimizer: bool, dp: int, offload: float, precision_aware: bool) -> bool:
+    """Whether a trainer uses megatron's distributed optimizer: where parallel.distributed_optimizer asks
+    for it and there is something to shard (at dp 1 it only adds copies: 3x optimizer time on CPU), and
+    always under optimizer offload (HybridDeviceOptimizer steps fp32 shards) and the precision-aware
+    optimizer (megatron supports it with the distributed optimizer only)."""
+    return distributed_optimizer and dp > 1 or bool(offload) or precision_aware
+
+
 def uses_distributed_optimizer(optim: OptimSettings, dp: int) -> bool:
-    """megatron's distributed optimizer where there is something to shard (at dp 1 it only adds copies: 3x
-    optimizer time on CPU), and always under optimizer offload (HybridDeviceOptimizer steps fp32 shards)
-    and the precision-aware optimizer (megatron supports it with the distributed optimizer only)."""
-    return optim.distributed_optimizer and dp > 1 or bool(optim.optimizer_offload) or optim.precision_aware
+    """shards_optimizer for a trainer rank's settings at data-parallel size `dp`."""
+    return shards_optimizer(optim.distributed_optimizer, dp, optim.optimizer_offload, optim.precision_aware)
 
 
 def optimizer_config(optim: OptimSettings, distributed: bool, params_dtype: torch.dtype):
     """The OptimizerConfig of a trainer rank: Adam with `optim`'s settings over parameters of `params_dtype`
     (bf16 ones: fp32 main weights beside them)."""
+    import torch
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(

@@ -120,9 +120,8 @@ def main() -> None:
     both = sorted(set(a) & set(b))
     rss_a, rss_b = sum(a[p]["rss"] for p in both), sum(b[p]["rss"] for p in both)
     worst = max(both, key=lambda p: b[p]["rss"] / a[p]["rss"])
-
-    def private(snap: dict) -> int:  # resident memory less its file and shared-memory pages
-        return sum(snap[p]["rss"] - snap[p]["shared"] for p in both)
+    # resident memory less its file and shared-memory pages
+    private_a, private_b = (sum(s[p]["rss"] - s[p]["shared"] for p in both) for s in (a, b))
 
     times = [h["timing/step_s"] for h in hist[args.warmup:]]
     q = max(1, len(times) // 4)
@@ -136,7 +135,7 @@ def main() -> None:
         "steps_per_s": [1 / statistics.median(times[:q]), 1 / statistics.median(times[-q:])],
         "steps_per_s_by_quarter": [1 / statistics.median(times[i * q:(i + 1) * q]) for i in range(4)
                                    if times[i * q:(i + 1) * q]],
-        "private_growth": private(b) / private(a) - 1,
+        "private_growth": private_b / private_a - 1,
         "per_process": [{"role": b[p]["role"], "pid": p,
                          "rss_mib": [a[p]["rss"] / 2**20, b[p]["rss"] / 2**20],
                          "private_mib": [(a[p]["rss"] - a[p]["shared"]) / 2**20,

@@ -1,0 +1,23 @@
+"""The garbage collector at a process's start-up (moe_rl/__init__.py): importing moe_rl raises the first
+threshold where the process left Python's default, and `moe_rl.started` freezes what the imports made and
+puts the default back (tools/bench/start_gc.py measures what the start-up threshold saves)."""
+
+import subprocess
+import sys
+
+
+def run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_importing_raises_the_first_threshold_and_started_freezes_and_puts_the_default_back():
+    out = run("import gc, moe_rl; a = gc.get_threshold(); moe_rl.started(); "
+              "print(a, gc.get_threshold(), gc.get_freeze_count() > 1000)")
+    assert out == "(50000, 20, 20) (700, 10, 10) True"
+
+
+def test_a_threshold_the_process_set_itself_is_kept():
+    out = run("import gc; gc.set_threshold(5000, 5, 5); import moe_rl; a = gc.get_threshold(); "
+              "moe_rl.started(); print(a, gc.get_threshold())")
+    assert out == "(5000, 5, 5) (5000, 5, 5)"
