@@ -117,7 +117,9 @@ def _size_for_check(cfg, path: str) -> str:
 _MODEL_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "vocab_size", "num_experts", "num_local_experts", "num_experts_per_tok",
                "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
-               "max_position_embeddings", "decoder_sparse_step", "first_k_dense_replace")
+               "max_position_embeddings", "decoder_sparse_step", "first_k_dense_replace", "n_routed_experts",
+               "n_shared_experts", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "num_nextn_predict_layers")
 
 
 def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_rl.config_reads import check_settings_are_read
+from moe_rl.model_shape import routed_experts
 from moe_rl.schema import ConfigError, did_you_mean
 
 
@@ -332,7 +333,7 @@ def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, expert
 def check_layout_fits_hf_config(par, hf: dict) -> None:
     """`check_layout_fits_model` from a Hugging Face config.json's fields."""
     heads = hf.get("num_attention_heads", 1)
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
+    experts = routed_experts(hf) or 1
     ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 1
     check_layout_fits_model(par, heads, hf.get("num_key_value_heads") or heads, experts, ffn,
                             hf.get("num_hidden_layers", 1))
@@ -360,6 +361,6 @@ def check_lora_rank_hf(lora, hf: dict) -> None:
     heads = hf.get("num_attention_heads", 1)
     hidden = hf.get("hidden_size", 1)
     ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size", 1)
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 1
+    experts = routed_experts(hf) or 1
     check_lora_rank(lora, hidden, heads, hf.get("num_key_value_heads") or heads,
                     hf.get("head_dim") or hidden // heads, ffn, experts, hf.get("vocab_size", 1))

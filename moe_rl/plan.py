@@ -3,9 +3,10 @@
     plan = make_plan(cfg, hf_config_of(cfg, None))   # against cfg.cluster.gpus_per_node / gpu_memory_gb
     print(render(plan)); plan.problems               # one line per reason it cannot fit
 
-Parameter counts follow the architectures as transformers builds them (Qwen3-MoE / Qwen2-MoE /
-Mixtral / Qwen3-style dense layers). Trainer memory per rank, with P_d the non-expert parameters on
-the rank's pipeline stage split over tp, and P_e its routed-expert parameters split over ep * etp:
+Parameter counts follow the architectures as transformers builds them (moe_rl/model_shape.py: Qwen3-MoE,
+Qwen2-MoE, Mixtral, the DeepSeek-V3 family with multi-latent attention, GLM-4.5). Trainer memory per
+rank, with P_d the non-expert parameters on the rank's pipeline stage split over tp, and P_e its
+routed-expert parameters split over ep * etp:
 
     weights      (P_d + P_e) * b                      b = 2 (bf16) or 4 (fp32)
     gradients    (P_d + P_e) * 4                      Megatron's fp32 gradient buffer
@@ -52,114 +53,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_rl.model_shape import ModelShape
 from moe_rl.plan_report import colocated_phases, node_host_memory, render  # noqa: F401 (render: plan's API)
 
 GiB = 2**30
 USABLE = 0.9  # of a GPU's memory, for tensors
 ENGINE_RESERVE_GIB = 2.0  # an engine's CUDA graphs, sampler and runtime buffers beyond weights and KV cache
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizes depend on, read from a Hugging Face config."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    experts: int
-    top_k: int
-    moe_ffn: int  # one routed expert's intermediate size
-    dense_ffn: int  # a dense layer's intermediate size
-    shared_ffn: int  # the shared expert's intermediate size (0: none)
-    dense_layers: int  # layers with a dense MLP instead of experts
-    tied: bool  # embedding and output projection share one matrix
-    qk_norm: bool
-    qkv_bias: bool
-
-    @staticmethod
-    def from_hf(c: dict) -> ModelShape:
-        from types import SimpleNamespace
-
-        from moe_rl.weights.hf import dense_layers
-
-        experts = c.get("num_experts") or c.get("num_local_experts")
-        if not experts:
-            raise ValueError("the model config names no experts (num_experts / num_local_experts): not an "
-                             "MoE model")
-        heads = c["num_attention_heads"]
-        return ModelShape(
-            hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-            kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab=c["vocab_size"], experts=experts,
-            top_k=c["num_experts_per_tok"], moe_ffn=c.get("moe_intermediate_size") or c["intermediate_size"],
-            dense_ffn=c.get("intermediate_size", 0), shared_ffn=c.get("shared_expert_intermediate_size") or 0,
-            dense_layers=len(dense_layers(SimpleNamespace(**c))),
-            tied=bool(c.get("tie_word_embeddings", False)), qk_norm=c.get("model_type") == "qwen3_moe",
-            qkv_bias=c.get("model_type") == "qwen2_moe")
-
-    @property
-    def moe_layers(self) -> int:
-        return self.layers - self.dense_layers
-
-    @property
-    def attention(self) -> int:
-        """Parameters of one attention block with its input norm."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        p = self.hidden * (q + 2 * kv) + q * self.hidden + self.hidden
-        return p + (2 * self.head_dim if self.qk_norm else 0) + (q + 2 * kv if self.qkv_bias else 0)
-
-    @property
-    def expert(self) -> int:
-        """One routed expert (gate, up and down projections)."""
-        return 3 * self.hidden * self.moe_ffn
-
-    @property
-    def moe_shared(self) -> int:
-        """An MoE layer's parameters that every token uses: norm, router, shared expert and its gate."""
-        shared = 3 * self.hidden * self.shared_ffn + self.hidden if self.shared_ffn else 0
-        return self.hidden + self.hidden * self.experts + shared
-
-    @property
-    def dense_mlp(self) -> int:
-        return self.hidden + 3 * self.hidden * self.dense_ffn
-
-    @property
-    def embeddings(self) -> int:
-        """Input embedding, final norm and output projection."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    @property
-    def non_expert(self) -> int:
-        return (self.layers * self.attention + self.moe_layers * self.moe_shared
-                + self.dense_layers * self.dense_mlp
-                + self.embeddings)
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.moe_layers * self.experts * self.expert
-
-    @property
-    def active(self) -> int:
-        """Parameters one token passes through (top_k experts per MoE layer)."""
-        return self.non_expert + self.moe_layers * self.top_k * self.expert
-
-    def activation_bytes(self, recompute: bool) -> float:
-        """Bytes a layer keeps per token for backward (bf16; averaged over MoE and dense layers)."""
-        h, d = self.hidden, self.head_dim
-        if recompute:
-            return 2 * h
-        attention = 2 * (2 * h + (self.heads + 2 * self.kv_heads) * d + self.heads * d)
-        moe = 2 * (h + self.top_k * (2 * h + 3 * self.moe_ffn)) + 4 * self.experts
-        dense = 2 * (2 * h + 3 * self.dense_ffn)
-        return attention + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
-
-    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
-        """Keys and values of one token on one of `tp` tensor-parallel ranks (KV heads split, or
-        replicated when fewer than tp)."""
-        return 2 * self.layers * math.ceil(self.kv_heads / tp) * self.head_dim * dtype_bytes
 
 
 @dataclass

@@ -57,9 +57,17 @@ def _count(n: int) -> str:
 def render(plan) -> str:
     s, gb = plan.shape, GiB
     lines = [f"model: {_count(s.total)} parameters, {_count(s.active)} active per token "
-             f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k})",
+             f"({s.layers} layers, {s.moe_layers} MoE with {s.experts} experts top-{s.top_k}"
+             + (f"; multi-latent attention, KV rank {s.kv_lora_rank}" if s.mla else "")
+             + (f"; {s.mtp_layers} multi-token-prediction layer(s) of {_count(s.mtp)} in the checkpoint, "
+                "not counted" if s.mtp_layers else "") + ")",
              f"cluster: {plan.gpus} GPUs on {plan.nodes} node(s) of "
              f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GiB"]
+    from moe_rl.weights.hf import MODEL_TYPES
+
+    if s.kind and s.kind not in MODEL_TYPES:
+        lines.append(f"note: '{s.kind}' models are sized here; `moe-rl train` does not train them yet "
+                     f"(it trains {', '.join(MODEL_TYPES)})")
     width = max(9, *(len(r.role) for r in plan.roles))
     for r in plan.roles:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())

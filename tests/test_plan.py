@@ -26,11 +26,69 @@ MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"
                 "torch_dtype": "bfloat16"}
 
 
+# DeepSeek-V3 (multi-latent attention with a compressed query, 256 experts, a shared one, 3 dense layers,
+# one multi-token-prediction layer), Moonlight-16B-A3B (its smaller sibling: a full query projection) and
+# GLM-4.5 (grouped-query attention with biases and q/k norms)
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+               "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "v_head_dim": 128, "vocab_size": 129280, "n_routed_experts": 256, "n_shared_experts": 1,
+               "moe_intermediate_size": 2048, "intermediate_size": 18432, "first_k_dense_replace": 3,
+               "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "num_nextn_predict_layers": 1,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+MOONLIGHT_16B_A3B = {**DEEPSEEK_V3, "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16,
+                     "num_key_value_heads": 16, "q_lora_rank": None, "vocab_size": 163840,
+                     "n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1408,
+                     "intermediate_size": 11264, "first_k_dense_replace": 1, "num_experts_per_tok": 6,
+                     "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}
+GLM_45 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 5120,
+          "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+          "vocab_size": 151552, "n_routed_experts": 160, "n_shared_experts": 1, "moe_intermediate_size": 1536,
+          "intermediate_size": 12288, "first_k_dense_replace": 3, "num_experts_per_tok": 8,
+          "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+          "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
 def test_published_models_parameter_counts():
     q = ModelShape.from_hf(QWEN3_30B_A3B)
     assert 30.4e9 < q.total < 30.6e9 and 3.2e9 < q.active < 3.4e9  # "30.5 B total, 3.3 B activated"
     m = ModelShape.from_hf(MIXTRAL_8X7B)
     assert 46.6e9 < m.total < 46.8e9 and 12.8e9 < m.active < 13.0e9  # "46.7 B total, 12.9 B active"
+    d = ModelShape.from_hf(DEEPSEEK_V3)
+    # "671B total, 37B activated"; "685B" on the hub: with the 14B multi-token-prediction module
+    assert 670.5e9 < d.total < 671.5e9 and 37e9 < d.active < 38e9 and 684e9 < d.total + d.mtp < 686e9
+    s = ModelShape.from_hf(MOONLIGHT_16B_A3B)
+    assert 15.5e9 < s.total < 16.5e9 and 2.5e9 < s.active < 3.5e9 and s.mtp == 0  # "16B", "3B"
+    g = ModelShape.from_hf(GLM_45)
+    # "355B total, 32B active" (rounded; the active figure leaves the embedding and output head out)
+    embeddings = 2 * GLM_45["vocab_size"] * GLM_45["hidden_size"]
+    assert 350e9 < g.total < 357e9 and 31.5e9 < g.active - embeddings < 32.5e9 and 3e9 < g.mtp < 6e9
+    # the KV cache of a token: MLA's compressed latent and RoPE key, whole on every TP rank
+    assert d.kv_bytes_per_token(2, tp=8) == 61 * (512 + 64) * 2
+    assert g.kv_bytes_per_token(2, tp=8) == 2 * 92 * 1 * 128 * 2
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_full_q", "glm4_moe", "glm4_moe_plain"])
+def test_deepseek_and_glm_counts_equal_transformers_models_exactly(arch):
+    """Small configs with every feature on (a compressed or full query, attention biases, q/k norms, two
+    shared experts, a dense first layer): the planner's count is transformers' model's, to the parameter."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=384, n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=24,
+                 intermediate_size=48, first_k_dense_replace=1, num_experts_per_tok=2, n_group=2,
+                 topk_group=1, num_nextn_predict_layers=1, tie_word_embeddings=False)
+    if arch.startswith("deepseek_v3"):
+        hf = AutoConfig.for_model("deepseek_v3", **small, q_lora_rank=None if arch.endswith("full_q") else 32,
+                                  kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                  attention_bias=not arch.endswith("full_q"))
+    else:
+        hf = AutoConfig.for_model("glm4_moe", **small, head_dim=16, partial_rotary_factor=0.5,
+                                  attention_bias=arch == "glm4_moe", use_qk_norm=arch == "glm4_moe")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert ModelShape.from_hf(hf.to_dict()).total == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("spec", [TinyModel(), TinyModel(arch="mixtral"), TinyModel(arch="qwen2_moe"),
@@ -368,3 +426,20 @@ def test_a_lora_policys_reference_is_its_base_not_a_copy():
     assert lora.gpus == whole.gpus - 32
     assert "reference" in {r.role for r in make_plan(whole, QWEN3_30B_A3B).roles}
     assert "reference" not in {r.role for r in make_plan(lora, QWEN3_30B_A3B).roles}
+
+
+def test_a_deepseek_config_is_sized_with_its_latent_cache_and_named_as_not_trained_yet(tmp_path):
+    """Moonlight's config.json on the 1-node recipe: sized (multi-latent attention's KV cache: the latent
+    and the RoPE key per token and layer), and the plan says the trainer does not take the architecture
+    yet; DeepSeek-V3's multi-token-prediction layer is named, apart from the model's count."""
+    out = _plan("configs/qwen3_30b_a3b_grpo_1n8g.yaml", tmp_path, MOONLIGHT_16B_A3B)
+    assert out.returncode == 0, out.stderr
+    assert "15.96 B parameters, 2.91 B active" in out.stdout and "multi-latent attention, KV rank 512" \
+        in out.stdout
+    assert "note: 'deepseek_v3' models are sized here; `moe-rl train` does not train them yet" in out.stdout
+    kv_gib, tokens = re.search(r"kv_cache ([\d.]+) GiB\)\n\s+([\d,]+) KV-cache tokens", out.stdout).groups()
+    per_token = 27 * (512 + 64) * 2  # bf16
+    assert abs(int(tokens.replace(",", "")) * per_token / 2**30 - float(kv_gib)) < 0.05
+    out = _plan("configs/qwen3_30b_a3b_grpo_2n8g.yaml", tmp_path, DEEPSEEK_V3, "parallel.pp=1")
+    assert "1 multi-token-prediction layer(s) of 13.46 B in the checkpoint, not counted" in out.stdout \
+        + out.stderr
