@@ -82,7 +82,37 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
             mlp_only_layers=list(range(spec.first_dense_layers)), output_router_logits=False,
             use_sliding_window=False,
         )
-    raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral or qwen2_moe")
+    if spec.arch in DEEPSEEK_STYLE:
+        return deepseek_style_config(spec, common)
+    raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose qwen3_moe, mixtral, qwen2_moe, "
+                     f"{' or '.join(DEEPSEEK_STYLE)}")
+
+
+# built by `moe-rl tiny --arch` (not trained yet: moe_rl.weights.hf.MODEL_TYPES)
+DEEPSEEK_STYLE = ("deepseek_v3", "glm4_moe")
+# vLLM's CPU MLA decode kernel takes DeepSeek's latent width only (kv_lora_rank 512, RoPE key 64)
+MLA_KV_RANK, MLA_ROPE_DIM = 512, 64
+
+
+def deepseek_style_config(spec: TinyModel, common: dict):
+    """DeepSeek-V3 or GLM-4.5 with every routing feature on: sigmoid scores with an expert bias, experts in
+    two groups of which one is chosen per token, normalised top-k weights times a scaling factor, a shared
+    expert, the first layer dense (at least one); DeepSeek with multi-latent attention (a compressed query,
+    the latent width vLLM's CPU kernel takes), GLM with q/k norms, attention biases and half-rotary heads."""
+    from transformers import AutoConfig
+
+    ffn = spec.moe_intermediate_size
+    routing = dict(n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, moe_intermediate_size=ffn,
+                   intermediate_size=2 * ffn, first_k_dense_replace=max(1, spec.first_dense_layers),
+                   num_nextn_predict_layers=0)
+    if spec.arch == "deepseek_v3":
+        common = {k: v for k, v in common.items() if k != "head_dim"}
+        return AutoConfig.for_model("deepseek_v3", **common, **routing, q_lora_rank=spec.hidden_size,
+                                    kv_lora_rank=MLA_KV_RANK, qk_rope_head_dim=MLA_ROPE_DIM,
+                                    qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim)
+    return AutoConfig.for_model("glm4_moe", **common, **routing, partial_rotary_factor=0.5,
+                                attention_bias=True, use_qk_norm=True)
 
 
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, seed: int = 0,

@@ -102,3 +102,25 @@ def test_same_spec_and_seed_reuse_the_checkpoint(tmp_path):
     assert (p / "model.safetensors").stat().st_mtime_ns == mtime
     build_tiny_checkpoint(tmp_path, spec, seed=4)
     assert (p / "model.safetensors").stat().st_mtime_ns != mtime
+
+
+def test_deepseek_and_glm_tiny_checkpoints_have_every_routing_feature_and_load_in_transformers(tmp_path):
+    """`moe-rl tiny --arch deepseek_v3|glm4_moe`: grouped sigmoid routing with a scaling factor, a shared
+    expert, a dense first layer; DeepSeek's latent attention at the width vLLM's CPU kernel takes; the
+    planner's count is the loaded model's."""
+    from moe_rl.model_shape import ModelShape
+
+    for arch in ("deepseek_v3", "glm4_moe"):
+        path = build_tiny_checkpoint(tmp_path / arch, TinyModel(arch=arch, num_layers=2))
+        hf = json.loads((path / "config.json").read_text())
+        assert hf["model_type"] == arch and hf["n_group"] == 2 and hf["topk_group"] == 1
+        assert hf["n_shared_experts"] == 1 and hf["first_k_dense_replace"] == 1 and hf["norm_topk_prob"]
+        if arch == "deepseek_v3":
+            assert (hf["kv_lora_rank"], hf["qk_rope_head_dim"], hf["q_lora_rank"]) == (512, 64, 64)
+        else:
+            assert hf["use_qk_norm"] and hf["attention_bias"] and hf["partial_rotary_factor"] == 0.5
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            logits = model(torch.tensor([[1, 2, 3, 4, 5]])).logits
+        assert torch.isfinite(logits).all() and float(logits.std()) > 0.1
+        assert ModelShape.from_hf(hf).total == sum(p.numel() for p in model.parameters())
