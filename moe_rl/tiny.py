@@ -110,7 +110,10 @@ def deepseek_style_config(spec: TinyModel, common: dict):
         common = {k: v for k, v in common.items() if k != "head_dim"}
         return AutoConfig.for_model("deepseek_v3", **common, **routing, q_lora_rank=spec.hidden_size,
                                     kv_lora_rank=MLA_KV_RANK, qk_rope_head_dim=MLA_ROPE_DIM,
-                                    qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim)
+                                    qk_nope_head_dim=spec.head_dim, v_head_dim=spec.head_dim,
+                                    # DeepSeek-V3's published fields, which vLLM reads (transformers has
+                                    # no default for them): without noaux_tc it makes no expert bias
+                                    topk_method="noaux_tc", scoring_func="sigmoid")
     return AutoConfig.for_model("glm4_moe", **common, **routing, partial_rotary_factor=0.5,
                                 attention_bias=True, use_qk_norm=True)
 

@@ -117,6 +117,7 @@ def test_deepseek_and_glm_tiny_checkpoints_have_every_routing_feature_and_load_i
         assert hf["n_shared_experts"] == 1 and hf["first_k_dense_replace"] == 1 and hf["norm_topk_prob"]
         if arch == "deepseek_v3":
             assert (hf["kv_lora_rank"], hf["qk_rope_head_dim"], hf["q_lora_rank"]) == (512, 64, 64)
+            assert (hf["topk_method"], hf["scoring_func"]) == ("noaux_tc", "sigmoid")  # what vLLM reads
         else:
             assert hf["use_qk_norm"] and hf["attention_bias"] and hf["partial_rotary_factor"] == 0.5
         model = AutoModelForCausalLM.from_pretrained(path)
