@@ -20,3 +20,18 @@ def started() -> None:
     _gc.freeze()
     if _gc.get_threshold() == _START_GC:
         _gc.set_threshold(*_DEFAULT_GC)
+
+
+def release_free_heap() -> None:
+    """Hand the free pages inside glibc's heap back to the system (malloc_trim(0)); trainer ranks call it
+    after each update, engines after each weight sync: a step's freed tensors stay in the heap as free
+    blocks that glibc keeps. In a 120-step LoRA soak a trainer rank's memory in use stayed at 163-167 MiB
+    while its resident memory grew 640 -> 911 MiB of free blocks; trimmed after each update it stayed at
+    532-540 MiB. Nothing where libc is not glibc. (The CDLL is made per call: a ctypes object at module
+    level would stop Ray from pickling the actor classes that import this.)"""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -379,9 +379,9 @@ def _add_run_commands(sub, fmt: dict) -> None:
     t.set_defaults(fn=_cmd_train)
 
     k = sub.add_parser("tiny", **fmt, help="build a tiny random MoE checkpoint (Hugging Face format) locally",
-                       description="Write a random Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert) "
-                       "checkpoint with a byte-level tokenizer and chat template: loadable by transformers, "
-                       "vLLM and mbridge.")
+                       description="Write a random Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert), "
+                       "DeepSeek-V3 or GLM-4.5 checkpoint with a byte-level tokenizer and chat template: "
+                       "loadable by transformers, vLLM and mbridge.")
     k.add_argument("out", help="output directory (new or empty)")
     k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"],
                    default="qwen3_moe", help="architecture (Hugging Face model_type; deepseek_v3 and "

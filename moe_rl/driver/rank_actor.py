@@ -68,7 +68,7 @@ class RankActor:
             # after the step: theta_n never anchors its own loss
             self.anchor.update(self.worker.local_params())
         update.figures |= process_memory()
-        release_free_heap()
+        moe_rl.release_free_heap()
         return update
 
     def memory(self) -> dict[str, float]:
@@ -160,16 +160,3 @@ class RankActor:
                     f"has {self.world}; resume it with the layout it was saved with")
             self.anchor.load_state_dict(torch.load(self._anchor_file(path), weights_only=True))
         return extra
-
-
-def release_free_heap() -> None:
-    """Hand the free pages inside glibc's heap back to the system (malloc_trim(0)), after each update: a
-    step's freed tensors stay in the heap as free blocks that glibc keeps. In a 120-step LoRA soak a
-    trainer rank's memory in use stayed at 163-167 MiB while its resident memory grew 640 -> 911 MiB of
-    free blocks; trimmed after each update it stayed at 532-540 MiB. Nothing where libc is not glibc."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

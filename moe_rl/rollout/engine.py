@@ -287,6 +287,7 @@ class RolloutEngine:
         reset, and then run wholly on the weights of that moment (`_release`)."""
         self.version, self.half_updated = version, False
         self.last_sync = frozenset(names)
+        moe_rl.release_free_heap()  # the transfer's buffers, freed, back to the system
         if self.checkpoint_names <= self.last_sync:
             self.discarded = False
         held = {rid for rid, _, _ in self._held or []}
