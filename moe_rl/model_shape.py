@@ -163,15 +163,53 @@ class ModelShape:
         return self.mtp_layers * (self.attention + self.moe_shared + self.experts * self.expert
                                   + 2 * h * h + 3 * h + 2 * self.vocab * h)
 
-    def activation_bytes(self, recompute: bool) -> float:
-        """Bytes a layer keeps per token for backward (bf16; averaged over MoE and dense layers)."""
-        h, d = self.hidden, self.head_dim
+    def activation_bytes(self, recompute: bool, b: int = 2, local: bool = False) -> float:
+        """Bytes a layer keeps per token for backward (averaged over MoE and dense layers), `b` bytes an
+        element of the model's dtype; with `recompute`, the layer's input only (its activations exist
+        again one layer at a time, in the backward). `local`: megatron-core's local layer spec as the
+        trainer builds it (moe_rl's norms and attention; tests/train/test_plan_memory.py measures these
+        terms exactly for packed microbatches); else Transformer Engine's fused kernels (an estimate:
+        not measured here)."""
+        h, nq, nkv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
         if recompute:
-            return 2 * h
-        attention = 2 * (2 * h + (self.heads + 2 * self.kv_heads) * d + self.heads * d)
-        moe = 2 * (h + self.top_k * (2 * h + 3 * self.moe_ffn)) + 4 * self.experts
-        dense = 2 * (2 * h + 3 * self.dense_ffn)
+            return b * h
+        if not local:
+            attention = b * (2 * h + (nq + 2 * nkv) * d + nq * d)
+            moe = b * (h + self.top_k * (2 * h + 3 * self.moe_ffn)) + 4 * self.experts
+            dense = b * (2 * h + 3 * self.dense_ffn)
+        else:
+            attention, moe, dense = self._local_attention(b), self._local_moe(b), self._local_norm(b)
+            dense += 6 * b * self.dense_ffn
         return attention + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
+
+    def final_norm_bytes(self, b: int = 2, local: bool = False) -> float:
+        """The last layer norm's bytes kept for backward, per token."""
+        return 8 * self.hidden + 4 if local else b * self.hidden + 4
+
+    def _local_norm(self, b: int) -> int:
+        """moe_rl's RMSNorm (train/local_norm.py) computes in float32: its input and the normalised rows
+        in float32, the reciprocal RMS, and the output in the model's dtype (the next linear's input)."""
+        return 8 * self.hidden + 4 + b * self.hidden
+
+    def _local_attention(self, b: int) -> int:
+        """Input norm; the q/k/v projection's output; q/k norms (float32 in and out, each head's RMS; an
+        upcast copy of their input below float32); RoPE's cos and sin for q and k; q and k rotated; the
+        packed sequences gathered into padded rows (train/attention.py; q and keys and values repeated
+        to the query heads) with the softmax's log-sum-exp and the output, and the output back in
+        packed order. (Rows of similar length: padding adds its share on top.)"""
+        nq, nkv, d = self.heads, self.kv_heads, self.head_dim
+        qk = (nq + nkv) * (8 * d + 4 if b != 4 else 4 * d + 4) if self.qk_norm else 0
+        return (self._local_norm(b) + b * (nq + 2 * nkv) * d + qk + 4 * b * d + b * (nq + nkv) * d + 8
+                + 3 * b * nq * d + 4 * nq + 2 * b * nq * d)
+
+    def _local_moe(self, b: int) -> int:
+        """Pre-MLP norm; the router's top-k indices (int64) and probabilities, routing map (bool) and
+        scores (float32), the permutation's indices; per routed token the permuted input, the first
+        projection's output, SwiGLU's four halves and its probability; a shared expert as a dense MLP."""
+        k, f = self.top_k, self.moe_ffn
+        shared = 6 * b * self.shared_ffn if self.shared_ffn else 0
+        routed = k * (b * self.hidden + 6 * b * f + 4)
+        return self._local_norm(b) + 20 * k + 5 * self.experts + routed + shared
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         """The KV cache of one token on one of `tp` tensor-parallel ranks: keys and values (KV heads split,

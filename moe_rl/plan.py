@@ -17,19 +17,22 @@ routed-expert parameters split over ep * etp:
                                                       dense state over the dp * cp ranks and expert state
                                                       over the edp expert-data-parallel ranks; with dp = 1
                                                       the state is whole (also under cp > 1)
-    activations  T * L * a / (tp * cp)                T = the longest microbatch: trainer.micro_batch_tokens,
+    activations  T * (L * a + n) / (tp * cp)          T = the longest microbatch: trainer.micro_batch_tokens,
                                                       or rollout.max_model_len where a row can be longer
                                                       (it is a microbatch alone); 1F1B keeps pp
                                                       microbatches of L / pp layers on the first stage;
                                                       a = bytes per token and layer below (recompute:
-                                                      the layer input only, plus one layer recomputed)
+                                                      the layer input only, plus one layer recomputed),
+                                                      n the final norm's
     logits       c * V / tp * (12 + b) + ...          the log-probs a chunk of c = trainer.logit_chunk_tokens
                                                       tokens at a time (`logits_memory`); with 0, the whole
                                                       T / cp x V / tp logits, l bytes per element
 
-An estimate of the tensors a layer keeps for backward, per token (bf16):
-attention 2 * (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP 2 * (h + k (2h + 3f)) + 4E (fp32 router
-logits), dense MLP 2 * (2h + 3 f_dense). The logits' l (`logit_bytes`; tests/train/test_plan_memory.py
+The tensors a layer keeps for backward, per token (`ModelShape.activation_bytes`): under Transformer
+Engine's fused kernels, an estimate: attention b (2h + (n_q + 2 n_kv) d + n_q d), MoE MLP
+b (h + k (2h + 3f)) + 4E (fp32 router logits), dense MLP b (2h + 3 f_dense); under the local spec, what
+its float32 norms, RoPE, padded attention and permuted experts keep, as measured on the CPU trainer
+(tests/train/test_plan_memory.py, within 5%). The logits' l (`logit_bytes`; tests/train/test_plan_memory.py
 measures it) is the most the log-probs and the entropy hold at once. Training: 24 = the fp32 z - max(z)
 and exp(z - max) kept for backward (8) plus the four fp32 temporaries their backward holds together (16:
 the gradients of
@@ -241,9 +244,11 @@ def trainer_memory_and_host(shape: ModelShape, cfg, role: str) -> tuple[dict[str
         out["optimizer"] = shard * opt
         host = shard * 16 * offload
         # 1F1B: pp microbatches of L/pp
-        kept = tokens * shape.layers * shape.activation_bytes(cfg.model.recompute)
+        local = cfg.model.layer_spec == "local"
+        kept = tokens * (shape.layers * shape.activation_bytes(cfg.model.recompute, b, local)
+                         + shape.final_norm_bytes(b, local))
         if cfg.model.recompute:  # and one layer's full activations while it is recomputed
-            kept += tokens * shape.activation_bytes(False)
+            kept += tokens * shape.activation_bytes(False, b, local)
         out["activations"] = kept
         if role == "policy" and cfg.algorithm.anchor == "ewma":
             out["ewma_anchor"] = (p_dense + p_expert) * 4

@@ -4,9 +4,11 @@ dispatch mode that follows every storage the ops allocate until it is freed; a r
 weights, gradient buffers, optimizer state (after a step, so Adam's moments exist) and the PPO-EWMA
 anchor, counted from the tensors that hold them, under the layouts where the distributed optimizer
 shards (dp 2: dense state over dp*cp, expert state over the expert-data-parallel ranks) and where it
-does not (dp 1 with cp 2)."""
+does not (dp 1 with cp 2); and the activations, with and without recompute, from the tensors autograd
+saves in a real TrainWorker's decoder."""
 
 import dataclasses
+import json
 import weakref
 
 import pytest
@@ -180,3 +182,65 @@ def test_weights_gradients_optimizer_and_anchor_terms_are_measured_bytes(
         assert rank["weights"] == planned["weights"]
         for term, measured in rank.items():
             assert measured == pytest.approx(planned[term], rel=TOLERANCE), (term, measured, planned[term])
+
+
+def activations_job(rank, world, hf_path, cases):
+    """For each (dtype, recompute): one packed microbatch (rows of 128, 100, 128 and 77 tokens) through a
+    real TrainWorker's forward; the bytes of every storage autograd saves for backward inside the decoder
+    (its layers and final norm; the parameters left out), per token the decoder sees."""
+    from conftest import model_spec, optim_settings
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from moe_rl.batch import Batch
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    ids = torch.randint(0, 300, (4, 128), generator=torch.Generator().manual_seed(0))
+    out = []
+    for dtype, recompute in cases:
+        w = TrainWorker(model_spec(hf_path, dtype=dtype, recompute=recompute),
+                        optim=optim_settings(1e-2, micro_batch_tokens=4096))
+        block = next(m for m in w.module.modules() if isinstance(m, TransformerBlock))
+        params = {p.untyped_storage().data_ptr() for p in w.module.parameters()}
+        inside, tokens, saved = [False], [0], {}
+
+        def enter(_, args, kwargs, inside=inside, tokens=tokens):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)  # [s, b, h]
+            inside[0], tokens[0] = True, hidden.shape[0] * hidden.shape[1]
+
+        def keep(t, inside=inside, saved=saved, params=params):
+            st = t.untyped_storage()
+            if inside[0] and st.data_ptr() not in params:
+                saved[st.data_ptr()] = st.nbytes()
+            return t
+
+        block.register_forward_pre_hook(enter, with_kwargs=True)
+        block.register_forward_hook(lambda *_, inside=inside: inside.__setitem__(0, False))
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            w._forward(Batch(ids, torch.tensor([128, 100, 128, 77])), w.model)
+        assert w._packs()  # the trainer's default: the planner's terms are for packed microbatches
+        out.append(sum(saved.values()) / tokens[0])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_qwen2_moe"])
+def test_activations_term_is_what_the_local_spec_keeps_for_backward(model, request):
+    """The plan's activations per token, with and without recompute, in float32 and bf16, against what
+    autograd keeps in the decoder per token (Qwen3-MoE: q/k norms; Qwen2-MoE: a shared expert and q/k/v
+    biases). With recompute the plan adds one layer's full activations, alive while the backward
+    recomputes it: measured as a layer's share without recompute, so the forward's part is compared."""
+    path = request.getfixturevalue(model)
+    shape = ModelShape.from_hf(json.loads((path / "config.json").read_text()))
+    cases = [(dtype, recompute) for dtype in ("float32", "bfloat16") for recompute in (False, True)]
+    measured = run_ranks(activations_job, 1, (str(path), cases))[0]
+    for (dtype, recompute), per_token in zip(cases, measured, strict=True):
+        cfg = _plan_cfg(dtype, model={"dtype": dtype, "recompute": recompute})
+        b = 4 if dtype == "float32" else 2
+        tokens = max(cfg.trainer.micro_batch_tokens, cfg.rollout.max_model_len)
+        planned = trainer_memory(shape, cfg, "policy")["activations"] / tokens
+        if recompute:
+            planned -= shape.activation_bytes(False, b, local=True)
+        # the float32 RoPE frequencies recompute keeps once and padding's share: left out of the plan
+        assert per_token == pytest.approx(planned, rel=0.06), (dtype, recompute, per_token, planned)
