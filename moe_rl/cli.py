@@ -384,8 +384,7 @@ def _add_run_commands(sub, fmt: dict) -> None:
                        "loadable by transformers, vLLM and mbridge.")
     k.add_argument("out", help="output directory (new or empty)")
     k.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"],
-                   default="qwen3_moe", help="architecture (Hugging Face model_type; deepseek_v3 and "
-                   "glm4_moe are built for development: `moe-rl train` does not take them yet)")
+                   default="qwen3_moe", help="architecture (Hugging Face model_type)")
     k.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     k.add_argument("--overwrite", action="store_true", help="replace what the output directory holds")
     k.add_argument("--reward-model", action="store_true", help="a one-label *ForSequenceClassification model "

@@ -63,11 +63,6 @@ def render(plan) -> str:
                 "not counted" if s.mtp_layers else "") + ")",
              f"cluster: {plan.gpus} GPUs on {plan.nodes} node(s) of "
              f"{plan.gpus_per_node} x {plan.gpu_memory_gb:g} GiB"]
-    from moe_rl.weights.hf import MODEL_TYPES
-
-    if s.kind and s.kind not in MODEL_TYPES:
-        lines.append(f"note: '{s.kind}' models are sized here; `moe-rl train` does not train them yet "
-                     f"(it trains {', '.join(MODEL_TYPES)})")
     width = max(9, *(len(r.role) for r in plan.roles))
     for r in plan.roles:
         parts = ", ".join(f"{k} {v / gb:.1f}" for k, v in r.per_gpu.items())

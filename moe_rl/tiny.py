@@ -88,7 +88,6 @@ def hf_config(spec: TinyModel, eos_token_id: int, pad_token_id: int):
                      f"{' or '.join(DEEPSEEK_STYLE)}")
 
 
-# built by `moe-rl tiny --arch` (not trained yet: moe_rl.weights.hf.MODEL_TYPES)
 DEEPSEEK_STYLE = ("deepseek_v3", "glm4_moe")
 # vLLM's CPU MLA decode kernel takes DeepSeek's latent width only (kv_lora_rank 512, RoPE key 64)
 MLA_KV_RANK, MLA_ROPE_DIM = 512, 64
@@ -149,6 +148,10 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, se
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
+    with torch.no_grad():  # a trained router's expert bias moves its choices; transformers starts it at 0
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(0.2 * torch.randn(bias.shape))
     model.save_pretrained(str(out), safe_serialization=True)
     stamp_file.write_text(json.dumps(stamp, sort_keys=True))
     return out

@@ -84,6 +84,26 @@ def tiny_qwen2_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory):
+    """DeepSeek-V3: multi-latent attention, sigmoid routing with an expert bias in two groups (one kept),
+    scaling, a shared expert, a dense first layer (moe_rl.tiny.deepseek_style_config)."""
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_deepseek_v3"), TinyModel(arch="deepseek_v3"),
+                                 seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe(tmp_path_factory):
+    """GLM-4.5: DeepSeek-V3's routing with grouped-query attention, q/k norms, biases, half-rotary heads."""
+    from moe_rl.config import TinyModel
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_glm4_moe"), TinyModel(arch="glm4_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_dense(tmp_path_factory):
     """Qwen3-MoE whose first layer has a dense MLP (mlp_only_layers=[0]), then two MoE layers."""
     from moe_rl.config import TinyModel

@@ -113,7 +113,7 @@ def test_cli_conventions():
 
     assert run_main("--version").stdout.strip() == f"moe-rl {__version__}"
     tiny = run_main("tiny", "--help").stdout
-    assert "`moe-rl train` does not take them yet) (default: qwen3_moe)" in " ".join(tiny.split())
+    assert "architecture (Hugging Face model_type) (default: qwen3_moe)" in " ".join(tiny.split())
     assert "seed of the random weights (default: 0)" in tiny
     train = run_main("train")
     assert train.returncode == 2 \

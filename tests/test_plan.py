@@ -428,15 +428,14 @@ def test_a_lora_policys_reference_is_its_base_not_a_copy():
     assert "reference" not in {r.role for r in make_plan(lora, QWEN3_30B_A3B).roles}
 
 
-def test_a_deepseek_config_is_sized_with_its_latent_cache_and_named_as_not_trained_yet(tmp_path):
+def test_a_deepseek_config_is_sized_with_its_latent_cache(tmp_path):
     """Moonlight's config.json on the 1-node recipe: sized (multi-latent attention's KV cache: the latent
-    and the RoPE key per token and layer), and the plan says the trainer does not take the architecture
-    yet; DeepSeek-V3's multi-token-prediction layer is named, apart from the model's count."""
+    and the RoPE key per token and layer); DeepSeek-V3's multi-token-prediction layer is named, apart from
+    the model's count."""
     out = _plan("configs/qwen3_30b_a3b_grpo_1n8g.yaml", tmp_path, MOONLIGHT_16B_A3B)
     assert out.returncode == 0, out.stderr
     assert "15.96 B parameters, 2.91 B active" in out.stdout and "multi-latent attention, KV rank 512" \
         in out.stdout
-    assert "note: 'deepseek_v3' models are sized here; `moe-rl train` does not train them yet" in out.stdout
     kv_gib, tokens = re.search(r"kv_cache ([\d.]+) GiB\)\n\s+([\d,]+) KV-cache tokens", out.stdout).groups()
     per_token = 27 * (512 + 64) * 2  # bf16
     assert abs(int(tokens.replace(",", "")) * per_token / 2**30 - float(kv_gib)) < 0.05

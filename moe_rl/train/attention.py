@@ -22,7 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 class SdpaAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
         super().__init__(config=config)
         self.cp = config.context_parallel_size
         if self.cp > 1 and attn_mask_type != AttnMaskType.causal:
@@ -45,7 +46,7 @@ class SdpaAttention(MegatronModule):
         causal = self.causal and mask is None
         if self.causal and mask is not None:
             mask = mask & torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        return self._sdpa(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        return self._sdpa(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         """q [b, h, s, d], k/v [b, h_kv, S, d] (grouped-query heads repeated to h) -> [b, h, s, d]."""
@@ -70,7 +71,7 @@ class SdpaAttention(MegatronModule):
         q_pos = local_positions(S, self.cp, ps.get_context_parallel_rank(), query.device)
         allowed = torch.arange(S, device=query.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # [sq, S]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        return self._sdpa(q, k, v, allowed, False).permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        return self._sdpa(q, k, v, allowed, False).permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _packed(self, query, key, value, params):
         """THD: query/key/value [t, heads, head_dim], sequences at params.cu_seqlens_q; each attends
@@ -87,12 +88,12 @@ class SdpaAttention(MegatronModule):
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         longest = max(lengths, default=0)
         if self.causal and len(lengths) > 1 and len(lengths) * longest**2 <= 2 * sum(n * n for n in lengths):
-            return self._padded(query, key, value, lengths, longest).reshape(t, heads * hn)
+            return self._padded(query, key, value, lengths, longest).reshape(t, heads * value.shape[-1])
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
             outs.append(self._sdpa(q, k, v, None, self.causal)[0].transpose(0, 1))  # [n, h, d]
-        return torch.cat(outs).reshape(t, heads * hn)
+        return torch.cat(outs).reshape(t, heads * value.shape[-1])
 
     def _padded(self, query, key, value, lengths: list[int], longest: int) -> torch.Tensor:
         """The packed sequences (lengths, summing to t) as [n, longest] rows through one causal call;
@@ -108,4 +109,4 @@ class SdpaAttention(MegatronModule):
             return out.view(n, longest, *x.shape[1:]).transpose(1, 2)
 
         out = self._sdpa(rows(query), rows(key), rows(value), None, True)  # [n, h, longest, d]
-        return out.transpose(1, 2).reshape(n * longest, *query.shape[1:])[slot]
+        return out.transpose(1, 2).reshape(n * longest, query.shape[1], value.shape[-1])[slot]

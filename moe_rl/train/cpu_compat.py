@@ -15,7 +15,8 @@ optimizer_step without Transformer Engine, CUDA or not; none on a GPU with TE.
                      autograd backward); a TorchFunctionMode maps device="cuda" literals to cpu.
                      `native_torch` lifts it for a model's forward and loss (its one literal there,
                      the CP rotary index's pinned memory, keeps it: `_rope_cp_index`)
-  te_names           names megatron imports from Transformer Engine / apex bound to None
+  te_names           names megatron imports from Transformer Engine / apex bound to None; multi-latent
+                     attention told TE is absent where its TE names are not classes
   optimizer_type     the optimizer asserts param.type() == 'torch.cuda.FloatTensor'
   gloo_all_to_all    gloo's all_to_all_single wants split sizes as lists, the dispatcher passes tensors
   optimizer_step     without apex/TE the distributed optimizer keeps torch Adam's per-param "step":
@@ -272,6 +273,11 @@ def _te_names() -> None:
         for name in names:
             if not hasattr(mod, name):
                 setattr(mod, name, None)
+    # multi-latent attention imports TE's names from megatron's extension module, which imports without TE
+    # (its names stand-ins, not classes), so it believes TE is there and calls isinstance(linear, TELinear)
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
 
 
 def _optimizer_type() -> None:

@@ -38,6 +38,7 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
         for idx, layer in enumerate(model.decoder.layers):
             layer_offset[idx] = layer.layer_number - 1
     per_rank = (num_experts or 0) // max(ep_size, 1)
+    mla = bool(getattr(model.config, "multi_latent_attention", False))
     out = {}
     for name in model.state_dict():
         if "_extra_state" in name or lora.is_adapter(name):  # adapters have no Hugging Face name
@@ -47,7 +48,7 @@ def global_names(model, ep_rank: int, ep_size: int, num_experts: int | None) -> 
         if m:
             g = g.replace(f"decoder.layers.{m.group(1)}.", f"decoder.layers.{layer_offset[int(m.group(1))]}.",
                           1)
-        out[name] = to_te_name(g, ep_rank * per_rank)
+        out[name] = to_te_name(g, ep_rank * per_rank, mla)
     return out
 
 

@@ -126,7 +126,14 @@ def make_bridge(spec: ModelSpec):
     from megatron.core import parallel_state as ps
 
     check_spec_for_machine(spec)
-    bridge = AutoBridge.from_pretrained(spec.hf_path)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(spec.hf_path)
+    if hf.model_type == "deepseek_v3":
+        _fit_mla_bridge()
+    if getattr(hf, "rope_theta", None) is None:  # transformers 5 moved it; mbridge's bridges read it
+        hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    bridge = AutoBridge.from_config(hf)
     bridge.dtype = spec.torch_dtype
     bridge.make_vocab_size_divisible_by = None  # our vocabularies are padded already; keep HF's size
     tp = ps.get_tensor_model_parallel_world_size()
@@ -168,15 +175,49 @@ def make_bridge(spec: ModelSpec):
         extra["moe_router_pre_softmax"] = False  # softmax after top-k, as Mixtral's HF implementation
     if getattr(bridge.hf_config, "shared_expert_intermediate_size", 0):
         extra["moe_shared_expert_gate"] = True  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
+    extra.update(grouped_routing(bridge.hf_config))
+    if getattr(bridge.hf_config, "num_nextn_predict_layers", None):
+        extra["mtp_num_layers"] = None  # a checkpoint's multi-token-prediction layers: not built, not trained
     dense = dense_layers(bridge.hf_config)
     if dense:  # mbridge's Qwen-MoE bridges put experts in every layer
         extra["moe_layer_freq"] = [0 if i in dense else 1 for i in range(bridge.hf_config.num_hidden_layers)]
         _map_dense_mlps(bridge)
-    if getattr(bridge.hf_config, "rope_theta", None) is None:
-        params = getattr(bridge.hf_config, "rope_parameters", None) or {}
-        bridge.hf_config.rope_theta = params.get("rope_theta", 10000.0)  # transformers 5 moved it
     bridge.set_extra_args(**extra)
     return bridge
+
+
+def _fit_mla_bridge() -> None:
+    """mbridge 0.15's DeepSeek-V3 bridge names MLA's original context length `max_position_embeddings`,
+    which megatron-core 0.16's MLATransformerConfig calls `original_max_position_embeddings`."""
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    def config(**fields):
+        if "max_position_embeddings" in fields:
+            fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
+        return MLATransformerConfig(**fields)
+
+    DeepseekV3Bridge.TransformerConfigClass = staticmethod(config)
+
+
+def grouped_routing(hf) -> dict:
+    """DeepSeek-V3 / GLM-4.5 routing that mbridge's bridges leave out or fix: experts in n_group groups of
+    which topk_group are kept per token (each group scored by its top-2 biased scores: megatron's
+    topk / group_topk, equal to 2 in these models), and n_shared_experts shared experts of
+    moe_intermediate_size each."""
+    extra = {}
+    if (getattr(hf, "n_group", None) or 1) > 1:
+        extra.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
+    if getattr(hf, "n_shared_experts", None):
+        extra["moe_shared_expert_intermediate_size"] = hf.n_shared_experts * hf.moe_intermediate_size
+    return extra
+
+
+def rotary_fraction(hf) -> float:
+    """The share of a head's width RoPE rotates (GLM-4.5: half); transformers 5 keeps it in
+    rope_parameters."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return getattr(hf, "partial_rotary_factor", None) or params.get("partial_rotary_factor") or 1.0
 
 
 def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
@@ -280,6 +321,7 @@ def build_gpt(bridge, spec: ModelSpec, critic: bool = False, vp_stage: int | Non
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)) and not critic,
         position_embedding_type="rope",
         rotary_base=hf.rope_theta,
+        rotary_percent=rotary_fraction(hf),
         parallel_output=True,
     )
     pad = pad_row(hf)

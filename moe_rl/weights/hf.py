@@ -3,7 +3,8 @@
 the Megatron -> Transformer Engine parameter names mbridge speaks (`to_te_name`). Loading into and
 exporting from sharded Megatron models is moe_rl.train.hf_io.
 
-The local spec names differ from TE's in two places:
+The local spec names differ from TE's in two places (three under multi-latent attention, whose input
+norm TE keeps apart: its q and kv norms go to linear_q_up_proj / linear_kv_up_proj.layer_norm_weight):
 
     decoder.layers.L.input_layernorm.weight                 -> ...self_attention.linear_qkv.layer_norm_weight
     decoder.layers.L.mlp.experts.local_experts.E.linear_fcN.weight -> ...mlp.experts.linear_fcN.weightG
@@ -37,7 +38,8 @@ class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model (names, shapes or architecture)."""
 
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # HF model_type values trained, served and tested here
+# HF model_type values trained, served and tested here
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
 def check_model_dir(path: str | Path, field: str = "model.path") -> dict:
@@ -96,10 +98,20 @@ def check_causal_lm_dir(path: str | Path, field: str) -> dict:
     return hf
 
 
-def to_te_name(name: str, expert_offset: int = 0) -> str:
-    """The TE-style name of a local-spec (or TE) parameter name, expert ids shifted by expert_offset."""
-    if name.endswith(".input_layernorm.weight"):
+# multi-latent attention's local-spec norms of the compressed query and key-value, fused by TE into the
+# up-projections (its input norm stays apart)
+_MLA_NORMS = {".self_attention.q_layernorm.weight": ".self_attention.linear_q_up_proj.layer_norm_weight",
+              ".self_attention.kv_layernorm.weight": ".self_attention.linear_kv_up_proj.layer_norm_weight"}
+
+
+def to_te_name(name: str, expert_offset: int = 0, mla: bool = False) -> str:
+    """The TE-style name of a local-spec (or TE) parameter name, expert ids shifted by expert_offset;
+    `mla`: the model's attention is multi-latent (DeepSeek-V3)."""
+    if name.endswith(".input_layernorm.weight") and not mla:
         return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    for local, te in _MLA_NORMS.items():
+        if mla and name.endswith(local):
+            return name.replace(local, te)
     m = _LOCAL_EXPERT.search(name)
     if m:
         return name[: m.start()] + f".mlp.experts.{m.group(2)}.weight{int(m.group(1)) + expert_offset}"

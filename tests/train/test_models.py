@@ -1,5 +1,5 @@
-"""Megatron models vs transformers (Qwen3-MoE and Mixtral), HF weight round trips through mbridge in
-TP2/EP2/PP2, and the critic's value head."""
+"""Megatron models vs transformers (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3, GLM-4.5), HF weight round
+trips through mbridge in TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
@@ -21,15 +21,19 @@ from moe_rl.weights.hf import HFReader
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_logprobs_match_transformers(arch, request):
-    """Mixtral (softmax after top-k) and Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias); a
-    dense first layer: tests/train/test_convert.py."""
+@pytest.mark.parametrize("arch,pack", [("mixtral", False), ("qwen2_moe", False), ("deepseek_v3", False),
+                                       ("deepseek_v3", True), ("glm4_moe", True)])
+def test_logprobs_match_transformers(arch, pack, request):
+    """Mixtral (softmax after top-k), Qwen2-MoE (shared expert with a sigmoid gate, q/k/v bias),
+    DeepSeek-V3 and GLM-4.5 (sigmoid scores with an expert bias, group-limited top-k, scaling, a shared
+    expert, a dense first layer; multi-latent attention; half-rotary heads): free routing equals
+    transformers', rows padded or packed (value heads narrower than query heads under multi-latent attention).
+A dense first layer of Qwen3-MoE: tests/train/test_convert.py."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}")
     routes = torch.zeros(B, S, 2, 2, dtype=torch.long)
-    res = run_ranks(layout_job, 1, (str(path), {}, "alltoall", routes))[0]
+    res = run_ranks(layout_job, 1, (str(path), {}, "alltoall", routes, pack))[0]
     ids, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -42,7 +46,8 @@ def test_logprobs_match_transformers(arch, request):
 
 @pytest.mark.parametrize("arch,layout",
                          [("qwen", {}), ("qwen", {"tp": 2}), ("qwen", {"ep": 2}), ("qwen", {"pp": 2}),
-                                         ("qwen2_moe", {"tp": 2})])
+                                         ("qwen2_moe", {"tp": 2}), ("deepseek_v3", {"tp": 2}),
+                                         ("deepseek_v3", {"ep": 2}), ("glm4_moe", {"pp": 2})])
 def test_hf_round_trip_is_bitwise(arch, layout, request):
     tiny_qwen = request.getfixturevalue(f"tiny_{arch}")
     world = 1 if not layout else 2
