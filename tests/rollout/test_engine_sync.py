@@ -12,14 +12,17 @@ from moe_rl.train.launch_local import run_in_process, run_ranks
 pytestmark = pytest.mark.slow
 
 
-# qwen2_moe: with a gated shared expert; qwen_dense: a dense first layer (routes of MoE layers only)
-@pytest.fixture(scope="module", params=["qwen", "qwen2_moe", "qwen_dense"])
+# qwen2_moe: with a gated shared expert; qwen_dense: a dense first layer (routes of MoE layers only);
+# glm4_moe: grouped sigmoid routing with an expert bias, a shared expert, a dense first layer
+@pytest.fixture(scope="module", params=["qwen", "qwen2_moe", "qwen_dense", "glm4_moe"])
 def synced(request, tmp_path_factory):
     tiny_qwen = request.getfixturevalue(f"tiny_{request.param}")
     root = tmp_path_factory.mktemp("sync")
     n_buckets = run_ranks(megatron_train_export_job, 1,
                           (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
     gen = run_in_process(vllm_sync_job, (str(tiny_qwen), str(root / "buckets")))
+    # MoE layers: two layers each, or three after a dense one (qwen_dense); one after a dense one (GLM)
+    gen["moe_layers"] = {"glm4_moe": 1}.get(request.param, 2)
     return root, n_buckets, gen
 
 
@@ -64,7 +67,7 @@ def test_engines_sleep_at_level_2_where_the_syncs_replace_every_weight(synced):
 
 def test_routing_record_covers_every_computed_position(synced):
     _, _, gen = synced
-    assert gen["layers"] == 2  # each model here has two MoE layers (qwen_dense: after its dense layer)
+    assert gen["layers"] == gen["moe_layers"]
     for r in gen["after"]:
         n = len(r.prompt_ids) + len(r.token_ids)
         rec = r.routes
