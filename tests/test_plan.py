@@ -123,7 +123,8 @@ def test_shipped_recipes_fit_their_stated_clusters(tmp_path):
 # the recipes whose header carries `moe-rl plan`'s output, with the published config of their model
 PLANNED = {"configs/qwen3_30b_a3b_grpo_2n8g.yaml": QWEN3_30B_A3B,
            "configs/qwen3_30b_a3b_grpo_1n8g.yaml": QWEN3_30B_A3B,
-           "configs/qwen3_30b_a3b_lora_1n8g.yaml": QWEN3_30B_A3B}
+           "configs/qwen3_30b_a3b_lora_1n8g.yaml": QWEN3_30B_A3B,
+           "configs/moonlight_16b_a3b_grpo_1n8g.yaml": MOONLIGHT_16B_A3B}
 
 
 @pytest.mark.parametrize("recipe", sorted(PLANNED))
