@@ -53,6 +53,8 @@ SWITCHES = (
            lambda c: _env_class(c).reads_tool_timeout, ("environment.tool_timeout_s",)),
     Switch("rollout.record_routes=true (the routes they show)", lambda c: c.rollout.record_routes,
            ("logging.heatmap_every", "logging.routing_diagnostics_every")),
+    Switch("rollout.record_routes=false (replayed routes keep the expert bias frozen)",
+           lambda c: not c.rollout.record_routes, ("model.expert_bias_update_rate",)),
     Switch("logging.samples > 0", lambda c: c.logging.samples > 0, ("logging.samples_every",)),
     Switch("logging.backends with wandb", lambda c: "wandb" in c.logging.backends, ("logging.wandb_dir",)),
     Switch("logging.backends with mlflow", lambda c: "mlflow" in c.logging.backends,

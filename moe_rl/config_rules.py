@@ -90,6 +90,8 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
+        check_model_features(cfg.model, {"model_type": tiny.arch,
+                                         "kv_lora_rank": tiny.arch == "deepseek_v3"})
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
     _check_placement(cfg)
@@ -354,6 +356,21 @@ def check_lora_rank(lora, hidden: int, heads: int, kv_heads: int, head_dim: int,
         raise ConfigError("model.lora.rank", f"{lora.rank} is above {target}'s width ({width}: the smaller "
                           "of its input and output sizes), which bounds an adapter's rank; use at most "
                           f"{width}")
+
+
+EXPERT_BIAS_MODELS = ("deepseek_v3", "glm4_moe")  # model_type values whose routers carry an expert bias
+
+
+def check_model_features(model, hf: dict) -> None:
+    """Settings the model's architecture cannot take (`hf`: its config.json, or the tiny model's type):
+    LoRA on multi-latent attention (its projections are not the adapters' targets, and vLLM's LoRA for
+    them is untested here), an expert-bias update for routers without one."""
+    if model.lora.rank and hf.get("kv_lora_rank"):
+        raise ConfigError("model.lora.rank", f"a '{hf.get('model_type')}' model's multi-latent attention "
+                          "takes no LoRA adapters here yet; train it whole (model.lora.rank=0)")
+    if model.expert_bias_update_rate and hf.get("model_type") not in EXPERT_BIAS_MODELS:
+        raise ConfigError("model.expert_bias_update_rate", f"a '{hf.get('model_type')}' model's routers "
+                          f"have no expert bias to update (those of {', '.join(EXPERT_BIAS_MODELS)} have)")
 
 
 def check_lora_rank_hf(lora, hf: dict) -> None:

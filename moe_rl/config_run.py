@@ -11,7 +11,8 @@ from typing import Literal
 
 from moe_rl.schema import ConfigError, in_range, positive
 
-Arch = Literal["qwen3_moe", "mixtral", "qwen2_moe"]  # qwen2_moe: with a gated shared expert
+# qwen2_moe: with a gated shared expert; deepseek_v3 and glm4_moe: moe_rl.tiny.deepseek_style_config
+Arch = Literal["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe"]
 FP8Recipe = Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"]
 
 
@@ -45,7 +46,10 @@ class TinyModel:
     """A random Mixture-of-Experts model built locally (no model hub); see moe_rl.tiny."""
 
     arch: Arch = "qwen3_moe"
-    """The Hugging Face architecture built: qwen3_moe, mixtral or qwen2_moe (with a gated shared expert)."""
+    """The Hugging Face architecture built: qwen3_moe, mixtral, qwen2_moe (with a gated shared expert),
+    deepseek_v3 (multi-latent attention) or glm4_moe; the last two route by sigmoid scores and an expert
+    bias within the best of two groups of experts, with a shared expert and at least one dense first
+    layer."""
     hidden_size: int = 64
     """The model's hidden size."""
     num_layers: int = 2
@@ -81,6 +85,11 @@ class TinyModel:
         if self.first_dense_layers and self.arch == "mixtral":
             raise ConfigError("model.tiny.first_dense_layers",
                               "Mixtral has experts in every layer; use qwen3_moe or qwen2_moe")
+        grouped = self.arch in ("deepseek_v3", "glm4_moe")
+        if grouped and (self.num_experts % 2 or 2 * self.top_k > self.num_experts):
+            raise ConfigError("model.tiny.num_experts", f"{self.arch}: {self.num_experts} experts in two "
+                              f"groups, one kept per token: must be even and hold top_k={self.top_k} in a "
+                              "group")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("model.tiny.num_key_value_heads",
                               f"{self.num_key_value_heads} must divide "
@@ -154,6 +163,12 @@ class ModelSection:
     policy/moe_aux_loss_layerNN) log them where on."""
     moe_z_loss_coeff: float = 0.0
     """The router z-loss's coefficient in the trainers' updates (0: off; see moe_aux_loss_coeff)."""
+    expert_bias_update_rate: float = 0.0
+    """DeepSeek-V3 / GLM-4.5's aux-loss-free balancing: after each update every router's expert bias moves
+    by this rate toward equal load (megatron-core's moe_router_bias_update_rate). 0 (default): the bias
+    stays as the checkpoint has it. In RL the bias picks the experts the engines route to, so moving it
+    changes the rollout policy outside any loss; read only with rollout.record_routes=false (under replay
+    megatron would count the replayed assignment, padding included) and for a model with an expert bias."""
     lora: LoraSection = field(default_factory=LoraSection)
 
     def check(self) -> None:
@@ -161,6 +176,7 @@ class ModelSection:
         self.lora.check()
         in_range("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0.0, None)
         in_range("model.moe_z_loss_coeff", self.moe_z_loss_coeff, 0.0, None)
+        in_range("model.expert_bias_update_rate", self.expert_bias_update_rate, 0.0, None)
         if self.fp8 != "none" and self.layer_spec != "transformer_engine":
             raise ConfigError("model.fp8", f"'{self.fp8}' needs model.layer_spec=transformer_engine")
 

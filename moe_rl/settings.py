@@ -13,7 +13,8 @@ def model_spec(cfg: RunConfig, hf_path: str):
     return ModelSpec(hf_path=hf_path, dtype=m.dtype, layer_spec=m.layer_spec, fp8=m.fp8,
                      recompute=m.recompute, moe_dispatcher=m.moe_dispatcher,
                      routing_replay=cfg.rollout.record_routes, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-                     moe_z_loss_coeff=m.moe_z_loss_coeff)
+                     moe_z_loss_coeff=m.moe_z_loss_coeff,
+                     expert_bias_update_rate=0.0 if cfg.rollout.record_routes else m.expert_bias_update_rate)
 
 
 def policy_spec(cfg: RunConfig, hf_path: str):

@@ -53,6 +53,8 @@ SWITCH_CASES = {
     "an environment whose tools read it (Environment.reads_tool_timeout: calculator)": (
         ["environment.name=calculator"], [[]]),
     "rollout.record_routes=true (the routes they show)": ([], [["rollout.record_routes=false"]]),
+    "rollout.record_routes=false (replayed routes keep the expert bias frozen)": (
+        ["model.tiny.arch=glm4_moe", "rollout.record_routes=false"], [["model.tiny.arch=glm4_moe"]]),
     "a run that writes checkpoints (checkpoint.every > 0 or checkpoint.at_end=true)": (
         [], [["checkpoint.at_end=false"]]),
     "a dataset (environment.dataset or trainer.eval_dataset)": (
@@ -61,7 +63,7 @@ SWITCH_CASES = {
 
 # a valid value other than the default, where the type alone does not give one
 OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_attention_heads": 4,
-         "model.tiny.num_key_value_heads": 1,
+         "model.tiny.num_key_value_heads": 1, "model.expert_bias_update_rate": 0.001,
          "model.tiny.top_k": 1, "model.tiny.first_dense_layers": 1, "model.tiny.head_dim": 64,
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
          "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]",

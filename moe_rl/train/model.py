@@ -39,6 +39,7 @@ class ModelSpec:
     routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
     moe_aux_loss_coeff: float  # model.*: the switch load-balancing loss (0: off)
     moe_z_loss_coeff: float  # model.*: the router z-loss (0: off)
+    expert_bias_update_rate: float = 0.0  # model.*: aux-loss-free balancing's step (0: the bias frozen)
     lora: LoraSettings | None = None  # model.lora, the policy only: adapters on a frozen base (train/lora.py)
 
     @property
@@ -161,11 +162,10 @@ def make_bridge(spec: ModelSpec):
         deallocate_pipeline_outputs=False,
         **kernel_settings(spec.layer_spec, fused_wgrad=fused_wgrad_available()),
     )
-    if spec.routing_replay:
-        # aux-loss-free balancing (DeepSeek-V3's expert bias, from the checkpoint's config) stays frozen
-        # under replay: megatron counts the replayed assignment, padding included, and the bias would move
-        # the engines' routing after every update with no loss accounting for it
-        extra["moe_router_bias_update_rate"] = 0.0
+    # aux-loss-free balancing (the expert bias of DeepSeek-V3 / GLM-4.5): mbridge's DeepSeek bridge moves
+    # it by 0.001 an update; here it moves only as model.expert_bias_update_rate says, never under replay
+    # (megatron counts the replayed assignment, padding included; settings.model_spec gives 0 there)
+    extra["moe_router_bias_update_rate"] = 0.0 if spec.routing_replay else spec.expert_bias_update_rate
     if spec.recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec.fp8 != "none":

@@ -13,16 +13,18 @@ pytestmark = pytest.mark.slow
 
 
 # qwen2_moe: with a gated shared expert; qwen_dense: a dense first layer (routes of MoE layers only);
-# glm4_moe: grouped sigmoid routing with an expert bias, a shared expert, a dense first layer
-@pytest.fixture(scope="module", params=["qwen", "qwen2_moe", "qwen_dense", "glm4_moe"])
+# glm4_moe and deepseek_v3: grouped sigmoid routing with an expert bias, a shared expert, a dense first
+# layer (DeepSeek: multi-latent attention)
+@pytest.fixture(scope="module", params=["qwen", "qwen2_moe", "qwen_dense", "glm4_moe", "deepseek_v3"])
 def synced(request, tmp_path_factory):
     tiny_qwen = request.getfixturevalue(f"tiny_{request.param}")
     root = tmp_path_factory.mktemp("sync")
     n_buckets = run_ranks(megatron_train_export_job, 1,
                           (str(tiny_qwen), str(root / "buckets"), str(root / "trained"), 0.05))[0]
     gen = run_in_process(vllm_sync_job, (str(tiny_qwen), str(root / "buckets")))
-    # MoE layers: two layers each, or three after a dense one (qwen_dense); one after a dense one (GLM)
-    gen["moe_layers"] = {"glm4_moe": 1}.get(request.param, 2)
+    # MoE layers: two layers each, or three after a dense one (qwen_dense); one after a dense one (GLM,
+    # DeepSeek)
+    gen["moe_layers"] = {"glm4_moe": 1, "deepseek_v3": 1}.get(request.param, 2)
     return root, n_buckets, gen
 
 

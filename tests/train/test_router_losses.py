@@ -41,3 +41,25 @@ def test_under_replay_the_balancing_loss_reads_the_routers_own_choice_and_the_bi
         assert replayed["figures"][key] == pytest.approx(free["figures"][key], rel=1e-6), key
     assert replayed["figures"]["moe_aux_loss_layer01"] != free["figures"]["moe_aux_loss_layer01"]
     assert replayed["bias_rate"] == free["bias_rate"] == 0.0
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["free", "replay"])
+def test_glm4_expert_bias_moves_only_at_its_rate_and_never_under_replay(tiny_glm4_moe, replay):
+    """model.expert_bias_update_rate on a GLM-4.5 router (a random bias in the checkpoint): 0 keeps the
+    checkpoint's bias (mbridge's DeepSeek bridge would move it by 0.001); at 0.01 with free routing each
+    expert's bias moves by exactly 0.01 toward equal load (megatron's sign rule: up where an expert got
+    fewer tokens than the mean, down where more); under replay it stays."""
+    import torch
+    from train_jobs import expert_bias_job
+
+    before, still = run_ranks(expert_bias_job, 1, (str(tiny_glm4_moe), 0.0, replay))[0]
+    _, moved = run_ranks(expert_bias_job, 1, (str(tiny_glm4_moe), 0.01, replay))[0]
+    assert before and set(before) == set(still) == set(moved)
+    for name, bias in before.items():
+        assert bias.abs().max() > 0.05  # the checkpoint's own, loaded
+        assert torch.equal(still[name], bias)
+        step = (moved[name] - bias).abs()
+        if replay:
+            assert torch.equal(moved[name], bias)
+        else:
+            assert torch.allclose(step[step > 0], torch.full_like(step[step > 0], 0.01)) and (step > 0).any()
