@@ -176,8 +176,9 @@ def make_bridge(spec: ModelSpec):
     if getattr(bridge.hf_config, "shared_expert_intermediate_size", 0):
         extra["moe_shared_expert_gate"] = True  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
     extra.update(grouped_routing(bridge.hf_config))
-    if getattr(bridge.hf_config, "num_nextn_predict_layers", None):
-        extra["mtp_num_layers"] = None  # a checkpoint's multi-token-prediction layers: not built, not trained
+    # a checkpoint's multi-token-prediction layers are not built (mbridge's DeepSeek bridge asks for them,
+    # and megatron takes even 0 as a request: its output path then wants labels)
+    extra["mtp_num_layers"] = None
     dense = dense_layers(bridge.hf_config)
     if dense:  # mbridge's Qwen-MoE bridges put experts in every layer
         extra["moe_layer_freq"] = [0 if i in dense else 1 for i in range(bridge.hf_config.num_hidden_layers)]
