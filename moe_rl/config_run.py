@@ -362,6 +362,9 @@ class ClusterSection:
     call_timeout_s: float = 3600.0
     """the longest the driver waits for a remote call (a rollout, a training step, a weight sync, ...); past
     it the run stops naming the role, the rank or engine, and the call"""
+    start_timeout_s: float = 3600.0
+    """the longest the driver waits for a trainer rank or an engine to start (imports, model built and
+    loaded: minutes for a large model, or on a loaded machine); past it the run stops naming it"""
     gpus_per_node: int = 8
     """the GPU nodes the run is meant for: `moe-rl plan` and `check-config --assume-cuda` size it against them
     """
@@ -391,6 +394,7 @@ class ClusterSection:
                 positive(f"cluster.{name}", getattr(self, name))
         positive("cluster.gpus_per_node", self.gpus_per_node)
         in_range("cluster.call_timeout_s", self.call_timeout_s, 0.0, None, lo_open=True)
+        in_range("cluster.start_timeout_s", self.start_timeout_s, 0.0, None, lo_open=True)
         in_range("cluster.gpu_memory_gb", self.gpu_memory_gb, 0.0, None, lo_open=True)
         in_range("cluster.host_memory_gb", self.host_memory_gb, 0.0, None, lo_open=True)
         if self.gpu_memory_gb > MAX_GPU_MEMORY_GB:

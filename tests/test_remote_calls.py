@@ -47,6 +47,10 @@ def test_silence_past_the_timeout_names_who(cluster):
                        match=r"^no answer within cluster.call_timeout_s=1 s from engine 1 \(rollout\)$"):
         gather([("engine 0 (rollout)", a.work.remote(0)), ("engine 1 (rollout)", b.work.remote(30))], 1.0)
     assert gather([("engine 0 (rollout)", a.work.remote(0.1))], 10) == [0.1]
+    # a start-up is waited on by its own setting (the driver's: cluster.start_timeout_s), and named so
+    with pytest.raises(RemoteCallError,
+                       match=r"^no answer within cluster.start_timeout_s=1 s from policy rank 0 \(start\)$"):
+        gather([("policy rank 0 (start)", b.work.remote(0))], 1.0, setting="cluster.start_timeout_s")
 
 
 def test_an_error_raised_by_the_call_keeps_its_type(cluster):

@@ -45,7 +45,8 @@ def round_trips() -> int:
     return _round_trips
 
 
-def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> list:
+def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None,
+           setting: str = "cluster.call_timeout_s") -> list:
     """The results of remote calls [(label, ref)], in order. The wait ends at the first call whose actor
     died (a rank's peers may be blocked in a collective with it) or once `timeout_s` has passed with a
     call unanswered: RemoteCallError names the actor and what it was doing (`label`). An exception the
@@ -53,7 +54,8 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
 
     `retry(index, err)`, where given, is asked first about a call that failed (its actor lost, or the
     call raised): it returns a new ref to wait on instead (the call submitted again, with `timeout_s`
-    from now), or None to fail as above."""
+    from now), or None to fail as above. `setting`: the config field `timeout_s` comes from (named by the
+    error)."""
     global _round_trips
     _round_trips += 1
     labels = {ref: (i, label) for i, (label, ref) in enumerate(calls)}
@@ -61,7 +63,7 @@ def gather(calls: list[tuple[str, object]], timeout_s: float, retry=None) -> lis
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
-            raise RemoteCallError(f"no answer within cluster.call_timeout_s={timeout_s:g} s from "
+            raise RemoteCallError(f"no answer within {setting}={timeout_s:g} s from "
                                   f"{', '.join(labels[r][1] for r in pending)}")
         i, label = labels[done[0]]
         try:

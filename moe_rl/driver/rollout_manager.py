@@ -186,7 +186,8 @@ class Rollouts:
 
     def started(self) -> None:
         """Wait until every engine has started (vLLM loaded its model)."""
-        infos = self._gather("start", self._infos)
+        infos = gather([(f"engine {i} (start)", ref) for i, ref in enumerate(self._infos)],
+                       self.cfg.cluster.start_timeout_s, setting="cluster.start_timeout_s")
         self.top_k, self.num_experts, self.nodes = (infos[0]["top_k"], infos[0]["num_experts"],
                                                     [i["node"] for i in infos])
         self.workers, self.threads = [i["workers"] for i in infos], [i["threads"] for i in infos]
@@ -252,7 +253,7 @@ class Rollouts:
         ray.kill(self.engines[i])  # a live engine whose update failed; a dead one: no-op
         self.engines[i] = self._start_engine(i)
         self.nodes[i] = gather([(f"engine {i} (start)", self.engines[i].info.remote())],
-                               self.cfg.cluster.call_timeout_s)[0]["node"]
+                               self.cfg.cluster.start_timeout_s, setting="cluster.start_timeout_s")[0]["node"]
         self.restarts += 1
         if self.policy is not None:  # the weights of the last sync (a new engine holds the base model's)
             self._load_weights(self.policy, [i], settle=False)

@@ -213,8 +213,9 @@ def written_by_this_try(path: Path) -> bool:
 # makes it another run than the one its checkpoints hold. Entries ending in "." are sections.
 RESUMABLE_CHANGES = ("run.steps", "run.output_dir", "logging.", "checkpoint.every", "checkpoint.keep",
                      "checkpoint.at_end", "checkpoint.resume", "cluster.address", "cluster.node_ip",
-                     "cluster.call_timeout_s", "cluster.num_cpus", "cluster.trainer_threads",
-                     "cluster.engine_threads", "cluster.gpus_per_node", "cluster.gpu_memory_gb")
+                     "cluster.call_timeout_s", "cluster.start_timeout_s", "cluster.num_cpus",
+                     "cluster.trainer_threads", "cluster.engine_threads", "cluster.gpus_per_node",
+                     "cluster.gpu_memory_gb")
 
 
 def resumable_change(key: str) -> bool:

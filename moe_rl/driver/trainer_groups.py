@@ -54,6 +54,7 @@ class TrainerGroup:
         self.world = world
         self.tp_cp = par.tp * par.cp
         self.slot, self.timeout_s = slot, cfg.cluster.call_timeout_s
+        self.start_timeout_s = cfg.cluster.start_timeout_s  # for the ranks' start (started)
         # data-parallel shards by estimated compute (train.parallel.row_cost: attention_span = 6 h)
         self.balance = cfg.trainer.dp_balance
         self.attention_span = 6.0 * hf_config_of(cfg, spec.hf_path)["hidden_size"]
@@ -65,7 +66,8 @@ class TrainerGroup:
 
     def started(self) -> None:
         """Wait until every rank has started (its model built and loaded)."""
-        self.nodes, self.threads = map(list, zip(*self._gather("start", self._placed), strict=True))
+        started = self._gather("start", self._placed, start=True)
+        self.nodes, self.threads = map(list, zip(*started, strict=True))
 
     def export_weights(self, bucket_mb: float, adapters: bool = False) -> list:
         """Refs to the whole model's weight buckets in Ray's object store, put there by the ranks (adapters:
@@ -181,9 +183,11 @@ class TrainerGroup:
     def call(self, method: str, *args):
         return self._gather(method, [getattr(a, method).remote(*args) for a in self.actors])
 
-    def _gather(self, method: str, refs: list) -> list:
-        return gather([(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)],
-                      self.timeout_s)
+    def _gather(self, method: str, refs: list, start: bool = False) -> list:
+        calls = [(f"{self.slot} rank {r} ({method})", ref) for r, ref in enumerate(refs)]
+        if start:
+            return gather(calls, self.start_timeout_s, setting="cluster.start_timeout_s")
+        return gather(calls, self.timeout_s)
 
 
 
