@@ -176,6 +176,8 @@ def make_bridge(spec: ModelSpec):
     if getattr(bridge.hf_config, "shared_expert_intermediate_size", 0):
         extra["moe_shared_expert_gate"] = True  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
     extra.update(grouped_routing(bridge.hf_config))
+    if bridge.hf_config.model_type == "deepseek_v3":
+        extra.update(latent_rope(bridge.hf_config))
     # a checkpoint's multi-token-prediction layers are not built (mbridge's DeepSeek bridge asks for them,
     # and megatron takes even 0 as a request: its output path then wants labels)
     extra["mtp_num_layers"] = None
@@ -194,8 +196,8 @@ def _fit_mla_bridge() -> None:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     def config(**fields):
-        if "max_position_embeddings" in fields:
-            fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
+        if "max_position_embeddings" in fields:  # ours (latent_rope, from config.json) first
+            fields.setdefault("original_max_position_embeddings", fields.pop("max_position_embeddings"))
         return MLATransformerConfig(**fields)
 
     DeepseekV3Bridge.TransformerConfigClass = staticmethod(config)
@@ -212,6 +214,19 @@ def grouped_routing(hf) -> dict:
     if getattr(hf, "n_shared_experts", None):
         extra["moe_shared_expert_intermediate_size"] = hf.n_shared_experts * hf.moe_intermediate_size
     return extra
+
+
+def latent_rope(hf) -> dict:
+    """DeepSeek-V3's YaRN RoPE (DeepSeek-V3 / R1, Kimi-K2) for megatron's MLA config: mbridge looks for it
+    with `"rope_scaling" in config`, which transformers 5 answers no (it keeps it in rope_parameters), and
+    would build plain RoPE. {} for plain RoPE (Moonlight)."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return {}
+    return dict(rope_type="yarn", rotary_scaling_factor=params["factor"], mscale=params.get("mscale", 1.0),
+                mscale_all_dim=params.get("mscale_all_dim", 1.0), beta_fast=params.get("beta_fast", 32),
+                beta_slow=params.get("beta_slow", 1),
+                original_max_position_embeddings=params.get("original_max_position_embeddings", 4096))
 
 
 def rotary_fraction(hf) -> float:

@@ -9,6 +9,7 @@ from train_jobs import (
     batch_tensors,
     critic_job,
     critic_returns,
+    hf_logprobs_job,
     hf_roundtrip_job,
     layout_job,
     reward_model_job,
@@ -42,6 +43,30 @@ A dense first layer of Qwen3-MoE: tests/train/test_convert.py."""
     ref = torch.zeros(B, S)
     ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(res["free"].logp_BS * valid, ref * valid, atol=1e-5, rtol=0)
+
+
+def test_deepseek_v3_yarn_rope_logprobs_match_transformers(tiny_deepseek_v3, tmp_path):
+    """DeepSeek-V3's published RoPE is YaRN (factor 40 from 4,096 positions; Kimi-K2's 32): the tiny
+    checkpoint with YaRN from 64 positions (factor 8, mscale 1 on both sides of the softmax scale) scores
+    as transformers scores it, its context past the original 64 positions."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "yarn"
+    shutil.copytree(tiny_deepseek_v3, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "yarn", "factor": 8.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 64}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(5))
+    res = run_ranks(hf_logprobs_job, 1, (str(path), ids))[0]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(res[:, 1:], lp, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch,layout",

@@ -519,3 +519,14 @@ def expert_bias_job(rank, world, hf_path, rate, replay):
     w.train_step(Batch(ids, lengths, routes, **policy_tensors(logp, mask, adv)), policy_loss(),
                  Denominator(mask))
     return before, biases()
+
+
+def hf_logprobs_job(rank, world, hf_path, ids):
+    """The trainer's log-probs of whole rows `ids` [B, S] (free routing, rows padded)."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path, routing_replay=False),
+                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+    return w.score(Batch(ids, torch.full((ids.shape[0],), ids.shape[1]))).logp_BS
