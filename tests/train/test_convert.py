@@ -189,3 +189,20 @@ def test_convert_seeds_megatrons_rng_streams_on_a_gpu_machine(monkeypatch, tiny_
     with pytest.raises(Seeded) as seeded:
         convert._build(str(tiny_qwen), "float32", "policy", Layout())
     assert seeded.value.args == (0,)
+
+
+def test_deepseek_multi_token_prediction_layers_survive_the_round_trip(tmp_path, tiny_deepseek_v3):
+    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer, which the trainer does not build:
+    HF -> Megatron (EP2) -> HF (TP2) gives every tensor back bitwise, the MTP layer's included; the
+    converted checkpoint scores as transformers scores the model."""
+    from conftest import with_mtp_layer
+
+    src = tmp_path / "with_mtp"
+    with_mtp_layer(tiny_deepseek_v3, src)
+    mc = tmp_path / "mcore"
+    hf_to_mcore(src, mc, Layout(ep=2))
+    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))
+    assert_same_tensors(src, back.out)
+    ids, _ = tokens()
+    out = run_ranks(score_converted_job, 1, (str(src), str(mc), "policy"))[0]
+    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(src, ids)[:, 1:], atol=1e-5, rtol=0)
