@@ -90,7 +90,7 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
-        check_model_features(cfg.model, {"model_type": tiny.arch,
+        check_model_features(cfg, {"model_type": tiny.arch,
                                          "kv_lora_rank": tiny.arch == "deepseek_v3"})
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
@@ -361,10 +361,18 @@ def check_lora_rank(lora, hidden: int, heads: int, kv_heads: int, head_dim: int,
 EXPERT_BIAS_MODELS = ("deepseek_v3", "glm4_moe")  # model_type values whose routers carry an expert bias
 
 
-def check_model_features(model, hf: dict) -> None:
+def check_model_features(cfg, hf: dict) -> None:
     """Settings the model's architecture cannot take (`hf`: its config.json, or the tiny model's type):
     LoRA on multi-latent attention (its projections are not the adapters' targets, and vLLM's LoRA for
-    them is untested here), an expert-bias update for routers without one."""
+    them is untested here), multi-latent attention split over TP in megatron-core's local layer spec,
+    an expert-bias update for routers without one."""
+    model = cfg.model
+    if hf.get("kv_lora_rank") and cfg.parallel.tp > 1 and model.layer_spec == "local":
+        # the local spec makes the latent's down-projections column-parallel: the shared RoPE key's
+        # gradient then holds only the rank's own heads' part (Transformer Engine's layers keep them whole)
+        raise ConfigError("parallel.tp", f"{cfg.parallel.tp} splits a '{hf.get('model_type')}' model's "
+                          "multi-latent attention, which trains right only with model.layer_spec="
+                          "transformer_engine; use parallel.tp=1 (expert parallelism splits the experts)")
     if model.lora.rank and hf.get("kv_lora_rank"):
         raise ConfigError("model.lora.rank", f"a '{hf.get('model_type')}' model's multi-latent attention "
                           "takes no LoRA adapters here yet; train it whole (model.lora.rank=0)")

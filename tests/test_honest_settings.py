@@ -40,6 +40,9 @@ def refused(overrides, data=None) -> str:
      "(replayed routes keep the expert bias frozen) reads it"),
     (["rollout.record_routes=false", "model.expert_bias_update_rate=0.001"], "model.expert_bias_update_rate: "
      "a 'qwen3_moe' model's routers have no expert bias to update"),
+    (["model.tiny.arch=deepseek_v3", "parallel.tp=2", "parallel.world_size=2"], "parallel.tp: 2 splits a "
+     "'deepseek_v3' model's multi-latent attention, which trains right only with model.layer_spec="
+     "transformer_engine"),
     (["model.tiny.arch=deepseek_v3", "model.lora.rank=8"], "model.lora.rank: a 'deepseek_v3' model's "
      "multi-latent attention takes no LoRA adapters here yet"),
     (["cluster.gpu_memory_gb=81920"], "cluster.gpu_memory_gb: 81920 GB is not one GPU's memory: the unit is "

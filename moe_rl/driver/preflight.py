@@ -37,7 +37,7 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
     if hf is not None:
         check_layout_fits_hf_config(cfg.parallel, hf)
         check_lora_rank_hf(cfg.model.lora, hf)
-        check_model_features(cfg.model, hf)
+        check_model_features(cfg, hf)
     check_context_length(cfg, hf)
     if cfg.reward_model.path:  # placed like the policy: the same layout must fit it
         check_layout_fits_hf_config(cfg.parallel, check_reward_model_dir(cfg.reward_model.path))

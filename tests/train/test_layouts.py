@@ -104,9 +104,46 @@ def test_replay_after_update_reproduces_routes_and_trains_router(reference):
 ])
 def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pack):
     routes, ref = reference
-    valid, _ = _valid()
     world = 2 if layout else 1
     results = run_ranks(layout_job, world, (str(tiny_qwen), layout, dispatcher, routes, pack))
+    assert_matches_single_rank(results, ref, layout)
+    if "cp" in layout:
+        assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def grouped_reference(request):
+    """reference's single rank for DeepSeek-V3 and GLM-4.5 (one MoE layer after a dense one)."""
+    path = str(request.getfixturevalue(f"tiny_{request.param}"))
+    first = run_ranks(layout_job, 1, (path, {}, "alltoall", torch.zeros(B, S, 1, 2, dtype=torch.long)))[0]
+    routes = first["free"].routes_BSLK
+    return request.param, path, routes, run_ranks(layout_job, 1, (path, {}, "alltoall", routes))[0]
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+def test_deepseek_and_glm4_layouts_match_single_rank(grouped_reference, layout):
+    """Grouped sigmoid routing with an expert bias, shared experts, a dense first layer: TP2 and EP2
+    score, replay and train as one rank. DeepSeek's latent attention under TP2 only scores as one rank:
+    megatron-core's local spec splits its down-projections over TP and the shared RoPE key's gradient
+    then misses the other rank's heads (the config refuses parallel.tp > 1 for it on the local spec)."""
+    arch, path, routes, ref = grouped_reference
+    results = run_ranks(layout_job, 2, (path, layout, "alltoall", routes))
+    if arch == "deepseek_v3" and "tp" in layout:
+        valid, _ = _valid()
+        for res in results:
+            for key in ("free", "replay"):
+                torch.testing.assert_close(res[key].logp_BS * valid, ref[key].logp_BS * valid, **TOL)
+            after, expected = res["after_replay"].logp_BS * valid, ref["after_replay"].logp_BS * valid
+            assert not torch.allclose(after, expected, **TOL)  # the known gap: once fixed, lift the refusal
+        return
+    assert_matches_single_rank(results, ref, layout)
+
+
+def assert_matches_single_rank(results: list[dict], ref: dict, layout: dict) -> None:
+    """layout_job's results of every rank against the single rank's: log-probs and entropy free, replayed
+    and after the step, the routes recorded, the step's loss and gradient norm."""
+    valid, _ = _valid()
+    world = len(results)
     for res in results:
         assert res["dp_rank"][0] == res["dp_rank"][1]  # parallel.dp_rank_of agrees with megatron's groups
         for key in ("free", "replay", "after_replay", "after_free"):
@@ -116,8 +153,6 @@ def test_layout_matches_single_rank(reference, tiny_qwen, layout, dispatcher, pa
         v = valid[:, :, None, None]
         # padding routes are arbitrary
         torch.testing.assert_close(res["free"].routes_BSLK * v, ref["free"].routes_BSLK * v)
-    if "cp" in layout:
-        assert all(r["worker_mbs"] == r["padded_mbs"] for r in results), [r["worker_mbs"] for r in results]
     losses = [r["step"]["loss"] for r in results if "loss" in r["step"]]
     # EP2 alone is data-parallel 2: each rank's loss is its shard's share of the global loss; under TP, CP
     # (and EP folded into TP) every rank of the one data-parallel replica has the whole loss
