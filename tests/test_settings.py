@@ -38,6 +38,7 @@ CFG = RunConfig(
     run=RunSection(seed=4321),
     model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
                        moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                       expert_bias_update_rate=0.002,  # read with rollout.record_routes=false (below)
                        lora=LoraSection(rank=8, alpha=4.0, targets=["linear_qkv", "linear_fc2"],
                                         sync="merged")),
     parallel=ParallelSection(distributed_optimizer=False),
@@ -76,6 +77,7 @@ CASES = {
         "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
         "routing_replay": at("rollout.record_routes"), "moe_aux_loss_coeff": at("model.moe_aux_loss_coeff"),
         "moe_z_loss_coeff": at("model.moe_z_loss_coeff"),
+        "expert_bias_update_rate": at("model.expert_bias_update_rate"),
     }, {"hf_path", "lora"}),  # lora: the policy's alone (policy_spec)
     # rank 0 (the default config): no adapters, None; stood in for by rank 0 with the config's other fields
     "policy_spec.lora": (lambda cfg: settings.policy_spec(cfg, "ckpt/dir").lora or LoraSettings(

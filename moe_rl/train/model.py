@@ -39,7 +39,7 @@ class ModelSpec:
     routing_replay: bool  # rollout.record_routes: replay the rollout's routes (the critic: never)
     moe_aux_loss_coeff: float  # model.*: the switch load-balancing loss (0: off)
     moe_z_loss_coeff: float  # model.*: the router z-loss (0: off)
-    expert_bias_update_rate: float = 0.0  # model.*: aux-loss-free balancing's step (0: the bias frozen)
+    expert_bias_update_rate: float  # model.*: aux-loss-free balancing's step (0: the bias frozen)
     lora: LoraSettings | None = None  # model.lora, the policy only: adapters on a frozen base (train/lora.py)
 
     @property

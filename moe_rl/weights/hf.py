@@ -180,7 +180,8 @@ def mtp_names(path: str | Path) -> list[str]:
     """The tensors of a checkpoint's multi-token-prediction layers (DeepSeek-V3, GLM-4.5:
     num_nextn_predict_layers layers numbered from num_hidden_layers on), which the trainer does not build:
     conversions and exports carry them as they are (`keep_mtp`)."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}  # no config: checked elsewhere
     if not config.get("num_nextn_predict_layers"):
         return []
     first = config["num_hidden_layers"]
