@@ -52,8 +52,20 @@ def hand_counted_expert_load(figures: dict, checkpoint: Path, num_experts: int) 
         assert figures[f"moe/rollout_layer{layer:02d}_usage_entropy"] == pytest.approx(entropy)
 
 
-def engine_processes(pid: int) -> list:
+def descendants(pid: int) -> list:
+    """[(process, its command line as a list)] of `pid`'s descendants. A descendant may end while they are
+    listed (Ray's short-lived helpers: a CI run met one as a zombie): it is left out."""
     import psutil
 
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "RolloutActor" in " ".join(p.cmdline())]
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append((p, p.cmdline()))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def engine_processes(pid: int) -> list:
+    """The engine actors' processes among the run's (`pid`'s) descendants."""
+    return [p for p, cmd in descendants(pid) if "RolloutActor" in " ".join(cmd)]

@@ -32,7 +32,7 @@ from cli_runs import (
 )
 from conftest import ROOT
 from glossary_check import assert_tags_in_glossary
-from loop_jobs import engine_processes, hand_counted_expert_load, score_checkpoint_job
+from loop_jobs import descendants, engine_processes, hand_counted_expert_load, score_checkpoint_job
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +207,6 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
        the step-1 checkpoint, and its step 2 equals the uninterrupted run's;
     2. the driver is killed with SIGKILL while it writes its step-3 checkpoint: the step-2 checkpoint is
        intact, the second retry runs from there, and its step 3 reproduces the uninterrupted run's."""
-    import psutil
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ref_out, _ = reference
@@ -223,8 +222,8 @@ def test_a_rank_dies_mid_sync_then_the_driver_mid_save_and_the_launcher_resumes_
         return "" if proc.poll() is None else proc.stdout.read()[-4000:]
 
     def drivers():
-        return [p for p in psutil.Process(proc.pid).children(recursive=True)
-                if "train" in p.cmdline() and any(a.endswith("moe-rl") for a in p.cmdline())]
+        return [p for p, cmd in descendants(proc.pid)
+                if "train" in cmd and any(a.endswith("moe-rl") for a in cmd)]
 
     try:
         saving, deadline, driver = out / "checkpoints" / ".step_000003.partial", time.time() + 900, None
@@ -434,7 +433,6 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
     rollout.max_engine_restarts=0: the driver stops within a bounded time (no hang on a collective or a
     Ray wait), exit code 3 (a launcher may retry), one line naming the process and what it was doing. An
     engine that hangs (SIGSTOP) is named once cluster.call_timeout_s has passed."""
-    import psutil
 
     out = tmp_path / "dies"
     # a dead process is noticed at once (within `noticed` s), not by the timeout: that one is long, so that a
@@ -455,8 +453,7 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
                             + (proc.communicate(timeout=60)[1] if proc.poll() is not None else "")[-3000:])
             time.sleep(0.2)
         if victim == "trainer rank":
-            victims = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                       if "RankActor" in " ".join(p.cmdline())]
+            victims = [p for p, cmd in descendants(proc.pid) if "RankActor" in " ".join(cmd)]
         else:
             victims = engine_processes(proc.pid)
         assert victims, f"no {victim} process found"
