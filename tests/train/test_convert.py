@@ -55,14 +55,7 @@ def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
 def test_dense_first_layer_round_trip_ep2_is_bitwise_and_logits_match(tmp_path, tiny_qwen_dense):
     """Qwen3-MoE with a dense first layer: loaded in EP2, exported in TP2 (the dense MLP split over TP),
     bitwise; the converted checkpoint scores as transformers does."""
-    mc = tmp_path / "mcore"
-    hf_to_mcore(tiny_qwen_dense, mc, Layout(ep=2))
-    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))
-    assert_same_tensors(tiny_qwen_dense, back.out)
-    ids, _ = tokens()
-    out = run_ranks(score_converted_job, 1, (str(tiny_qwen_dense), str(mc), "policy"))[0]
-    torch.testing.assert_close(out.logp_BS[:, 1:], hf_token_logprobs(tiny_qwen_dense, ids)[:, 1:], atol=1e-5,
-                               rtol=0)
+    ep2_to_tp2_is_bitwise_and_scores_as_transformers(tiny_qwen_dense, tmp_path)
 
 
 def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, tiny_qwen):
@@ -199,6 +192,12 @@ def test_deepseek_multi_token_prediction_layers_survive_the_round_trip(tmp_path,
 
     src = tmp_path / "with_mtp"
     with_mtp_layer(tiny_deepseek_v3, src)
+    ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path)
+
+
+def ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path):
+    """HF -> Megatron in EP2 -> HF in TP2 gives `src`'s tensors back bitwise, and the Megatron checkpoint,
+    loaded by one rank, scores as transformers scores `src`."""
     mc = tmp_path / "mcore"
     hf_to_mcore(src, mc, Layout(ep=2))
     back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))

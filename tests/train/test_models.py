@@ -3,13 +3,13 @@ trips through mbridge in TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
+from routing_jobs import hf_logprobs_job
 from train_jobs import (
     B,
     S,
     batch_tensors,
     critic_job,
     critic_returns,
-    hf_logprobs_job,
     hf_roundtrip_job,
     layout_job,
     reward_model_job,

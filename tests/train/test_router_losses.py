@@ -50,7 +50,7 @@ def test_glm4_expert_bias_moves_only_at_its_rate_and_never_under_replay(tiny_glm
     expert's bias moves by exactly 0.01 toward equal load (megatron's sign rule: up where an expert got
     fewer tokens than the mean, down where more); under replay it stays."""
     import torch
-    from train_jobs import expert_bias_job
+    from routing_jobs import expert_bias_job
 
     before, still = run_ranks(expert_bias_job, 1, (str(tiny_glm4_moe), 0.0, replay))[0]
     _, moved = run_ranks(expert_bias_job, 1, (str(tiny_glm4_moe), 0.01, replay))[0]

@@ -498,35 +498,3 @@ def optimizer_offload_job(rank, world, hf_path, layout, offload, steps=3, precis
     return {"figures": figures, "after": w.score(Batch(ids, lengths, routes)).logp_BS,
             "inner": sorted({type(o.optimizer).__name__ for o in chained})}
 
-
-def expert_bias_job(rank, world, hf_path, rate, replay):
-    """One policy update of a model whose routers carry an expert bias, at model.expert_bias_update_rate
-    `rate`, routing freely or replaying its own routes: the bias before and after, per router."""
-    from moe_rl.train import parallel
-    from moe_rl.train.worker import TrainWorker
-
-    parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path, expert_bias_update_rate=rate, routing_replay=replay),
-                    optim=optim_settings(1e-2, micro_batch_tokens=24))
-
-    def biases():
-        return {n: b.detach().clone() for n, b in w.module.named_buffers() if n.endswith("expert_bias")}
-
-    before = biases()
-    ids, lengths, mask, adv = batch_tensors()
-    routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK if replay else None
-    logp = w.score(Batch(ids, lengths, routes)).logp_BS
-    w.train_step(Batch(ids, lengths, routes, **policy_tensors(logp, mask, adv)), policy_loss(),
-                 Denominator(mask))
-    return before, biases()
-
-
-def hf_logprobs_job(rank, world, hf_path, ids):
-    """The trainer's log-probs of whole rows `ids` [B, S] (free routing, rows padded)."""
-    from moe_rl.train import parallel
-    from moe_rl.train.worker import TrainWorker
-
-    parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path, routing_replay=False),
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
-    return w.score(Batch(ids, torch.full((ids.shape[0],), ids.shape[1]))).logp_BS
