@@ -58,6 +58,7 @@ class Converted:
     role: str
     parameters: int = 0  # Megatron parameters rank 0 converted (its progress bar's total)
     kind: str = "tensors"  # what `tensors` counts
+    note: str = ""  # what the user should know about the result (said after the summary)
 
 
 def misdirected(path: Path, direction: str) -> str | None:
@@ -335,13 +336,30 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
         shutil.rmtree(out, ignore_errors=True)
         raise
     written: dict[str, tuple[str, int]] = _union([part for part, _ in parts])
-    written |= kept_mtp(ckpt / MTP_DIR, out)
+    mtp = kept_mtp(ckpt / MTP_DIR, out)
     copy_hf_config(hf_config, out)
+    note = "" if mtp else _without_lost_mtp(ckpt, out / "config.json")
     if role == "critic":
         _critic_config(out / "config.json")
-    write_index(out, written)
-    return Converted(out, len(written), sum(size for _, size in written.values()), role, parts[0][1],
-                     "Hugging Face tensors")
+    write_index(out, written | mtp)
+    return Converted(out, len(written | mtp), sum(size for _, size in (written | mtp).values()), role,
+                     parts[0][1], "Hugging Face tensors", note)
+
+
+def _without_lost_mtp(ckpt: Path, config: Path) -> str:
+    """Where the model declares multi-token-prediction layers but the checkpoint's copy of them is gone
+    (its `mtp` link, to the run directory's one copy, broken: a checkpoint copied without it), the export's
+    config declares none, so that it loads as the model it holds (the MTP layers only serve speculative
+    decoding); what happened, in a line ("" where nothing was lost)."""
+    cfg = json.loads(config.read_text())
+    layers = cfg.get("num_nextn_predict_layers") or 0
+    if not layers:
+        return ""
+    cfg["num_nextn_predict_layers"] = 0
+    config.write_text(json.dumps(cfg, indent=2))
+    return (f"warning: {ckpt / MTP_DIR} is missing (a checkpoint copied without the run directory's {MTP_DIR}/"
+            f" that its link points to?): the export has none of the model's {layers} multi-token-prediction "
+            "layer(s) and its config.json says num_nextn_predict_layers: 0")
 
 
 def _critic_config(path: Path) -> None:
@@ -357,5 +375,5 @@ def _critic_config(path: Path) -> None:
 def describe(result: Converted) -> str:
     source = f", from the {result.parameters} Megatron parameters of rank 0" if result.parameters else ""
     return (f"{result.role} checkpoint written to {result.out}: {result.tensors} {result.kind}, "
-            f"{result.bytes / 2**20:.1f} MiB{source}")
+            f"{result.bytes / 2**20:.1f} MiB{source}") + (f"\n{result.note}" if result.note else "")
 

@@ -71,7 +71,10 @@ class SlurmCluster:
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r}/spool-%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r / 'logs/slurmctld.log'}", f"SlurmdLogFile={r}/logs/slurmd-%n.log",
-            "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "MinJobAge=300", "KillWait=10",
+            "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=10",
+            # `sbatch --wait` polls a job after 2 s, then every 8 s while MinJobAge is at most 16 (every 32 s
+            # otherwise: a 20 s job was seen done at 42 s); a finished job's record outlives one poll
+            "MinJobAge=16",
         ]
         gres = ""
         if self.gpus:  # SLURM's gpu plugin counts device files: character devices nvidiaK (NVIDIA's major)

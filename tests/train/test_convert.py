@@ -187,12 +187,21 @@ def test_convert_seeds_megatrons_rng_streams_on_a_gpu_machine(monkeypatch, tiny_
 def test_deepseek_multi_token_prediction_layers_survive_the_round_trip(tmp_path, tiny_deepseek_v3):
     """A DeepSeek-V3 checkpoint with a multi-token-prediction layer, which the trainer does not build:
     HF -> Megatron (EP2) -> HF (TP2) gives every tensor back bitwise, the MTP layer's included; the
-    converted checkpoint scores as transformers scores the model."""
+    converted checkpoint scores as transformers scores the model. A checkpoint that lost its copy of them
+    (copied without the run directory's mtp/) exports the rest, says so, and declares no MTP layer."""
     from conftest import with_mtp_layer
 
+    from moe_rl.train.convert import describe
+    from moe_rl.weights.hf import mtp_names
+
     src = tmp_path / "with_mtp"
-    with_mtp_layer(tiny_deepseek_v3, src)
+    mtp = with_mtp_layer(tiny_deepseek_v3, src)
     ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path)
+    shutil.rmtree(tmp_path / "mcore" / "mtp")
+    lost = mcore_to_hf(tmp_path / "mcore", tmp_path / "lost")
+    assert describe(lost).splitlines()[-1].startswith(f"warning: {tmp_path / 'mcore' / 'mtp'} is missing")
+    assert HFReader(lost.out).names() == HFReader(src).names() - set(mtp) and not mtp_names(lost.out)
+    assert json.loads((lost.out / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
 def ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path):
