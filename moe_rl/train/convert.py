@@ -357,9 +357,9 @@ def _without_lost_mtp(ckpt: Path, config: Path) -> str:
         return ""
     cfg["num_nextn_predict_layers"] = 0
     config.write_text(json.dumps(cfg, indent=2))
-    return (f"warning: {ckpt / MTP_DIR} is missing (a checkpoint copied without the run directory's {MTP_DIR}/"
-            f" that its link points to?): the export has none of the model's {layers} multi-token-prediction "
-            "layer(s) and its config.json says num_nextn_predict_layers: 0")
+    return (f"warning: {ckpt / MTP_DIR} is missing (a checkpoint copied without the run directory's "
+            f"{MTP_DIR}/ that its link points to?): the export has none of the model's {layers} "
+            "multi-token-prediction layer(s) and its config.json says num_nextn_predict_layers: 0")
 
 
 def _critic_config(path: Path) -> None:
