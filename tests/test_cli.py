@@ -293,19 +293,6 @@ def test_tiny_and_convert_refuse_before_any_work(tmp_path):
     assert line == "moe-rl: error: parallel.tp: 4 does not divide the 2 attention heads"
 
 
-@pytest.mark.slow
-def test_settings_vllm_refuses_at_engine_start_are_one_line_exit_2(tmp_path):
-    """A setting that passes the checks before Ray but that vLLM refuses when the engine starts (here a KV
-    cache too small for one block): vLLM's own message in one line, exit 2 (a mistake to fix, not a
-    fault a launcher would retry: a dead engine actor would have been exit 3)."""
-    out = run("train", "configs/quickstart.yaml", f"run.output_dir={tmp_path / 'run'}",
-              "rollout.kv_cache_gb=0.000001", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3",
-              "cluster.num_cpus=2", "logging.progress_bar=false", timeout=300)
-    line = one_line_error(out)
-    assert line.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the "
-                           "cache blocks"), line
-
-
 @pytest.mark.parametrize("overrides, engines_get", [
     # the recipe's NCCL transfer moves whole weights; through the object store, vLLM's GPU LoRA applies them
     ([], "merged weights (adapters travel through Ray's object store, and rollout.weight_transfer is nccl)"),

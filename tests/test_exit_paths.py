@@ -189,6 +189,13 @@ def test_sigterm_during_training_exits_143_and_leaves_nothing(run):
 
 
 def test_engine_refused_exits_2_and_leaves_nothing(run):
+    """A setting that passes the checks before Ray but that vLLM refuses when the engine starts (here a KV
+    cache too small for one block): vLLM's own message in one line, exit 2 (a mistake to fix, not a
+    fault a launcher would retry: a dead engine actor would have been exit 3)."""
     r = run("rollout.kv_cache_gb=0.000001")
     assert r.finish() == 2, r.output()
+    assert "Traceback" not in r.output(), r.output()
+    last = r.output().strip().splitlines()[-1]
+    assert last.startswith("moe-rl: error: vLLM refused the engine's settings: No available memory for the "
+                           "cache blocks"), r.output()
     assert_nothing_left(r)

@@ -438,7 +438,7 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
     # a dead process is noticed at once (within `noticed` s), not by the timeout: that one is long, so that a
     # slow call on a loaded machine never ends the run first; a stopped one is named by the timeout (the
     # start-up's own, cluster.start_timeout_s, stays long: a loaded machine's start once outlasted 60 s)
-    timeout, noticed = (60, None) if victim == "stopped engine" else (600, 120)
+    timeout, noticed = (30, None) if victim == "stopped engine" else (600, 120)
     # two ranks per trainer group: a killed rank's peer may be blocked in a collective with it, or fail in it
     extra = ["parallel.tp=2", "parallel.world_size=2"] if victim == "trainer rank" \
         else ["rollout.max_engine_restarts=0"]
