@@ -106,14 +106,14 @@ def with_mtp_layer(src, dst) -> dict:
 
     shutil.copytree(src, dst)
     weights = load_file(dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
     g = torch.Generator().manual_seed(2)
     mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=g),
            "model.layers.2.enorm.weight": torch.randn(64, generator=g),
            "model.layers.2.hnorm.weight": torch.randn(64, generator=g),
            "model.layers.2.shared_head.norm.weight": torch.randn(64, generator=g),
-           "model.layers.2.mlp.gate.weight": torch.randn(4, 64, generator=g)}
+           "model.layers.2.mlp.gate.weight": torch.randn(cfg["n_routed_experts"], 64, generator=g)}
     save_file({**weights, **mtp}, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     return mtp
 
