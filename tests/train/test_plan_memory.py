@@ -225,7 +225,7 @@ def activations_job(rank, world, hf_path, cases):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_qwen2_moe"])
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_qwen2_moe", "tiny_glm4_moe"])
 def test_activations_term_is_what_the_local_spec_keeps_for_backward(model, request):
     """The plan's activations per token, with and without recompute, in float32 and bf16, against what
     autograd keeps in the decoder per token (Qwen3-MoE: q/k norms; Qwen2-MoE: a shared expert and q/k/v
