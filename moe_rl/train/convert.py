@@ -341,9 +341,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     note = "" if mtp else _without_lost_mtp(ckpt, out / "config.json")
     if role == "critic":
         _critic_config(out / "config.json")
-    write_index(out, written | mtp)
-    return Converted(out, len(written | mtp), sum(size for _, size in (written | mtp).values()), role,
-                     parts[0][1], "Hugging Face tensors", note)
+    written |= mtp
+    write_index(out, written)
+    return Converted(out, len(written), sum(size for _, size in written.values()), role, parts[0][1],
+                     "Hugging Face tensors", note)
 
 
 def _without_lost_mtp(ckpt: Path, config: Path) -> str:
