@@ -100,18 +100,14 @@ def placed(report, cfg) -> tuple[Placement, dict[str, list[list[str]]]]:
     return place, {role: [r["visible"].split(",") for r in reports] for role, reports in seen.items()}
 
 
-# (overrides, GPUs): 1, 2 and 4 GPUs, with and without a critic and a reference, engine_tp 1 and 2
+# (overrides, GPUs): 1, 2 and 4 GPUs, with and without a critic and a reference, engine_tp 1 and 2, one and
+# two engines, colocated and separate (each actor a new process: a layout another one covers is left out)
 LAYOUTS = [
-    ((), 1),
-    ((*NO_CRITIC,), 1),
-    ((*REFERENCE,), 1),
+    ((*REFERENCE,), 1),  # policy, critic, reference and the engine on one GPU
     (("parallel.world_size=2",), 2),  # the case: policy 2, critic 2, an engine
-    (("parallel.world_size=2", *NO_CRITIC, *REFERENCE), 2),
     (("rollout.engine_tp=2",), 2),
-    (("parallel.world_size=4", *NO_CRITIC), 4),
     (("parallel.world_size=2", "rollout.num_engines=2", "rollout.engine_tp=2"), 4),
     (("parallel.world_size=4", "rollout.engine_tp=2", *NO_CRITIC, *REFERENCE), 4),
-    ((*SEPARATE, *NO_CRITIC), 2),
     ((*SEPARATE, "parallel.world_size=2", *NO_CRITIC), 3),
     ((*SEPARATE, "rollout.engine_tp=2"), 4),
 ]

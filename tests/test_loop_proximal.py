@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from cli_runs import NO_CRITIC, NO_WARM_START, run_cli, run_train
+from cli_runs import NO_CRITIC, NO_WARM_START, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,8 @@ def test_synchronous_check_runs_before_the_update(tmp_path):
     pass: tests/algos/test_targets.py). With token TIS the same run trains (here with megatron's
     load-balancing and z-loss on, whose values are logged)."""
     bf16 = ["model.dtype=bfloat16", "run.steps=1", "checkpoint.every=0", *NO_WARM_START]
-    proc = run_cli(tmp_path / "none", *bf16, "trainer.epochs=1", "trainer.minibatches=1", expect=2)
-    assert "Traceback" not in proc.stderr  # the whole process's output: one line
+    proc = run_train(tmp_path / "none", *bf16, "trainer.epochs=1", "trainer.minibatches=1", expect=2)
+    assert "Traceback" not in proc.stderr  # the driver's output: one line
     assert proc.stderr.strip().splitlines()[-1].startswith("moe-rl: error: batch check 'sync_roles' failed")
     run_train(tmp_path / "tis", *bf16, "algorithm.correction=tis_token", "model.moe_aux_loss_coeff=0.01",
               "model.moe_z_loss_coeff=0.001")

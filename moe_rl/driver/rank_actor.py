@@ -4,6 +4,7 @@ and the checkpoint I/O of that rank."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import ray
@@ -23,6 +24,9 @@ class RankActor:
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
                  threads: int, load_weights: bool = True, value_head_from: str | None = None,
                  trains: bool = True):
+        # megatron-core imports W&B with itself, for an inference context's logging that a trainer rank never
+        # does: 0.5-0.9 of a rank's ~5 s of imports (the W&B tracker lives in the driver)
+        sys.modules.setdefault("wandb", None)
         from moe_rl.train import parallel
 
         # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
