@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 from cli_runs import (
+    NO_CRITIC,
     SMALL,
     SMALL_ORDER,
     run_cli,
@@ -284,7 +285,7 @@ def test_async_runs_two_rollouts_ahead_within_the_staleness_bound_and_resumes_bo
     out = tmp_path / "async"
     async_run = ["rollout.async_mode=true", "rollout.async_depth=2", "rollout.max_staleness=2", "run.steps=3",
                  "algorithm.policy_mask=opsm", "algorithm.opsm_delta=0", "algorithm.correction=geo_mask",
-                 "algorithm.geo_min=0.95", "algorithm.geo_max=1.05", "checkpoint.keep=3"]
+                 "algorithm.geo_min=0.95", "algorithm.geo_max=1.05", "checkpoint.keep=3", *NO_CRITIC]
     run_train(out, *async_run)
     # the next two rollouts submitted before step 0 trains, held finished by each checkpoint
     assert schedule_order(timeline_names(out)) == SMALL_ORDER["async depth 2"]
@@ -313,8 +314,8 @@ def test_async_runs_two_rollouts_ahead_within_the_staleness_bound_and_resumes_bo
     assert len(resumed) == 2
     for got, want in zip(resumed, hist[1:], strict=True):
         for key in ("reward/mean", "rollout/samples", "rollout/length_mean", "correction/staleness_mean",
-                    "policy/loss", "policy/grad_norm", "critic/loss", "policy/ratio_mean",
-                    "policy/opsm_masked_frac", "correction/geo_rejected_frac"):
+                    "policy/loss", "policy/grad_norm", "policy/ratio_mean", "policy/opsm_masked_frac",
+                    "correction/geo_rejected_frac"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
 
@@ -405,7 +406,7 @@ def test_colocated_offload_is_bitwise_transparent(reference, tmp_path):
 
 @pytest.mark.parametrize("victim", ["trainer rank", "engine", "stopped engine"])
 def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
-    """kill -9 of a trainer rank (policy or critic, of two), or of an engine with
+    """kill -9 of a trainer rank (a policy's, of two; no critic), or of an engine with
     rollout.max_engine_restarts=0: the driver stops within a bounded time (no hang on a collective or a
     Ray wait), exit code 3 (a launcher may retry), one line naming the process and what it was doing. An
     engine that hangs (SIGSTOP) is named once cluster.call_timeout_s has passed."""
@@ -415,9 +416,10 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
     # slow call on a loaded machine never ends the run first; a stopped one is named by the timeout (the
     # start-up's own, cluster.start_timeout_s, stays long: a loaded machine's start once outlasted 60 s)
     timeout, noticed = (30, None) if victim == "stopped engine" else (600, 120)
-    # two ranks per trainer group: a killed rank's peer may be blocked in a collective with it, or fail in it
+    # two policy ranks: a killed rank's peer may be blocked in a collective with it, or fail in it
     extra = ["parallel.tp=2", "parallel.world_size=2"] if victim == "trainer rank" \
         else ["rollout.max_engine_restarts=0"]
+    extra += NO_CRITIC
     proc = subprocess.Popen(train_cmd(out, "run.steps=6", f"cluster.call_timeout_s={timeout}", *extra),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
