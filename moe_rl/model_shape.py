@@ -178,7 +178,8 @@ class ModelShape:
             moe = b * (h + self.top_k * (2 * h + 3 * self.moe_ffn)) + 4 * self.experts
             dense = b * (2 * h + 3 * self.dense_ffn)
         else:
-            attention, moe, dense = self._local_attention(b), self._local_moe(b), self._local_norm(b)
+            attention = self._local_latent_attention(b) if self.mla else self._local_attention(b)
+            moe, dense = self._local_moe(b), self._local_norm(b)
             dense += 6 * b * self.dense_ffn
         return attention + (self.moe_layers * moe + self.dense_layers * dense) / self.layers
 
@@ -201,6 +202,20 @@ class ModelShape:
         qk = (nq + nkv) * (8 * d + 4 if b != 4 else 4 * d + 4) if self.qk_norm else 0
         return (self._local_norm(b) + b * (nq + 2 * nkv) * d + qk + 4 * b * d + b * (nq + nkv) * d + 8
                 + 3 * b * nq * d + 4 * nq + 2 * b * nq * d)
+
+    def _local_latent_attention(self, b: int) -> int:
+        """Multi-latent attention on the local spec: the input norm; the query latent's norm (float32, as the
+        input norm) and its output; the key-value latent's norm (float32: in float32 its input is a view of
+        the down projection's output, RoPE key included) and its output; RoPE's cos and sin for q and k;
+        q and k (nope and rope parts joined) and v; the padded rows of q, k and v (v padded to the query
+        width for the fused kernel, train/attention.py) with the output and its log-sum-exp; the output
+        in packed order."""
+        n, d, r, dv, qr, kr = (self.heads, self.head_dim, self.qk_rope_head_dim, self.v_head_dim,
+                               self.q_lora_rank, self.kv_lora_rank)
+        q_latent = 8 * qr + 4 + b * qr if qr else 0
+        kv_latent = 8 * kr + 4 + (4 * r if b == 4 else 0) + b * kr
+        return (self._local_norm(b) + q_latent + kv_latent + 4 * b * r + 8 + b * n * (2 * d + dv)
+                + 4 * b * n * d + 4 * n + b * n * dv)
 
     def _local_moe(self, b: int) -> int:
         """Pre-MLP norm; the router's top-k indices (int64) and probabilities, routing map (bool) and

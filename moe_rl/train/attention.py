@@ -49,13 +49,22 @@ class SdpaAttention(MegatronModule):
         return self._sdpa(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        """q [b, h, s, d], k/v [b, h_kv, S, d] (grouped-query heads repeated to h) -> [b, h, s, d]."""
+        """q/k [b, h, s, d], v [b, h_kv, S, d_v] (grouped-query heads repeated to h) -> [b, h, s, d_v].
+
+        Values narrower than the queries (multi-latent attention: d = nope + rope, d_v = nope) are padded
+        with zeros to d: torch's fused kernels take one head width, and with two widths SDPA falls back to
+        its unfused path, which keeps the probabilities [b, h, s, S] for backward (quadratic in the
+        length). The padded columns come out zero and are dropped."""
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return torch.nn.functional.scaled_dot_product_attention(
+        width = v.shape[-1]
+        if width < q.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+        out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
             scale=self.scale)
+        return out[..., :width]
 
     def _context_parallel(self, query, key, value):
         """This CP rank's queries (its two chunks, moe_rl.train.context) against every rank's keys and

@@ -50,3 +50,35 @@ def test_packed_attention_equals_sequence_by_sequence(lengths, monkeypatch):
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention_widths_take_the_fused_kernel(dtype):
+    """Multi-latent attention: query and key heads (nope + rope) wider than the value heads. The values are
+    padded to the query width for SDPA's fused kernel: the same outputs and gradients as the reference, and
+    nothing quadratic in the length kept for backward (the unfused path keeps the probabilities
+    [rows, heads, S, S])."""
+    attn = attention()
+    lengths, longest = [100, 90], 100
+    g = torch.Generator().manual_seed(0)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, 4, d, generator=g).to(dtype).requires_grad_() for d in (12, 12, 4))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    shapes = []
+
+    def keep(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+        out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (t, 4 * 4)
+    assert shapes and not [s for s in shapes if s.count(longest) > 1], shapes
+    want = reference(*(x.double() for x in (q, k, v)), lengths, attn.scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=tol * 10, atol=tol * 10)

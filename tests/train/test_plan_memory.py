@@ -225,12 +225,13 @@ def activations_job(rank, world, hf_path, cases):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_qwen2_moe", "tiny_glm4_moe"])
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3"])
 def test_activations_term_is_what_the_local_spec_keeps_for_backward(model, request):
     """The plan's activations per token, with and without recompute, in float32 and bf16, against what
     autograd keeps in the decoder per token (Qwen3-MoE: q/k norms; Qwen2-MoE: a shared expert and q/k/v
-    biases). With recompute the plan adds one layer's full activations, alive while the backward
-    recomputes it: measured as a layer's share without recompute, so the forward's part is compared."""
+    biases; GLM-4.5: half-rotary heads; DeepSeek-V3: multi-latent attention, its 512-wide latent).
+    With recompute the plan adds one layer's full activations, alive while the backward recomputes it:
+    measured as a layer's share without recompute, so the forward's part is compared."""
     path = request.getfixturevalue(model)
     shape = ModelShape.from_hf(json.loads((path / "config.json").read_text()))
     cases = [(dtype, recompute) for dtype in ("float32", "bfloat16") for recompute in (False, True)]
