@@ -49,7 +49,8 @@ class SdpaAttention(MegatronModule):
         return self._sdpa(q, k, v, mask, causal).permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        """q/k [b, h, s, d], v [b, h_kv, S, d_v] (grouped-query heads repeated to h) -> [b, h, s, d_v].
+        """q [b, h, s, d], k [b, h_kv, S, d], v [b, h_kv, S, d_v] (grouped-query heads repeated to h) ->
+        [b, h, s, d_v].
 
         Values narrower than the queries (multi-latent attention: d = nope + rope, d_v = nope) are padded
         with zeros to d: torch's fused kernels take one head width, and with two widths SDPA falls back to
