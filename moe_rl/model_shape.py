@@ -187,10 +187,12 @@ class ModelShape:
         """The last layer norm's bytes kept for backward, per token."""
         return 8 * self.hidden + 4 if local else b * self.hidden + 4
 
-    def _local_norm(self, b: int) -> int:
-        """moe_rl's RMSNorm (train/local_norm.py) computes in float32: its input and the normalised rows
-        in float32, the reciprocal RMS, and the output in the model's dtype (the next linear's input)."""
-        return 8 * self.hidden + 4 + b * self.hidden
+    def _local_norm(self, b: int, width: int | None = None) -> int:
+        """moe_rl's RMSNorm (train/local_norm.py) over `width` (default: the hidden size) computes in
+        float32: its input and the normalised rows in float32, the reciprocal RMS, and the output in the
+        model's dtype (the next linear's input)."""
+        width = self.hidden if width is None else width
+        return 8 * width + 4 + b * width
 
     def _local_attention(self, b: int) -> int:
         """Input norm; the q/k/v projection's output; q/k norms (float32 in and out, each head's RMS; an
@@ -212,8 +214,8 @@ class ModelShape:
         in packed order."""
         n, d, r, dv, qr, kr = (self.heads, self.head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                self.q_lora_rank, self.kv_lora_rank)
-        q_latent = 8 * qr + 4 + b * qr if qr else 0
-        kv_latent = 8 * kr + 4 + (4 * r if b == 4 else 0) + b * kr
+        q_latent = self._local_norm(b, qr) if qr else 0
+        kv_latent = self._local_norm(b, kr) + (4 * r if b == 4 else 0)
         return (self._local_norm(b) + q_latent + kv_latent + 4 * b * r + 8 + b * n * (2 * d + dv)
                 + 4 * b * n * d + 4 * n + b * n * dv)
 
