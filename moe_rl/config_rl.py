@@ -61,8 +61,9 @@ class RolloutSection:
     """Size of the weight-sync buckets (MB): layer-aligned groups of tensors sent and loaded one after
     another."""
     kv_cache_gb: float | None = None
-    """Engine memory. kv_cache_gb fixes each engine's KV cache (vLLM's kv_cache_memory_bytes); null: 1 GiB on
-    CPU, and on GPU what gpu_memory_utilization leaves (the share of its GPU an engine may take for weights,
+    """Engine memory. kv_cache_gb fixes each engine's KV cache (vLLM's kv_cache_memory_bytes); null: on CPU
+    max_num_seqs sequences of max_model_len twice over (the rest keeps prefixes cached), at most 1 GiB, and
+    on GPU what gpu_memory_utilization leaves (the share of its GPU an engine may take for weights,
     activations and KV cache, which must be free at start-up; null: 0.85, or 0.4 when colocated with the
     trainer; GPU only)."""
     gpu_memory_utilization: float | None = None

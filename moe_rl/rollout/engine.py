@@ -45,6 +45,7 @@ from moe_rl.rollout.engine_settings import (
     cpu_moe_without_lora,
     cpu_thread_binding,
     engine_kwargs,
+    kv_bytes_per_token,
     lora_sync,
     resolve_route_source,
 )
@@ -160,7 +161,8 @@ class RolloutEngine:
         self.lora_sync, self.lora_sync_why = lora_sync(settings, cuda)
         if self.lora_sync == "adapters" and not cuda:
             cpu_moe_without_lora()
-        kwargs = engine_kwargs(settings, self.route_source, cuda)
+        kwargs = engine_kwargs(settings, self.route_source, cuda, kv_bytes_per_token(
+            hf, settings.dtype, settings.tensor_parallel_size))
         self.prefix_caching = kwargs["enable_prefix_caching"]
         moe_rl.started()  # vLLM is imported: its start-up's collections pass over less
         self.llm = LLM(**kwargs)

@@ -50,7 +50,8 @@ class EngineLora:
 
 
 
-CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is null
+CPU_KV_CACHE_GB = 1.0  # the most an engine's KV cache on CPU takes when rollout.kv_cache_gb is null ...
+CPU_KV_FILLS = 2  # ... which holds max_num_seqs sequences of max_model_len this many times over
 GPU_MEMORY_UTILIZATION = {False: 0.85, True: 0.4}  # an engine's share of its GPU: alone, colocated
 GPU_BATCHED_TOKENS = 8192  # one engine step's token budget on GPU (chunked prefill beyond it)
 
@@ -160,14 +161,40 @@ def cpu_moe_without_lora() -> None:
     FusedMoEConfig.moe_rl_without_lora = True
 
 
-def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool) -> dict:
-    """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes).
+def cpu_kv_cache_gb(max_num_seqs: int, max_model_len: int, kv_bytes_per_token: int | None) -> float:
+    """An engine's KV cache on CPU where rollout.kv_cache_gb is null: max_num_seqs sequences of max_model_len
+    tokens CPU_KV_FILLS times over (the rest keeps prefixes cached), at most CPU_KV_CACHE_GB GiB; that
+    cap where the bytes per token are not known (`kv_bytes_per_token`: one worker's, ModelShape's). vLLM
+    allocates and zeroes the whole cache at start-up: 1 GiB took 0.6-1 s of an engine's start."""
+    if kv_bytes_per_token is None:
+        return CPU_KV_CACHE_GB
+    return min(CPU_KV_CACHE_GB, CPU_KV_FILLS * max_num_seqs * max_model_len * kv_bytes_per_token / 2**30)
+
+
+def kv_bytes_per_token(hf_config, dtype: str, tp: int) -> int | None:
+    """One engine worker's KV cache per token for this transformers config (`ModelShape`, as the planner
+    counts it) in `dtype` (model.dtype) over `tp` workers; None for a model the planner does not read."""
+    import torch
+
+    from moe_rl.model_shape import ModelShape
+
+    try:
+        shape = ModelShape.from_hf(hf_config.to_dict())
+    except (KeyError, ValueError):
+        return None
+    return shape.kv_bytes_per_token(torch.finfo(getattr(torch, dtype)).bits // 8, tp)
+
+
+def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool,
+                  kv_bytes_per_token: int | None = None) -> dict:
+    """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes;
+    kv_bytes_per_token: the model's KV cache per token on one engine worker, where known).
 
     - prefix caching: on, except with our capture hook (it records only the positions the engine
       computes, and a cache hit computes none); vLLM's own routed-experts output requires it, and the
       cache is reset after every weight update (`RolloutEngine._new_weights`).
     - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
-    - KV cache: kv_cache_gb when set (CPU default CPU_KV_CACHE_GB), else on GPU what the share
+    - KV cache: kv_cache_gb when set (CPU default `cpu_kv_cache_gb`), else on GPU what the share
       gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
       checks at start-up that the share is free.
     - synchronous scheduling (vLLM's GPU default launches the next batch before reading the last): no
@@ -184,7 +211,8 @@ def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool
         # comes 3-D and strided (multi-latent attention's rope half): DeepSeek's queries went unrotated but
         # for one head at the wrong position (log-probs off by up to 0.06); torch's rotary is right for all
         kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
-    kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda else CPU_KV_CACHE_GB
+    kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda \
+        else cpu_kv_cache_gb(settings.max_num_seqs, settings.max_model_len, kv_bytes_per_token)
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
     if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free

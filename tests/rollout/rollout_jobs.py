@@ -291,7 +291,9 @@ def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
             "after_pause": after_pause, "held_twice": held_twice, "held_through_update": held_through_update,
             "held_twice_fresh": held_twice_fresh, "transfer_running": transfer_running,
             "transfer_late": transfer_late, "transfer_fresh": transfer_fresh,
-            "prefix_caching": engine.prefix_caching}
+            "prefix_caching": engine.prefix_caching, "settings": engine.settings,
+            "kv_tokens": engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+            * engine.llm.llm_engine.vllm_config.cache_config.block_size}
 
 
 class FileReads:

@@ -22,6 +22,29 @@ def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
     assert kw["kv_cache_memory_bytes"] == int(2.5 * 2**30) and kw["enable_prefix_caching"]
 
 
+def test_cpu_kv_cache_holds_the_longest_batch_twice_at_most_one_gib(tiny_qwen, tiny_deepseek_v3):
+    from transformers import AutoConfig
+
+    from moe_rl.rollout.engine_settings import kv_bytes_per_token
+
+    s = engine_settings("m", max_num_seqs=16, max_model_len=512)
+    # 4 KiB a token: 16 sequences of 512 tokens twice over
+    assert engine_kwargs(s, None, cuda=False, kv_bytes_per_token=4096)["kv_cache_memory_bytes"] \
+        == 2 * 16 * 512 * 4096
+    big = dataclasses.replace(s, max_num_seqs=1024, max_model_len=4096)  # 32 GiB wanted: 1 GiB given
+    assert engine_kwargs(big, None, cuda=False, kv_bytes_per_token=4096)["kv_cache_memory_bytes"] == 2**30
+    assert engine_kwargs(dataclasses.replace(s, kv_cache_gb=0.5), None, cuda=False,
+                         kv_bytes_per_token=4096)["kv_cache_memory_bytes"] == 2**29
+    qwen = AutoConfig.from_pretrained(tiny_qwen)
+    per_layer = 2 * qwen.num_key_value_heads * qwen.head_dim
+    assert kv_bytes_per_token(qwen, "float32", 1) == 4 * qwen.num_hidden_layers * per_layer
+    assert kv_bytes_per_token(qwen, "bfloat16", 2) == 2 * qwen.num_hidden_layers * per_layer // 2
+    # multi-latent attention: the latent and the shared RoPE key, whole on every worker
+    ds = AutoConfig.from_pretrained(tiny_deepseek_v3)
+    assert kv_bytes_per_token(ds, "float32", 2) \
+        == 4 * ds.num_hidden_layers * (ds.kv_lora_rank + ds.qk_rope_head_dim)
+
+
 def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_config():
     cfg = from_dict({},
                     ["cluster.colocate=false", "rollout.weight_transfer=nccl", "rollout.max_model_len=16384"],

@@ -16,6 +16,9 @@ def out(tiny_qwen, tmp_path_factory):
 
 def test_no_cached_prefix_of_old_weights_serves_a_request(out):
     assert out["prefix_caching"]
+    # rollout.kv_cache_gb null on CPU: the cache vLLM made holds max_num_seqs whole sequences twice over
+    s = out["settings"]
+    assert s.kv_cache_gb is None and out["kv_tokens"] == 2 * s.max_num_seqs * s.max_model_len
     assert out["cached"].token_ids == out["first"].token_ids
     assert out["cached"].logprobs == pytest.approx(out["first"].logprobs, abs=1e-5)
     # the update changed the model; the request after it equals one computed from scratch
