@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_runs import NO_CRITIC
 from conftest import ROOT, moe_rl_cli
 
 CALCULATOR = ("configs/quickstart.yaml", "environment.name=calculator", "environment.options={}")
@@ -140,8 +141,9 @@ def test_a_run_whose_tool_finds_no_sandbox_stops_with_one_line(tmp_path):
               f"environment.name={tmp_path / 'envs.py'}:Runner", "environment.options={}", "run.steps=1",
               "trainer.warm_start_steps=0", "trainer.warm_start_lr=0.001",
               "trainer.eval_prompts=0", "trainer.eval_every=0",
-              "rollout.prompts_per_step=2", f"run.output_dir={tmp_path / 'run'}",
-              "logging.progress_bar=false", "cluster.num_cpus=2", denied=True)
+              "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", *NO_CRITIC,
+              f"run.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "cluster.num_cpus=2",
+              denied=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
     assert "starting Ray" in out.stdout  # it got past the config check, into the run
     assert out.stderr.strip().splitlines()[-1].startswith("moe-rl: error: cannot run tool code "
