@@ -4,7 +4,6 @@ and the checkpoint I/O of that rank."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import ray
@@ -24,10 +23,10 @@ class RankActor:
     def __init__(self, rank: int, world: int, addr: str, port: int, spec, role: str, optim, seed: int, layout,
                  threads: int, load_weights: bool = True, value_head_from: str | None = None,
                  trains: bool = True):
-        # megatron-core imports W&B with itself, for an inference context's logging that a trainer rank never
-        # does: 0.5-0.9 of a rank's ~5 s of imports (the W&B tracker lives in the driver)
-        sys.modules.setdefault("wandb", None)
         from moe_rl.train import parallel
+        from moe_rl.train.model import import_megatron
+
+        import_megatron(spec.layer_spec)
 
         # the GPU Ray gave this actor, by its index among the devices this process sees (not the rank)
         device = parallel.local_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids())

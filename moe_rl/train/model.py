@@ -12,6 +12,7 @@ The pad token's embedding row trains as in transformers (`keep_pad_row_fixed`).
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,36 @@ def kernel_settings(layer_spec: str, fused_wgrad: bool) -> dict[str, bool]:
                     apply_rope_fusion=True, gradient_accumulation_fusion=fused_wgrad, persist_layer_norm=True,
                     bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=False)
     raise ValueError(f"layer spec {layer_spec!r}: 'local' or 'transformer_engine'")
+
+
+def import_megatron(layer_spec: str) -> None:
+    """Import megatron-core as a trainer rank of `layer_spec` needs it (before any other import of it):
+
+    - without W&B: megatron-core imports it for an inference context's logging, which a rank never does
+      (W&B logging lives in the driver): 0.5-0.9 s of a rank's ~5 s of imports;
+    - on the local spec, with megatron-core's JIT fuser off (`megatron.core.jit.disable_jit_fuser`'s
+      effect): the functions it wraps in torch.compile are the fusions `kernel_settings` turns off, never
+      called there, yet wrapping them imports dynamo and inductor (~1.3 s). megatron-core's switch acts
+      only on modules imported after it, and its package imports them first; jit.py takes
+      `jit_fuser = torch.compile` as it loads, so torch.compile returns functions as they are while it
+      loads."""
+    if "megatron.core" in sys.modules:
+        return
+    sys.modules.setdefault("wandb", None)
+    if layer_spec != "local":
+        import megatron.core  # noqa: F401
+        return
+    compile_ = torch.compile
+    torch.compile = _as_it_is
+    try:
+        import megatron.core.jit  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
+def _as_it_is(fn=None, **_options):
+    """torch.compile's two forms, compiling nothing: compile(fn) and compile(**options)(fn)."""
+    return _as_it_is if fn is None else fn
 
 
 def fused_wgrad_available() -> bool:

@@ -65,3 +65,32 @@ def test_local_spec_steps_compile_nothing(tiny_qwen):
     # at the first shape and 3 more at the second with the bias-activation/dropout fusions on)
     assert out["counters"].get("stats", {}).get("unique_graphs", 0) == 0, out["counters"]
     assert not out["counters"].get("inductor") and not out["counters"].get("aot_autograd"), out["counters"]
+
+
+def import_job(rank, world, layer_spec):
+    """A trainer rank's megatron-core import (RankActor: `import_megatron` first), in a fresh interpreter."""
+    import sys
+
+    from moe_rl.train.model import import_megatron
+
+    before = "megatron.core" in sys.modules
+    import_megatron(layer_spec)
+    from megatron.core import jit
+    from megatron.core.transformer.moe import router  # noqa: F401 - wraps a function in jit_fuser as it loads
+
+    from moe_rl.train.worker import TrainWorker  # noqa: F401
+    return {"before": before, "fuser_compiles": jit.jit_fuser is torch.compile,
+            "dynamo": "torch._dynamo" in sys.modules, "compile": torch.compile.__module__,
+            "wandb": sys.modules.get("wandb", "absent")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer_spec", ["local", "transformer_engine"])
+def test_a_rank_imports_megatron_with_the_jit_fuser_only_where_its_fusions_run(layer_spec):
+    """On the local spec megatron-core's jit_fuser wraps only the fusions it turns off: off from the first
+    import, so that neither dynamo nor inductor is imported (~1.3 s of a rank's start); torch.compile
+    itself is left as it was. W&B is not imported by a rank either way."""
+    out = run_ranks(import_job, 1, (layer_spec,), dist_env=False, start="spawn")[0]
+    assert not out["before"] and out["wandb"] is None and out["compile"] == "torch"
+    local = layer_spec == "local"
+    assert out["fuser_compiles"] is not local and out["dynamo"] is not local
