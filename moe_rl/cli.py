@@ -43,9 +43,10 @@ def _cmd_check_config(args) -> int:
     from moe_rl import config
 
     if args.list:
-        from moe_rl import config_docs
+        from moe_rl import config_docs, config_rules
 
-        print(config_docs.registered())
+        print(config_docs.registered(), "\nrules between settings, by theme (the setting refused: what its "
+              "refusal says):", config_rules.listed(), sep="\n")
         return 0
     if not args.config:
         raise UserError("check-config needs a config file (or --list)")
@@ -346,7 +347,7 @@ def _add_run_commands(sub, fmt: dict) -> None:
     c.add_argument("overrides", nargs="*", default=[],
                    help="section.key=value overrides (values parsed as YAML)")
     c.add_argument("--list", action="store_true", help="list the registered advantage estimators, policy "
-                   "losses, corrections, aggregation modes and environments")
+                   "losses, corrections, aggregation modes and environments, then the rules between settings")
     c.add_argument("--assume-cuda", action="store_true",
                    help="validate as on a GPU machine (for GPU recipes checked on a CPU box)")
     c.set_defaults(fn=_cmd_check_config)

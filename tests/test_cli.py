@@ -68,12 +68,22 @@ def test_every_subcommand_has_help():
                 assert a.help, f"{name}: {a.dest} has no help"
 
 
-def test_list_registered_methods():
+def test_list_registered_methods_and_the_rules_between_settings():
     out = run_main("check-config", "--list")
     assert out.returncode == 0
-    assert "gspo" in out.stdout and "tis_seq" in out.stdout and "rloo" in out.stdout
-    listed = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    methods, rules = out.stdout.strip().split("\n\n")
+    assert "gspo" in methods and "tis_seq" in methods and "rloo" in methods
+    listed = dict(line.split(": ", 1) for line in methods.splitlines())
     assert listed["policy_mask"] == "m2po, none, opsm" and "geo_mask, geo_tis" in listed["correction"]
+    from moe_rl.config_rules import RULES
+
+    # every rule, under its theme, as the setting it refuses and its message with the values' places
+    themes = [line[:-1] for line in rules.splitlines()[1:] if not line.startswith(" ")]
+    assert themes == list(RULES)
+    assert len(rules.splitlines()) == 1 + len(RULES) + sum(map(len, RULES.values()))
+    assert "  rollout.weight_transfer: 'ipc' needs every trainer rank to hold the same tensors, which " \
+        "happens only with pp=1 and ep=1 (pp={c.parallel.pp}, ep={c.parallel.ep}); use 'nccl' or " \
+        "'store'" in rules
 
 
 def test_unknown_benchmark_is_a_user_error():
@@ -119,7 +129,7 @@ def test_cli_conventions():
     assert train.returncode == 2 \
         and train.stderr.strip().endswith("the following arguments are required: config")
     listed = dict(line.split(": ", 1)
-                  for line in run_main("check-config", "--list").stdout.strip().splitlines())
+                  for line in run_main("check-config", "--list").stdout.split("\n\n")[0].splitlines())
     assert listed["aggregation"] == "token_mean, seq_mean, seq_sum_const"
     assert {"calculator", "guess_number"} <= set(listed["environment"].split(", "))
     shown = run_main("config", "show", "configs/quickstart.yaml", "run.steps=7")
