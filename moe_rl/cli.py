@@ -43,10 +43,10 @@ def _cmd_check_config(args) -> int:
     from moe_rl import config
 
     if args.list:
-        from moe_rl import config_docs, config_rules
+        from moe_rl.config import docs, rules
 
-        print(config_docs.registered(), "\nrules between settings, by theme (the setting refused: what its "
-              "refusal says):", config_rules.listed(), sep="\n")
+        print(docs.registered(), "\nrules between settings, by theme (the setting refused: what its "
+              "refusal says):", rules.listed(), sep="\n")
         return 0
     if not args.config:
         raise UserError("check-config needs a config file (or --list)")
@@ -89,9 +89,9 @@ def _cmd_config_show(args) -> int:
 
 
 def _cmd_config_docs(args) -> int:  # config explain PATH | config docs
-    from moe_rl import config_docs
+    from moe_rl.config import docs
 
-    print(config_docs.explain(args.path) if args.action == "explain" else config_docs.markdown(), end="")
+    print(docs.explain(args.path) if args.action == "explain" else docs.markdown(), end="")
     return 0
 
 
@@ -157,7 +157,7 @@ def _model_config(cfg, model_config: str | None) -> tuple[dict | None, str]:
 
 def _plan(cfg, model_config: str | None):
     from moe_rl import plan
-    from moe_rl.config_rules import check_layout_fits_hf_config
+    from moe_rl.config.rules import check_layout_fits_hf_config
 
     hf, path = _model_config(cfg, model_config)
     where = f" ({path})" if path else ""
@@ -286,7 +286,7 @@ def _check_convert_layout(args, layout) -> None:
     """The layout against the model's HF config, before any rank starts: one line naming the flag."""
     import json
 
-    from moe_rl.config_rules import check_layout_fits_hf_config
+    from moe_rl.config.rules import check_layout_fits_hf_config
 
     hf = Path(args.src) if args.direction == "hf-to-mcore" \
         else Path(args.hf_config or Path(args.src) / "hf_config")

@@ -1,6 +1,6 @@
 """Typed configs from plain YAML data: frozen dataclass trees built with every key and type checked,
-and errors that name the field path (`ConfigError`, one line). The schema itself is moe_rl/config.py and
-its sections (config_run.py, config_rl.py).
+and errors that name the field path (`ConfigError`, one line). The schema itself is the moe_rl.config
+package: RunConfig and its sections (config/run.py, config/learning.py).
 
     cfg = build(RunConfig, read_yaml(path), "", removed={})   # unknown keys: did-you-mean
     check_tree(cfg)                                           # every section's check()

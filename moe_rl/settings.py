@@ -1,5 +1,6 @@
 """The config, as each component reads it: one function per settings object, the only place config
-fields become component settings (defaults live in the config sections, config_run.py and config_rl.py)."""
+fields become component settings (defaults live in the config sections, config/run.py and
+config/learning.py)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import TinyModel
-from moe_rl.config_run import VOCAB_SIZE
+from moe_rl.config.run import VOCAB_SIZE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

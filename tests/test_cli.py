@@ -75,7 +75,7 @@ def test_list_registered_methods_and_the_rules_between_settings():
     assert "gspo" in methods and "tis_seq" in methods and "rloo" in methods
     listed = dict(line.split(": ", 1) for line in methods.splitlines())
     assert listed["policy_mask"] == "m2po, none, opsm" and "geo_mask, geo_tis" in listed["correction"]
-    from moe_rl.config_rules import RULES
+    from moe_rl.config.rules import RULES
 
     # every rule, under its theme, as the setting it refuses and its message with the values' places
     themes = [line[:-1] for line in rules.splitlines()[1:] if not line.startswith(" ")]

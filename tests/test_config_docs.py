@@ -8,7 +8,7 @@ import pytest
 from cli_runs import run_main
 from conftest import ROOT
 
-from moe_rl import config_docs
+from moe_rl.config import docs as config_docs
 from moe_rl.config import from_dict
 from moe_rl.schema import ConfigError
 
@@ -38,7 +38,7 @@ def test_explain_a_setting_a_section_and_a_typo():
 
 
 def test_the_config_and_the_trainer_refuse_the_same_layouts_for_the_same_reason():
-    """parallel.* is checked by config_run.layout_problem, and so is train.parallel.Layout: over every
+    """parallel.* is checked by config.run.layout_problem, and so is train.parallel.Layout: over every
     small layout, the config refuses exactly what the trainer refuses, naming the same reason."""
     from moe_rl.train.parallel import Layout
 

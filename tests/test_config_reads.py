@@ -1,4 +1,4 @@
-"""A setting that nothing in the run reads is refused (config_reads.check_settings_are_read).
+"""A setting that nothing in the run reads is refused (config.reads.check_settings_are_read).
 
 Every config field and every registered method are enumerated, so a field added later without a
 reader, or a method whose declared settings are wrong, fails here:
@@ -19,7 +19,7 @@ from conftest import ROOT, moe_rl_cli
 
 from moe_rl.algos import registry
 from moe_rl.config import ConfigError, RunConfig, from_dict
-from moe_rl.config_reads import SWITCHES, conditional_readers, leaf_paths
+from moe_rl.config.reads import SWITCHES, conditional_readers, leaf_paths
 
 DEFAULTS = leaf_paths(RunConfig())
 
@@ -165,7 +165,8 @@ def _attributes_read_outside_the_config() -> set[str]:
     names = set()
     for file in (ROOT / "moe_rl").rglob("*.py"):
         tree = ast.parse(file.read_text())
-        if file.name in ("config.py", "config_rules.py", "config_reads.py", "schema.py"):
+        if file.relative_to(ROOT / "moe_rl").as_posix() in ("config/__init__.py", "config/rules.py",
+                                                             "config/reads.py", "schema.py"):
             tree = ast.Module([node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                                and any(getattr(d, "id", "") == "property" for d in node.decorator_list)], [])
         names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}

@@ -224,7 +224,7 @@ def test_a_cpu_driver_checks_gpu_settings_against_the_cluster_it_joins(four_gpus
     import sys
 
     from moe_rl.config import ConfigError
-    from moe_rl.config_rules import check_machine
+    from moe_rl.config.rules import check_machine
 
     address = ray.get_runtime_context().gcs_address
     with pytest.raises(ConfigError, match="'transformer_engine' needs CUDA, and this machine has none"):

@@ -1,5 +1,5 @@
 """moe_rl.settings is the one place config fields become component settings, and the config sections
-(config_run.py, config_rl.py) the one place their defaults live: every field of a settings object that
+(config/run.py, config/learning.py) the one place their defaults live: every field of a settings object that
 mirrors a config field carries the config's value (each set away from its default here), and its
 dataclass declares no default for it."""
 
@@ -177,4 +177,4 @@ def test_settings_dataclasses_declare_no_default_for_config_fields(name):
         f = fields[field]
         assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
             f"{cls.__name__}.{field} declares a default; it comes from the config (defaults live in the "
-            "config sections, config_run.py and config_rl.py)")
+            "config sections, config/run.py and config/learning.py)")

@@ -11,7 +11,7 @@ Configs select methods by these names; `names(kind)` lists what a config may cho
 choice implies (for config checks and the driver), so no caller compares method names. Every kind's
 `params` names the fields of its hyperparameter dataclass (AdvantageParams, PolicyLossParams,
 CorrectionParams, PolicyMaskParams) that the method reads; the config refuses a setting of that name
-that the chosen method does not read (moe_rl.config_rules), and tests/algos/test_registry.py checks
+that the chosen method does not read (moe_rl.config.rules), and tests/algos/test_registry.py checks
 each declaration against what the function does. The method modules (advantages, correction, losses,
 masking) register on import; the package moe_rl.algos imports them, and importing this module runs
 the package first, so the registries are complete for every caller.

@@ -212,6 +212,6 @@ def check_cluster_devices(cfg: RunConfig, address: str) -> None:
     """The GPU-only settings against the GPUs of the Ray cluster the run joined, which its workers use (the
     driver's own machine, a login or head node, may have none): ConfigError in one line where they need
     GPUs the cluster does not offer, or a CPU-only setting meets GPUs."""
-    from moe_rl.config_rules import check_machine
+    from moe_rl.config.rules import check_machine
 
     check_machine(cfg, ray.cluster_resources().get("GPU", 0) > 0, f"the Ray cluster at {address}")

@@ -43,7 +43,7 @@ def end_of_turn_id(tokenizer) -> int:
 @dataclass(frozen=True)
 class AgentSettings:
     """Built from the config by moe_rl.settings.agent_settings (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
+    config/run.py and config/learning.py)."""
 
     max_turns: int  # environment.max_turns
     token_budget: int  # environment.token_budget: model + observation tokens after the prompt; no turn

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineSettings:
     """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
+    config/run.py and config/learning.py)."""
 
     model_path: str
     dtype: str  # model.dtype

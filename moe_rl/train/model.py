@@ -29,7 +29,7 @@ FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tenso
 @dataclass(frozen=True)
 class ModelSpec:
     """Built from the config by moe_rl.settings.model_spec (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
+    config/run.py and config/learning.py)."""
 
     hf_path: str
     dtype: str  # model.dtype: float32 | bfloat16

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class OptimSettings:
     """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections,
-    config_run.py and config_rl.py)."""
+    config/run.py and config/learning.py)."""
 
     lr: float  # trainer.lr or critic.lr
     weight_decay: float  # trainer.*
@@ -35,7 +35,7 @@ class OptimSettings:
 def offload_config(fraction: float) -> dict:
     """megatron-core OptimizerConfig fields for `fraction` of the optimizer's state on the host: its
     HybridDeviceOptimizer keeps that share of the fp32 copies and Adam moments in pinned host memory and
-    steps them with torch's CPU AdamW; copies overlapped with the CPU step (CUDA only: config_rules)."""
+    steps them with torch's CPU AdamW; copies overlapped with the CPU step (CUDA only: config.rules)."""
     if not fraction:
         return {}
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
@@ -45,7 +45,7 @@ def offload_config(fraction: float) -> dict:
 def precision_config(precision_aware: bool, moments_dtype: str) -> dict:
     """megatron-core OptimizerConfig fields of the precision-aware optimizer: the fp32 main weights owned by
     the optimizer (Transformer Engine's FusedAdam, which keeps their 16-bit remainders; under offload the
-    HybridDeviceOptimizer), Adam's moments in `moments_dtype` (CUDA and a bf16 model only: config_rules)."""
+    HybridDeviceOptimizer), Adam's moments in `moments_dtype` (CUDA and a bf16 model only: config.rules)."""
     if not precision_aware:
         return {}
     import torch

@@ -27,13 +27,13 @@ class Layout:
     cp: int = 1
     # expert tensor parallelism; None: same as tp (megatron's default). With etp < tp and ep=1 the
     # experts would be replicated across TP ranks that each see only their own tokens, which
-    # megatron-core does not reduce: check() refuses it (config_run.layout_problem).
+    # megatron-core does not reduce: check() refuses it (config.run.layout_problem).
     etp: int | None = None
 
     def check(self, world_size: int) -> int:
         """The data-parallel size of this layout over `world_size` ranks; ValueError where it cannot be
-        (config_run.layout_problem, the rule the config checks too)."""
-        from moe_rl.config_run import layout_problem
+        (config.run.layout_problem, the rule the config checks too)."""
+        from moe_rl.config.run import layout_problem
 
         problem = layout_problem(world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
         if problem:

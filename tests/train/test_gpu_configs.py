@@ -1,5 +1,5 @@
 """The GPU tests' run configs, checked on the CPU: each loads as it would on a GPU machine (every rule
-of moe_rl.config_rules, CUDA assumed) and needs no more GPUs than its skip condition admits, so a GPU
+of moe_rl.config.rules, CUDA assumed) and needs no more GPUs than its skip condition admits, so a GPU
 test is never one that fails on the hardware it runs on."""
 
 import pytest

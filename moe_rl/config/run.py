@@ -1,6 +1,6 @@
 """The run's sections of the config: where and how it runs (run, model, parallel, logging, checkpoint,
 cluster). Each field's docstring is its description (`moe-rl config explain FIELD`, docs/config.md);
-each section checks its own fields (`check`); the rules between sections are config_rules.py's."""
+each section checks its own fields (`check`); the rules between sections are config/rules.py's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The learning's sections of the config: what the run learns and how (rollout, environment, algorithm,
 trainer, critic, reward model). Each field's docstring is its description (`moe-rl config explain
 FIELD`, docs/config.md); each section checks its own fields (`check`); the rules between sections are
-config_rules.py's."""
+config/rules.py's."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class EnvironmentSection:
     """the environment's own options, as its Options dataclass declares them"""
 
     def check(self) -> None:
-        """The fields alone; the environment they name is config_rules.check_environment's."""
+        """The fields alone; the environment they name is config.rules.check_environment's."""
         positive("environment.max_turns", self.max_turns)
         positive("environment.token_budget", self.token_budget)
         in_range("environment.tool_timeout_s", self.tool_timeout_s, 0.0, None, lo_open=True)

@@ -1,5 +1,5 @@
 """The config's description, read from the one place it is written: each section's class docstring and
-each field's docstring (the string under the field in config_run.py and config_rl.py), with the field's
+each field's docstring (the string under the field in config/run.py and config/learning.py), with the field's
 type and default.
 
     explain("rollout.temperature")  # `moe-rl config explain rollout.temperature`
@@ -100,7 +100,7 @@ def markdown() -> str:
     """docs/config.md: every section and setting with its type, default and description."""
     lines = ["# Configuration", "",
              "Every setting of a run, section by section: its type, its default and what it does.",
-             "Generated from the docstrings in `moe_rl/config_run.py` and `moe_rl/config_rl.py` by",
+             "Generated from the docstrings in `moe_rl/config/run.py` and `moe_rl/config/learning.py` by",
              "`moe-rl config docs` (a test fails when this file is stale); `moe-rl config explain PATH`",
              "prints one setting or section.", ""]
     leaves = fields()

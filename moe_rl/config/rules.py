@@ -1,7 +1,7 @@
-"""The rules between a config's sections (config.py holds each section's own): the parallel layout
+"""The rules between a config's sections (run.py and learning.py hold each section's own): the parallel layout
 against the model's shape, GPU-only features against the machine that runs the workers, the
 algorithm's methods against each other and the run, asked of the method registry (what each method
-needs); then the settings that nothing in the run reads (config_reads.py)."""
+needs); then the settings that nothing in the run reads (config/reads.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_rl.config_reads import check_settings_are_read
+from moe_rl.config.reads import check_settings_are_read
 from moe_rl.model_shape import routed_experts
 from moe_rl.schema import ConfigError, did_you_mean
 
@@ -329,7 +329,7 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
     if not cfg.model.path:  # the shape is known here; for a checkpoint it is checked when loaded
         check_layout_fits_model(par, tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_experts,
                                 tiny.moe_intermediate_size, tiny.num_layers)
-        from moe_rl.config_run import VOCAB_SIZE
+        from moe_rl.config.run import VOCAB_SIZE
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
@@ -350,7 +350,7 @@ def _check_teacher_layout(cfg) -> None:
     """The teachers' layout over the trainer's ranks (the field refused is the one at fault)."""
     if not cfg.teachers:
         return
-    from moe_rl.config_run import layout_problem
+    from moe_rl.config.run import layout_problem
 
     t = cfg.teacher_parallel
     problem = layout_problem(t.world_size, t.tp, t.pp, t.cp, t.ep, t.etp)

@@ -2,13 +2,13 @@
 
     cfg = load_config("configs/quickstart.yaml", ["algorithm.gamma=0.99", "parallel.tp=2"])
 
-The sections live in config_run.py (run, model, parallel, logging, checkpoint, cluster) and config_rl.py
+The sections live in run.py (run, model, parallel, logging, checkpoint, cluster) and learning.py
 (rollout, environment, algorithm, trainer, critic, reward model); each field's docstring is its one
 description, which `moe-rl config explain FIELD` answers from and docs/config.md is generated from
-(config_docs.py). Every user error is a `ConfigError` whose message is one line naming the field path and
+(docs.py). Every user error is a `ConfigError` whose message is one line naming the field path and
 what is allowed: unknown keys (with a did-you-mean), wrong types, out-of-range values and incompatible
-combinations. Validation happens at load: each section's fields (its `check`), config_rules.py (the rules
-between sections) and schema.py (keys and types); the rest of the code trusts a `RunConfig`.
+combinations. Validation happens at load: each section's fields (its `check`), rules.py (the rules
+between sections) and moe_rl/schema.py (keys and types); the rest of the code trusts a `RunConfig`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from moe_rl.config_rl import (
+from moe_rl.config.learning import (
     AlgorithmSection,
     CriticSection,
     EnvironmentSection,
@@ -29,8 +29,8 @@ from moe_rl.config_rl import (
     TeacherSection,
     TrainerSection,
 )
-from moe_rl.config_rules import check_compatible
-from moe_rl.config_run import (
+from moe_rl.config.rules import check_compatible
+from moe_rl.config.run import (
     Arch,
     CheckpointSection,
     ClusterSection,
