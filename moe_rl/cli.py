@@ -65,9 +65,7 @@ def _cmd_check_config(args) -> int:
     if lo.rank:
         import torch
 
-        from moe_rl.rollout.engine_settings import config_lora_sync
-
-        mode, why = config_lora_sync(cfg, args.assume_cuda or torch.cuda.is_available())
+        mode, why = cfg.lora_sync(args.assume_cuda or torch.cuda.is_available())
         gets = "the adapters (vLLM applies them)" if mode == "adapters" else f"merged weights ({why})"
         print(f"# LoRA: rank {lo.rank} on {', '.join(lo.targets)} ({cfg.model.layer_spec} layers); the "
               f"engines get {gets}", file=sys.stderr)
@@ -260,6 +258,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_convert(args) -> int:
+    from moe_rl.driver.specs import convert_spec
     from moe_rl.train import convert
     from moe_rl.train.parallel import Layout
     from moe_rl.weights.hf import CheckpointError
@@ -271,11 +270,12 @@ def _cmd_convert(args) -> int:
         print(f"converting {args.src} -> {args.out} with tp {args.tp} pp {args.pp} ep {args.ep} "
               f"({convert.ranks_for(layout)} rank(s))", file=sys.stderr)
         if args.direction == "hf-to-mcore":
-            done = convert.hf_to_mcore(args.src, args.out, layout, role="critic" if args.critic else "policy",
-                                       dtype=args.dtype, value_head_from=args.value_head_from)
+            done = convert.hf_to_mcore(convert_spec(), args.src, args.out, layout, dtype=args.dtype,
+                                       role="critic" if args.critic else "policy",
+                                       value_head_from=args.value_head_from)
         else:
-            done = convert.mcore_to_hf(args.src, args.out, hf_config=args.hf_config, layout=layout,
-                                       merge=args.merge)
+            done = convert.mcore_to_hf(convert_spec(), args.src, args.out, hf_config=args.hf_config,
+                                       layout=layout, merge=args.merge)
     except (CheckpointError, ValueError, FileNotFoundError) as err:
         raise UserError(str(err)) from None
     print(convert.describe(done))
@@ -291,13 +291,11 @@ def _check_convert_layout(args, layout) -> None:
     hf = Path(args.src) if args.direction == "hf-to-mcore" \
         else Path(args.hf_config or Path(args.src) / "hf_config")
     try:
-        hf_config = json.loads((hf / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # the conversion itself names a missing or unreadable config
-    try:
-        check_layout_fits_hf_config(layout, hf_config)
+        check_layout_fits_hf_config(layout, json.loads((hf / "config.json").read_text()))
     except ConfigError as err:
         raise UserError(f"--{err.path.removeprefix('parallel.')} {str(err).split(': ', 1)[1]}") from None
+    except (OSError, ValueError):
+        return  # the conversion itself names a missing or unreadable config
 
 
 def _positive(text: str) -> int:

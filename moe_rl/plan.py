@@ -89,7 +89,7 @@ class Plan:
     sync_bytes: int  # what one weight sync moves
     problems: list[str]
     adapter_params: int = 0  # LoRA's trained parameters in the whole policy (0: no adapters)
-    lora_sync: tuple[str, str] = ("", "")  # adapters | merged, and why (engine_settings.resolve_lora_sync)
+    lora_sync: tuple[str, str] = ("", "")  # adapters | merged, and why (engine_spec.resolve_lora_sync)
     colocated: bool = False  # the roles share each GPU (cluster.colocate)
     host_bytes: float = 0.0  # the fullest node's host memory: trainers' offloaded state, one step's routes
     host_memory_gb: float = 0.0  # cluster.host_memory_gb
@@ -185,7 +185,7 @@ def engine_lora_params(shape: ModelShape, rank: int, targets, tp: int, ep: bool)
     rank): a module per Hugging Face module, so the fused ones' A's are there per slice (`fused_a_copies`);
     linears shard over the engine's tp as the trainer's do (`lora_params`), and so do the experts' linears,
     or with rollout.engine_ep the experts split over the tp GPUs and stay whole."""
-    from moe_rl.rollout.engine_settings import VLLM_LORA_RANKS
+    from moe_rl.rollout.engine_spec import VLLM_LORA_RANKS
 
     r = min(v for v in VLLM_LORA_RANKS if v >= rank)
     dense, expert = lora_params(shape, r, targets, tp=tp)
@@ -294,7 +294,7 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float, adapters: bool) -> t
     """(bytes per engine GPU, KV-cache tokens an engine holds). An engine spans rollout.engine_tp GPUs,
     each with 1/engine_tp of the weights and of the KV heads; `adapters` (the engines apply the policy's
     LoRA adapters): its LORA_SLOTS slots of LoRA buffers (`engine_lora_params`) too, before the KV cache."""
-    from moe_rl.rollout.engine_settings import GPU_MEMORY_UTILIZATION, LORA_SLOTS
+    from moe_rl.rollout.engine_spec import GPU_MEMORY_UTILIZATION, LORA_SLOTS
 
     b, tp, r, lo = dtype_bytes(cfg), cfg.rollout.engine_tp, cfg.rollout, cfg.model.lora
     held = {"weights": shape.total * b / tp}
@@ -328,9 +328,7 @@ def make_plan(cfg, hf_config: dict) -> Plan:
             roles.append(RolePlan(role, actors[role], gpu_bytes, host=host))
     lora, lora_sync = cfg.model.lora, ("", "")
     if lora.rank:  # on the GPU engines a plan is for
-        from moe_rl.rollout.engine_settings import config_lora_sync
-
-        lora_sync = config_lora_sync(cfg, True)
+        lora_sync = cfg.lora_sync(True)
     engine, kv_tokens = engine_memory(shape, cfg, gpu, lora_sync[0] == "adapters")
     engines = RolePlan("engine", actors["engine"] * cfg.rollout.engine_tp, engine,
                        [f"{kv_tokens:,.0f} KV-cache tokens ({kv_tokens / cfg.rollout.max_model_len:.1f} "

@@ -137,35 +137,35 @@ def tiny_qwen_dense(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen_dense"), spec, seed=0)
 
 
-# Component settings as production builds them (moe_rl.settings, from the default RunConfig: defaults
+# Component settings as production builds them (moe_rl.driver.specs, from the default RunConfig: defaults
 # live in the config sections), with a test's own values replacing fields. Plain functions, importable from
 # rank
-# functions in spawned processes (`from conftest import optim_settings`).
+# functions in spawned processes (`from conftest import optim_spec`).
 
 
 def model_spec(hf_path, **changes):
-    from moe_rl import settings
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
 
-    return dataclasses.replace(settings.model_spec(RunConfig(), str(hf_path)), **changes)
+    return dataclasses.replace(specs.model_spec(RunConfig(), str(hf_path)), **changes)
 
 
-def optim_settings(lr: float, **changes):
-    from moe_rl import settings
+def optim_spec(lr: float, **changes):
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
 
-    return dataclasses.replace(settings.optim_settings(RunConfig(), lr), **changes)
+    return dataclasses.replace(specs.optim_spec(RunConfig(), lr), **changes)
 
 
-def engine_settings(model_path, **changes):
-    from moe_rl import settings
+def engine_spec(model_path, **changes):
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
 
-    return dataclasses.replace(settings.engine_settings(RunConfig(), str(model_path)), **changes)
+    return dataclasses.replace(specs.engine_spec(RunConfig(), str(model_path)), **changes)
 
 
-def agent_settings(**changes):
-    from moe_rl import settings
+def agent_spec(**changes):
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
 
-    return dataclasses.replace(settings.agent_settings(RunConfig()), **changes)
+    return dataclasses.replace(specs.agent_spec(RunConfig()), **changes)

@@ -11,7 +11,7 @@ def score_checkpoint_job(rank, world, step_dir, ids_BS):
     """One rank (spawned by run_ranks): the run's own trainers, policy and critic, built without HF
     weights and loaded from a checkpoint of the run, score whole rows of ids_BS (routers choosing
     freely, as transformers does): {"logp_BS": the policy's [B, S], "critic_out_BS": the critic's [B, S]}."""
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
 
     from moe_rl.batch import Batch
     from moe_rl.train import checkpoint, parallel
@@ -19,7 +19,7 @@ def score_checkpoint_job(rank, world, step_dir, ids_BS):
 
     parallel.init_distributed(parallel.Layout())
     batch = Batch(ids_BS, torch.full((ids_BS.shape[0],), ids_BS.shape[1]))
-    optim = optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False)
+    optim = optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False)
     out = {}
     for role, key in (("policy", "logp_BS"), ("critic", "critic_out_BS")):
         ckpt = Path(step_dir) / role

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moe_rl import batch as batching
-from moe_rl import settings
 from moe_rl.algos.targets import Scores, boundary_values, state_values, targets
 from moe_rl.config import AlgorithmSection, EnvironmentSection, RewardModelSection, RunConfig, TrainerSection
+from moe_rl.driver import specs
 from moe_rl.metrics import Metrics, reduce_updates
 from moe_rl.train.objectives import ValueLoss
 from moe_rl.trajectory import Outcome, Trajectory, validate_trajectory
@@ -25,7 +25,7 @@ def step_targets(b, alg: AlgorithmSection, token_budget: int, logp_ref=None, cri
                     reward_model=rm or RewardModelSection())
     scores = Scores(b.logp_mu_BS, logp_ref, torch.zeros(b.input_ids_BS.shape) if critic else None,
                     reward_model_B=reward_model)
-    return targets(b, scores, settings.target_params(cfg))
+    return targets(b, scores, specs.target_spec(cfg))
 
 
 def traj(n_prompt, turns, terminal, group=0, outcome=Outcome.COMPLETED, obs=2):
@@ -179,7 +179,7 @@ def _policy_mb(weight, adv=0.0):
 def test_importance_weight_multiplies_the_policy_term_only():
     """With advantage 0 only the KL term is left: doubling w must not change it. k3 at
     d = logp_ref - logp = (-0.5, +1): e^d - d - 1 = 0.10653 and 0.71828; beta 0.1."""
-    fn = settings.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3"),
+    fn = specs.policy_loss(RunConfig(algorithm=AlgorithmSection(kl_loss_coef=0.1, kl_loss_estimator="k3"),
                                         trainer=TrainerSection(proximal_pass="separate")))  # logp_old given
     out = {"logp_BS": torch.tensor([[-1.0, -2.0, 0.0]]), "entropy_BS": torch.zeros(1, 3)}
     one, _ = fn(out, _policy_mb(1.0))

@@ -190,7 +190,7 @@ def test_the_run_starts_colocated_engines_before_the_trainer_ranks(monkeypatch, 
         monkeypatch.setattr(rollout_manager, "Rollouts", Rollouts)
         monkeypatch.setattr(gae, "prepare_kernel", lambda: False)
         monkeypatch.setattr(startup, "model_path", lambda cfg, out: "model")
-        startup.start(config(), tmp_path, [], [])
+        startup.start(config(), None, tmp_path, [], [])  # the stand-ins take no specs
         return events
 
     assert order(True) == ["engines start", "engines ready", "ranks start", "ranks ready", "connect"]

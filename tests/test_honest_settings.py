@@ -9,7 +9,10 @@ import pytest
 from conftest import ROOT
 
 from moe_rl.config import from_dict, load_config, read_yaml
+from moe_rl.driver.specs import convert_spec
 from moe_rl.schema import ConfigError, ConfigWarning
+
+CONVERT = convert_spec()  # the model settings `moe-rl convert` builds with
 
 QUICK = ROOT / "configs" / "quickstart.yaml"
 
@@ -124,14 +127,14 @@ def test_convert_names_the_right_path_or_direction(tmp_path, tiny_qwen):
     (run / "config.yaml").write_text("{}")
     with pytest.raises(CheckpointMismatch, match=f"{run} is a run directory: convert one of its checkpoints, "
                                                  f".* \\(newest: {step / 'policy'}\\)"):
-        mcore_to_hf(run, tmp_path / "out")
+        mcore_to_hf(CONVERT, run, tmp_path / "out")
     with pytest.raises(CheckpointMismatch, match=f"{step} holds a step's checkpoints: convert "
                                                  f"{step / 'policy'} or {step / 'critic'}"):
-        mcore_to_hf(step, tmp_path / "out")
+        mcore_to_hf(CONVERT, step, tmp_path / "out")
     with pytest.raises(CheckpointMismatch, match="is a Megatron checkpoint, not a Hugging Face model: the "
                                                  "direction is mcore-to-hf"):
-        hf_to_mcore(step / "policy", tmp_path / "out")
+        hf_to_mcore(CONVERT, step / "policy", tmp_path / "out")
     with pytest.raises(CheckpointMismatch, match="is a Hugging Face model, not a Megatron checkpoint: the "
                                                  "direction is hf-to-mcore"):
-        mcore_to_hf(tiny_qwen, tmp_path / "out")
+        mcore_to_hf(CONVERT, tiny_qwen, tmp_path / "out")
     assert json.loads((tiny_qwen / "config.json").read_text())  # untouched

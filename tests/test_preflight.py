@@ -20,6 +20,7 @@ from moe_rl.driver import preflight as driver_preflight
 from moe_rl.driver.placement import PlacementError
 from moe_rl.driver.report import CONFIG_FILE
 from moe_rl.driver.run_checkpoints import RESUME_SINCE, write_loop_state
+from moe_rl.driver.specs import env_spec
 from moe_rl.schema import ConfigError
 from moe_rl.weights.hf import CheckpointError
 
@@ -30,9 +31,10 @@ CUSTOM_DATA = ROOT / "examples" / "custom_reward" / "prompts.jsonl"
 
 def preflight(path: Path, *overrides: str, resume_with_changes: bool = False):
     cfg = config.load_config(path, list(overrides))
+    env = env_spec(cfg)
     if resume_with_changes:
-        return driver_preflight.preflight(cfg, Path(cfg.run.output_dir), resume_with_changes=True)
-    return driver_preflight.preflight(cfg, Path(cfg.run.output_dir))
+        return driver_preflight.preflight(cfg, Path(cfg.run.output_dir), env, resume_with_changes=True)
+    return driver_preflight.preflight(cfg, Path(cfg.run.output_dir), env)
 
 
 def refused(error: type, path: Path, *overrides: str, resume_with_changes: bool = False) -> str:

@@ -41,7 +41,7 @@ MACHINE = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platf
 CHECK_IMPORTS = (
     "moe_rl.train.worker", "moe_rl.train.launch_local", "moe_rl.train.parallel", "moe_rl.train.objectives",
     "moe_rl.train.model", "moe_rl.train.hf_io", "moe_rl.train.attention", "moe_rl.train.local_norm",
-    "moe_rl.train.hf_parity", "moe_rl.algos.targets", "moe_rl.settings", "moe_rl.tiny",
+    "moe_rl.train.hf_parity", "moe_rl.algos.targets", "moe_rl.driver.specs", "moe_rl.tiny",
     "mbridge", "megatron.core.parallel_state", "megatron.core.distributed", "megatron.core.optimizer",
     "megatron.core.pipeline_parallel", "megatron.core.tensor_parallel",
     "megatron.core.transformer.moe.router_replay", "megatron.core.models.gpt.gpt_model",

@@ -190,19 +190,19 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     """One bf16 rank: scoring free vs replayed, policy steps (routes replayed), then critic steps."""
     from torch._dynamo.utils import counters
 
-    from moe_rl import settings
     from moe_rl.algos import aggregate
     from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
+    from moe_rl.driver import specs
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))  # the PPO step is given pi_old
-    spec = dataclasses.replace(settings.model_spec(cfg, hf_path), dtype="bfloat16")
-    optim = dataclasses.replace(settings.optim_settings(cfg, cfg.trainer.lr),
+    spec = dataclasses.replace(specs.model_spec(cfg, hf_path), dtype="bfloat16")
+    optim = dataclasses.replace(specs.optim_spec(cfg, cfg.trainer.lr),
                                 micro_batch_tokens=plan.micro_batch_tokens)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB_SIZE, (plan.rows, plan.seq), generator=g)  # on the CPU, as from Ray
@@ -221,8 +221,8 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     weight, adv = torch.ones(plan.rows, plan.seq), torch.randn(plan.rows, plan.seq, generator=g) * mask
     ppo = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, is_weight_BS=weight, adv_BS=adv,
                 logp_old_BS=policy.score(replayed).logp_BS)
-    loss = settings.policy_loss(cfg)
-    denominators = policy_denominators(mask, mask, weight, settings.target_params(cfg))
+    loss = specs.policy_loss(cfg)
+    denominators = policy_denominators(mask, mask, weight, specs.target_spec(cfg))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     step = synced(lambda: policy.train_step(ppo, loss, denominators))
@@ -235,7 +235,7 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     critic = TrainWorker(dataclasses.replace(spec, routing_replay=False), role="critic", optim=optim)
     values = Batch(ids, lengths, mask_BS=mask, returns_BS=torch.randn(plan.rows, plan.seq, generator=g),
                    values_old_BS=torch.zeros(plan.rows, plan.seq))
-    value_loss, denominator = settings.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
+    value_loss, denominator = specs.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
     t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps,
                            plan.warmup)
     return {"policy_step_s": t_policy, "policy_first_step_s": first[0], "critic_step_s": t_critic,
@@ -246,9 +246,9 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
 
 def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
     """Megatron's log-probs [B, S] of ids_BS (whole rows), in fp32 (TF32 off) and in bf16."""
-    from moe_rl import settings
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
     from moe_rl.train import parallel
     from moe_rl.train.hf_parity import exact_fp32_matmuls
     from moe_rl.train.worker import TrainWorker
@@ -259,8 +259,8 @@ def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Te
     lengths = torch.full((ids_BS.shape[0],), ids_BS.shape[1])
     out = {}
     for dtype in ("float32", "bfloat16"):
-        w = TrainWorker(dataclasses.replace(settings.model_spec(cfg, hf_path), dtype=dtype),
-                        optim=settings.optim_settings(cfg, cfg.trainer.lr))
+        w = TrainWorker(dataclasses.replace(specs.model_spec(cfg, hf_path), dtype=dtype),
+                        optim=specs.optim_spec(cfg, cfg.trainer.lr))
         out[dtype] = w.score(Batch(ids_BS, lengths)).logp_BS
     return out
 

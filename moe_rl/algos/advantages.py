@@ -2,7 +2,7 @@
 
 Every estimator has the signature
 
-    fn(inp: AdvantageInputs, hp: AdvantageParams) -> (advantages_BT, returns_BT | None)
+    fn(inp: AdvantageInputs, hp: AdvantageSpec) -> (advantages_BT, returns_BT | None)
 
 `advantages_BT` is 0 on mask-0 positions. `returns_BT` is the critic target (only value-based
 estimators produce one). Outcome estimators turn one scalar score per sample into a per-sample
@@ -33,7 +33,7 @@ class AdvantageInputs:
 
 
 @dataclass(frozen=True)
-class AdvantageParams:
+class AdvantageSpec:
     gamma: float = 1.0
     lam: float = 0.95
     lam_critic: float | None = None  # decoupled GAE
@@ -60,7 +60,7 @@ def group_stats(x_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor,
 
 @register("advantage", "gae", needs_critic=True, whiten=True,
           params=frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"}))
-def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def gae_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """Masked model-token GAE (gae.masked_gae); decoupled when hp.lam_critic is set, length-adaptive
     (lambda_i = 1 - 1/(alpha J_i)) for the actor when hp.length_adaptive_alpha is set."""
     if inp.values_BT is None or inp.terminated_B is None or inp.boundary_value_B is None:
@@ -76,7 +76,7 @@ def gae_advantage(inp: AdvantageInputs, hp: AdvantageParams):
 
 
 @register("advantage", "reward_to_go", params=frozenset({"gamma"}), whiten=True)
-def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """Process-reward reward-to-go: A_j = sum_{k >= j} gamma^(k-j) u_{q_k} on the decision timeline
     (GAE with V = 0, lambda = 1, terminal bootstrap 0)."""
     zeros = torch.zeros_like(inp.rewards_BT, dtype=torch.float32)
@@ -87,21 +87,21 @@ def reward_to_go_advantage(inp: AdvantageInputs, hp: AdvantageParams):
 
 
 @register("advantage", "none", reads_reward=False)
-def no_task_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def no_task_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """No task signal: A = 0 on every token (on-policy distillation alone: algorithm.distill_coef adds
     the teacher's per-token term, algos/distill.py)."""
     return torch.zeros_like(inp.rewards_BT, dtype=torch.float32), None
 
 
 @register("advantage", "reinforce", whiten=True)
-def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def reinforce_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """REINFORCE with a batch-mean baseline: A_i = R_i - mean_b R_b."""
     s = inp.score_B.to(torch.float64)
     return _broadcast(s - s.mean(), inp.mask_BT), None
 
 
 @register("advantage", "rloo", min_group_size=2)
-def rloo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def rloo_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """RLOO: A_i = R_i - 1/(G-1) sum_{j != i} R_j = G/(G-1) (R_i - mean_g R) within each prompt group.
 
     A group left with one sample (its siblings rejected) has no leave-one-out baseline: A = 0 (as
@@ -112,7 +112,7 @@ def rloo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
 
 
 @register("advantage", "grpo", min_group_size=2, params=frozenset({"eps"}))
-def grpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def grpo_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased within the prompt group."""
     mean, std, _ = group_stats(inp.score_B, inp.group_B)
     s = inp.score_B.to(torch.float64)
@@ -120,14 +120,14 @@ def grpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
 
 
 @register("advantage", "drgrpo", min_group_size=2)
-def drgrpo_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def drgrpo_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """Dr.GRPO: A_i = R_i - mean_g R (no std division; pair with seq_sum_const aggregation)."""
     mean, _, _ = group_stats(inp.score_B, inp.group_B)
     return _broadcast(inp.score_B.to(torch.float64) - mean, inp.mask_BT), None
 
 
 @register("advantage", "reinforce_pp_baseline", min_group_size=2, whiten=True)
-def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageParams):
+def reinforce_pp_baseline_advantage(inp: AdvantageInputs, hp: AdvantageSpec):
     """REINFORCE++-baseline: A_i = R_i - mean_g R, then whitened over all valid tokens of the batch
     (its registry entry turns the targets' whitening on for that step; this returns the group-centred
     score)."""

@@ -6,7 +6,7 @@ Four roles: mu generated the tokens (rollout log-probs), pi_old anchors the PPO 
 being optimised, pi_ref anchors KL. A correction reads log pi_old and log mu at the sampled tokens and
 returns detached per-token weights and a keep-mask:
 
-    fn(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction
+    fn(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction
 
 The loss becomes  sum_t keep_t * w_t * l_t / denominator  (ordinary IS: the usual count; self-
 normalised: sum of kept weights — see aggregate.py). Log-probs are read in float32 (float64 stays
@@ -26,7 +26,7 @@ from moe_rl.algos.registry import register
 
 
 @dataclass(frozen=True)
-class CorrectionParams:
+class CorrectionSpec:
     is_cap: float = 2.0  # c_IS: token weight bound
     seq_is_cap: float = 10.0  # c_IS^seq: sequence weight bound
     icepop_min: float = 0.5  # c_min
@@ -94,7 +94,7 @@ def _report(metrics: dict, prefix: str, weights: torch.Tensor, valid: torch.Tens
 
 
 @register("correction", "none", reads_behaviour=False)
-def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """No correction: w = 1. (Synchronous PPO, where mu = pi_old.) Reads neither log-prob's values:
     logp_old_BT may be None (pi_old is then the update's own forward)."""
     m = mask_BT.bool()
@@ -102,7 +102,7 @@ def no_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Cor
 
 
 @register("correction", "bypass", old_is_behaviour=True)
-def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """Bypass: pi_old := mu, so the PPO ratio is pi_theta / mu and no separate weight is applied. The
     loop uses the behaviour log-probs as logp_old (no proximal forward pass)."""
     m = mask_BT.bool()
@@ -110,7 +110,7 @@ def bypass_correction(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) ->
 
 
 @register("correction", "tis_token", params=frozenset({"is_cap"}))
-def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """Token TIS: w_t = min(pi_old(a_t) / mu(a_t), c_IS), detached."""
     m = mask_BT.bool()
     log_r = _log_ratio(logp_old_BT, logp_mu_BT, m)
@@ -123,7 +123,7 @@ def token_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correct
 
 
 @register("correction", "tis_seq", params=frozenset({"seq_is_cap"}))
-def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """Sequence IS in log space, truncated: log w_i = sum_t m_t (log pi_old - log mu);
     w_i = exp(min(log w_i, log c_seq)); every token of sample i carries w_i. The raw ESS is computed
     from log w_i (`ess_from_log_weights`): exp(log w_i) itself overflows for long sequences."""
@@ -139,7 +139,7 @@ def sequence_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Corr
 
 
 @register("correction", "icepop", params=frozenset({"icepop_min", "icepop_max"}))
-def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def icepop(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """IcePop / masked IS: keep token t only if c_min <= pi_old(a_t) / mu(a_t) <= c_max (weight 1)."""
     m = mask_BT.bool()
     log_r = _log_ratio(logp_old_BT, logp_mu_BT, m)
@@ -160,7 +160,7 @@ def _geometric(logp_old_BT, logp_mu_BT, mask_BT):
 
 
 @register("correction", "geo_tis", params=frozenset({"geo_max"}))
-def geometric_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def geometric_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """Geometric sequence TIS, the length-invariant sequence-level TIS: every token of sample i carries
 
         w_i = min( exp( (1/J_i) sum_t m_t log(pi_old(a_t) / mu(a_t)) ), c_geo ),   c_geo = geo_max
@@ -176,7 +176,7 @@ def geometric_tis(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Cor
 
 
 @register("correction", "geo_mask", params=frozenset({"geo_min", "geo_max"}))
-def geometric_mask(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionParams) -> Correction:
+def geometric_mask(logp_old_BT, logp_mu_BT, mask_BT, hp: CorrectionSpec) -> Correction:
     """Geometric sequence masking: sample i stays (weight 1) only if its geometric-mean ratio is in band,
 
         c_min <= exp( (1/J_i) sum_t m_t log(pi_old(a_t) / mu(a_t)) ) <= c_max      (geo_min, geo_max)

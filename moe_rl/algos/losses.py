@@ -2,7 +2,7 @@
 
 Policy losses are registered by name (`algorithm.policy_loss`) with the signature
 
-    fn(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams) -> (loss_BT, metrics)
+    fn(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec) -> (loss_BT, metrics)
 
 loss_BT is [B, T] and 0 on mask-0 positions; aggregate.py turns it into a scalar with a global
 denominator. Ratios are r_t = exp(log pi_theta(a_t) - log pi_old(a_t)), the log-ratio clamped to +-20
@@ -26,7 +26,7 @@ from moe_rl.algos.rewards import KL_ESTIMATORS
 
 
 @dataclass(frozen=True)
-class PolicyLossParams:
+class PolicyLossSpec:
     clip_low: float = 0.2  # eps_l: ratio lower bound 1 - eps_l
     clip_high: float = 0.2  # eps_h: ratio upper bound 1 + eps_h (clip-higher when > eps_l)
     dual_clip: float | None = None  # c_dual > 1: bound on the negative-advantage branch
@@ -83,7 +83,7 @@ def _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT):
 
 
 @register("policy_loss", "ppo", params=frozenset({"clip_low", "clip_high", "dual_clip"}))
-def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
+def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     """PPO-Clip with clip-higher and optional dual-clip, [B, T] -> [B, T]:
 
         r_t    = exp(log pi_theta(a_t) - log pi_old(a_t))
@@ -109,7 +109,7 @@ def ppo_clip_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
 
 
 @register("policy_loss", "gspo", sequence_level=True, params=frozenset({"clip_low", "clip_high"}))
-def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
+def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     """GSPO: length-normalised sequence ratio, clipped at the sequence level, [B, T] -> [B, T]:
 
         s_i = exp( (1/J_i) sum_t m_t (log pi_theta - log pi_old) )
@@ -140,7 +140,7 @@ def gspo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
 
 
 @register("policy_loss", "gmpo", sequence_level=True, params=frozenset({"clip_low", "clip_high"}))
-def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
+def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     """GMPO: geometric mean of the clipped token objectives (token-level ratios, clipped in log space),
     [B, T] -> [B, T]:
 
@@ -165,7 +165,7 @@ def gmpo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
 
 
 @register("policy_loss", "cispo", params=frozenset({"clip_low", "clip_high"}))
-def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossParams):
+def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     """CISPO: REINFORCE with a clipped, detached importance weight, so clipped tokens still get gradient,
     [B, T] -> [B, T]:
 

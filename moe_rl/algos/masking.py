@@ -2,7 +2,7 @@
 (`algorithm.policy_mask`): which loss tokens a policy update leaves out, decided from the policy being
 optimised (pi_theta, detached), pi_old, the behaviour policy mu and the advantages:
 
-    fn(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskParams) -> (keep_BT, metrics)
+    fn(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskSpec) -> (keep_BT, metrics)
 
 keep_BT is bool [B, T] (False at mask-0 positions). A mask zeroes loss terms and nothing else: every
 denominator (the minibatch's global one, seq_mean's per-sequence J_i) stays the one of the unmasked
@@ -26,7 +26,7 @@ from moe_rl.algos.registry import register
 
 
 @dataclass(frozen=True)
-class PolicyMaskParams:
+class PolicyMaskSpec:
     opsm_delta: float = 0.1  # delta: OPSM's bound on a sequence's mean log(mu / pi_theta)
     m2po_tau: float = 0.04  # tau: M2PO's bound on the batch's second moment of log r (the paper's default)
 
@@ -53,13 +53,13 @@ def sequence_advantage(adv_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Ten
 
 
 @register("policy_mask", "none", reads_behaviour=False)
-def no_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskParams):
+def no_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskSpec):
     """Every loss token stays."""
     return mask_BT.bool(), {}
 
 
 @register("policy_mask", "opsm", params=frozenset({"opsm_delta"}))
-def off_policy_sequence_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskParams):
+def off_policy_sequence_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskSpec):
     """OPSM, off-policy sequence masking (DeepSeek-V3.2, section 3.1, Eq. 9): a whole sequence leaves the
     policy-gradient term when it has a negative advantage and drifted from the policy that sampled it:
 
@@ -89,7 +89,7 @@ def off_policy_sequence_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, 
 
 @register("policy_mask", "m2po", scope="batch", reads_behaviour=False, reads_old=True,
           params=frozenset({"m2po_tau"}))
-def second_moment_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskParams):
+def second_moment_mask(logp_BT, logp_old_BT, logp_mu_BT, adv_BT, mask_BT, hp: PolicyMaskSpec):
     """M2PO, second-moment trust policy optimization (Zheng et al. 2025, Algorithm 1), over the whole
     optimizer batch (N = its valid loss tokens, r_t = pi_theta(a_t) / pi_old(a_t), the PPO ratio):
 

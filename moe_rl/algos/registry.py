@@ -9,8 +9,8 @@
 
 Configs select methods by these names; `names(kind)` lists what a config may choose and `meta` what a
 choice implies (for config checks and the driver), so no caller compares method names. Every kind's
-`params` names the fields of its hyperparameter dataclass (AdvantageParams, PolicyLossParams,
-CorrectionParams, PolicyMaskParams) that the method reads; the config refuses a setting of that name
+`params` names the fields of its hyperparameter dataclass (AdvantageSpec, PolicyLossSpec,
+CorrectionSpec, PolicyMaskSpec) that the method reads; the config refuses a setting of that name
 that the chosen method does not read (moe_rl.config.rules), and tests/algos/test_registry.py checks
 each declaration against what the function does. The method modules (advantages, correction, losses,
 masking) register on import; the package moe_rl.algos imports them, and importing this module runs
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 class AdvantageMeta:
     needs_critic: bool = False  # reads values_BT and boundary_value_B: the run trains a critic
     min_group_size: int = 1  # samples per prompt it needs; > 1: a baseline from the prompt's other samples
-    params: frozenset[str] = frozenset()  # the AdvantageParams fields it reads
+    params: frozenset[str] = frozenset()  # the AdvantageSpec fields it reads
     reads_reward: bool = True  # False: no task signal (A = 0): the run learns from distillation alone
     # its advantages are whitened over the batch's model tokens unless algorithm.whiten_advantages says
     # otherwise: on where the estimate needs a batch baseline or scale (GAE, REINFORCE++), off where it is
@@ -45,7 +45,7 @@ class AdvantageMeta:
 class CorrectionMeta:
     reads_behaviour: bool = True  # needs mu's log-probs (the rollout's), as a weight or as pi_old
     old_is_behaviour: bool = False  # pi_old := mu: the PPO ratio is pi_theta / mu (no proximal pass)
-    params: frozenset[str] = frozenset()  # the CorrectionParams fields it reads
+    params: frozenset[str] = frozenset()  # the CorrectionSpec fields it reads
 
     @property
     def reweights(self) -> bool:
@@ -57,7 +57,7 @@ class CorrectionMeta:
 class PolicyLossMeta:
     # defined per sequence (one ratio or objective per sample): seq_mean aggregation
     sequence_level: bool = False
-    params: frozenset[str] = frozenset()  # the PolicyLossParams fields it reads
+    params: frozenset[str] = frozenset()  # the PolicyLossSpec fields it reads
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class PolicyMaskMeta:
     scope: str = "sequence"
     reads_behaviour: bool = True  # reads mu's log-probs (the rollout's)
     reads_old: bool = False  # decides from pi_theta / pi_old: nothing to mask while they are equal
-    params: frozenset[str] = frozenset()  # the PolicyMaskParams fields it reads
+    params: frozenset[str] = frozenset()  # the PolicyMaskSpec fields it reads
 
 
 META = {"advantage": AdvantageMeta, "policy_loss": PolicyLossMeta, "correction": CorrectionMeta,

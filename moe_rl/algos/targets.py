@@ -19,12 +19,12 @@ import torch
 
 from moe_rl.algos import aggregate, checks, correction, distill, registry
 from moe_rl.algos import rewards as R
-from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, whiten
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageSpec, whiten
 
 
 @dataclass(frozen=True)
-class TargetParams:
-    """The algorithm's settings as the math reads them (built from the config in moe_rl.settings)."""
+class TargetSpec:
+    """The algorithm's settings as the math reads them (built from the config in moe_rl.driver.specs)."""
 
     advantage: str
     gamma: float
@@ -39,7 +39,7 @@ class TargetParams:
     overlong_penalty: float
     token_budget: int  # the episode's tokens after the prompt (environment.token_budget)
     correction: str
-    correction_params: correction.CorrectionParams
+    correction_params: correction.CorrectionSpec
     ewma_anchor: bool  # pi_old is the PPO-EWMA anchor, scored per minibatch
     aggregation: str
     loss_constant: float  # seq_sum_const's denominator
@@ -102,13 +102,13 @@ def boundary_values(out_BS: torch.Tensor, boundary_len_B: torch.Tensor) -> torch
 
 
 def correct(logp_old_BS: torch.Tensor, logp_mu_BS: torch.Tensor, mask_BS: torch.Tensor,
-            p: TargetParams) -> correction.Correction:
+            p: TargetSpec) -> correction.Correction:
     """The registered correction p.correction: detached weights w_t and the keep mask."""
     return registry.get("correction", p.correction)(logp_old_BS, logp_mu_BS, mask_BS, p.correction_params)
 
 
 def policy_denominators(pg_mask_BS: torch.Tensor, loss_mask_BS: torch.Tensor, weight_BS: torch.Tensor,
-                        p: TargetParams) -> dict[str, torch.Tensor]:
+                        p: TargetSpec) -> dict[str, torch.Tensor]:
     """Global denominators of a minibatch's policy loss: the weighted policy-gradient term over the
     tokens the correction keeps (self-normalised: the kept weights' sum) and the unweighted
     KL / entropy regulariser over every loss token (see train.objectives.PolicyLoss)."""
@@ -117,7 +117,7 @@ def policy_denominators(pg_mask_BS: torch.Tensor, loss_mask_BS: torch.Tensor, we
             "regularizer": aggregate.loss_denominator(loss_mask_BS, p.aggregation, p.loss_constant)}
 
 
-def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams,
+def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetSpec,
                    reward_model_B: torch.Tensor | None = None):
     """Per-token rewards u_t and the episode score R(tau) after shaping, plus reward metrics.
 
@@ -150,7 +150,7 @@ def shaped_rewards(batch, logp_ref_BS: torch.Tensor | None, p: TargetParams,
     return rewards, score, m
 
 
-def targets(batch, scores: Scores, p: TargetParams) -> Targets:
+def targets(batch, scores: Scores, p: TargetSpec) -> Targets:
     """The checklist (guide 000 section 7.4) first, then pi_old and its correction, then advantages."""
     values = boundary = None
     if scores.critic_out_BS is not None:
@@ -173,7 +173,7 @@ def targets(batch, scores: Scores, p: TargetParams) -> Targets:
     rewards, score, metrics = shaped_rewards(batch, scores.logp_ref_BS, p, scores.reward_model_B)
     inp = AdvantageInputs(rewards_BT=rewards, mask_BT=batch.mask_BS, score_B=score, group_B=batch.group_B,
                           values_BT=values, terminated_B=batch.terminated_B, boundary_value_B=boundary)
-    hp = AdvantageParams(gamma=p.gamma, lam=p.lam, lam_critic=p.lam_critic,
+    hp = AdvantageSpec(gamma=p.gamma, lam=p.lam, lam_critic=p.lam_critic,
                          length_adaptive_alpha=p.length_adaptive_alpha)
     adv, returns = registry.get("advantage", p.advantage)(inp, hp)
     if p.whiten:

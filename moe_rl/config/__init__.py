@@ -124,6 +124,15 @@ class RunConfig:
         own = {k: getattr(t, k) for k in ("tp", "pp", "ep") if getattr(t, k) is not None}
         return dataclasses.replace(self.parallel, **own, **({"etp": None} if "tp" in own else {}))
 
+    def lora_sync(self, cuda: bool) -> tuple[str, str]:
+        """How the engines get a LoRA policy's weights on a machine with (or without) CUDA, "adapters" or
+        "merged", and why (rollout.engine_spec.resolve_lora_sync; ValueError where model.lora.sync asks for
+        what cannot run there)."""
+        from moe_rl.rollout.engine_spec import resolve_lora_sync
+
+        lo, r = self.model.lora, self.rollout
+        return resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, r.weight_transfer, r.engine_tp)
+
     @property
     def uses_reference(self) -> bool:
         """A KL term (in the reward or the loss) reads the reference policy: a model of its own, or with

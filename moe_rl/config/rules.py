@@ -365,10 +365,8 @@ def check_machine(cfg, cuda: bool, where: str = "this machine") -> None:
     the messages call it): this machine where the run starts its own Ray, the Ray cluster it joins
     (session.start_ray) where it joins one. Also how a LoRA policy's weights reach the engines there."""
     if cfg.model.lora.rank:
-        from moe_rl.rollout.engine_settings import config_lora_sync
-
         try:  # adapters where vLLM cannot apply them: refused here
-            config_lora_sync(cfg, cuda)
+            cfg.lora_sync(cuda)
         except ValueError as err:
             raise ConfigError("model.lora.sync", str(err).removeprefix("model.lora.sync ")) from None
     for rule in WITH_CUDA if cuda else WITHOUT_CUDA:

@@ -13,6 +13,7 @@
     rollout_actor.py    RolloutActor: one vLLM engine (rollout.engine) and the agent loop as an actor
     run_checkpoints.py  the run's checkpoints (every group's, the loop's, the rollouts in flight), resume
     report.py           progress lines, summary.json, the closing lines
+    specs.py            the config as the workers and the math read it (RunSpecs), built once at start-up
 
 Worker code (algos/, train/, rollout/, weights/) never imports it.
 """

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from moe_rl import settings
-from moe_rl.algos.targets import TargetParams, targets
+from moe_rl.algos.targets import TargetSpec, targets
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.preflight import preflight
 from moe_rl.driver.report import CONFIG_FILE, TIMELINE_FILE, earlier_summary, report, say
 from moe_rl.driver.run_checkpoints import Checkpoints
 from moe_rl.driver.schedule import Evaluation, RolloutSchedule
-from moe_rl.driver.startup import start
+from moe_rl.driver.specs import RunSpecs, run_specs
+from moe_rl.driver.startup import model_dir, start
 from moe_rl.metrics import StepLog, step_figures
 from moe_rl.samples import SampleLog
 from moe_rl.trackers import open_writers
@@ -33,19 +33,20 @@ def main(cfg: RunConfig, resume_with_changes: bool = False) -> int:
     from moe_rl.driver import session
 
     out = Path(cfg.run.output_dir)
-    prompts, eval_prompts = preflight(cfg, out, resume_with_changes)
+    spec = run_specs(cfg, model_dir(cfg, out))  # every worker's and the math's inputs, built once
+    prompts, eval_prompts = preflight(cfg, out, spec.env, resume_with_changes)
     try:  # every exit path (done, an error, an interrupt) stops the run's actors and the Ray it started
-        return run(cfg, out, prompts, eval_prompts)
+        return run(cfg, spec, out, prompts, eval_prompts)
     finally:
         session.shutdown()
 
 
-def run(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]) -> int:
+def run(cfg: RunConfig, spec: RunSpecs, out: Path, prompts: list[dict], eval_prompts: list[dict]) -> int:
     from moe_rl.driver import session
     from moe_rl.driver.remote import round_trips
 
-    models, rollouts = start(cfg, out, prompts, eval_prompts)
-    checkpoints, params = Checkpoints(cfg, out, models, rollouts), settings.target_params(cfg)
+    models, rollouts = start(cfg, spec, out, prompts, eval_prompts)
+    checkpoints, params = Checkpoints(cfg, out, models, rollouts), spec.targets
     first = checkpoints.resume()
     if first is None:
         first, summary, evals = 0, prepare(cfg, models, rollouts), {}
@@ -111,7 +112,7 @@ def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, 
         schedule.step_done(step)
 
 
-def train_step(models, rollouts, batch: Batch, step: int, params: TargetParams, log: StepLog,
+def train_step(models, rollouts, batch: Batch, step: int, params: TargetSpec, log: StepLog,
                diagnostics: bool = False) -> list[dict[str, float]]:
     """One update on step's batch: score it (routes replayed; `diagnostics`: free routing too), its
     targets (the pre-update checklist, advantages, corrections), fit the critic then the policy, and

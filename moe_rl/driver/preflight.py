@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_rl import settings
 from moe_rl.config import RunConfig, dump_yaml
 from moe_rl.driver.report import CONFIG_FILE, say
 from moe_rl.schema import ConfigError
 
+if TYPE_CHECKING:
+    from moe_rl.rollout.envs import EnvSpec
 
-def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> tuple[list[dict], list[dict]]:
+
+def preflight(cfg: RunConfig, out: Path, env: EnvSpec,
+              resume_with_changes: bool = False) -> tuple[list[dict], list[dict]]:
     """What a user can get wrong, checked before Ray and vLLM start (which takes 20-45 s): the output
     directory (given, a directory, writable), the model (and a context vLLM would refuse), the training
-    and held-out prompts (returned) with the environment tried on the first one, the checkpoint to resume
-    from (`check_resume_point`), and whether the actors fit the local Ray cluster the run will start."""
+    and held-out prompts (returned) with the environment (`env`) tried on the first one, the checkpoint
+    to resume from (`check_resume_point`), and whether the actors fit the local Ray cluster the run will
+    start."""
     from moe_rl.config.rules import check_layout_fits_hf_config, check_lora_rank_hf, check_model_features
     from moe_rl.driver.rollout_manager import evaluation_prompts, training_prompts
     from moe_rl.rollout.envs import try_first_prompt
@@ -53,14 +58,14 @@ def preflight(cfg: RunConfig, out: Path, resume_with_changes: bool = False) -> t
             raise ConfigError(teacher_field(name), f"'{path}' has {limit} positions ({source}), fewer than "
                               f"rollout.max_model_len={cfg.rollout.max_model_len}: it could not score an "
                               "episode's later tokens")
-    prompts, eval_prompts = training_prompts(cfg), evaluation_prompts(cfg)
+    prompts, eval_prompts = training_prompts(cfg, env), evaluation_prompts(cfg, env)
     if cfg.teachers:
         check_rows_have_teachers(cfg, prompts)
-    env, spec = cfg.environment, settings.env_spec(cfg)
-    try_first_prompt(spec, prompts[0], f"the first row of {env.dataset}" if env.dataset else
-                     f"the first prompt {env.name} generated")
+    e = cfg.environment
+    try_first_prompt(env, prompts[0], f"the first row of {e.dataset}" if e.dataset else
+                     f"the first prompt {e.name} generated")
     if cfg.trainer.eval_dataset and eval_prompts:
-        try_first_prompt(spec, eval_prompts[0], f"the first row of {cfg.trainer.eval_dataset}")
+        try_first_prompt(env, eval_prompts[0], f"the first row of {cfg.trainer.eval_dataset}")
     check_resume_point(cfg, out, resume_with_changes)
     check_fits_locally(cfg)
     check_writable(out)

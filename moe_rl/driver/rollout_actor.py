@@ -61,7 +61,7 @@ class RolloutActor:
     vLLM refuses stays alive to say so: `info` raises EngineStartError (a dead actor would read as a
     fault)."""
 
-    def __init__(self, settings, agent_settings, env, threads: int, first_core: int = 0):
+    def __init__(self, settings, agent_spec, env, threads: int, first_core: int = 0):
         use_threads(threads)  # before vLLM starts: its CPU worker refuses later changes
         from transformers import AutoTokenizer
 
@@ -76,7 +76,7 @@ class RolloutActor:
             return
         tok = AutoTokenizer.from_pretrained(settings.model_path)
         # env: rollout.envs.EnvSpec; a gateway (environment.name gateway) serves on this node's address
-        self.agent = Agent(self.engine, tok, env, agent_settings, ray.util.get_node_ip_address())
+        self.agent = Agent(self.engine, tok, env, agent_spec, ray.util.get_node_ip_address())
         self.top_k = self.engine.top_k
 
     async def collect(self, prompts: list[dict], samples_per_prompt: int, seed: int, dynamic: int = 0,

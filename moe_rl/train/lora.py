@@ -1,6 +1,6 @@
 """LoRA adapters on megatron-core's linears and routers: y = W x + (alpha/r) B A x.
 
-    n = add_adapters(module, LoraSettings(rank=8, alpha=16, targets=("linear_qkv", "linear_fc1")), names,
+    n = add_adapters(module, LoraSpec(rank=8, alpha=16, targets=("linear_qkv", "linear_fc1")), names,
                      seed)
     for name, adapter in adapted_weights(module):   # each adapted weight's local name, its adapter
         merged_weight(adapter)                       # W + (alpha/r) B A, this rank's shard: what engines get
@@ -60,8 +60,8 @@ _ADAPTER = re.compile(r"\.lora_[AB]\d*$")
 
 
 @dataclass(frozen=True)
-class LoraSettings:
-    """Built from model.lora by moe_rl.settings.policy_spec."""
+class LoraSpec:
+    """Built from model.lora by moe_rl.driver.specs.policy_spec."""
 
     rank: int  # r
     alpha: float  # the adapter's output is scaled by alpha / r
@@ -242,7 +242,7 @@ def _carry_gradients(embedding, args, output):
     return output
 
 
-def _add_factors(module, index: str, split: str, settings: LoraSettings, global_name: str, seed: int) -> None:
+def _add_factors(module, index: str, split: str, settings: LoraSpec, global_name: str, seed: int) -> None:
     """lora_A{index} and lora_B{index} beside weight{index}, sharded and tagged like it."""
     weight = getattr(module, f"weight{index}")
     if weight is None:  # the output layer of a model whose embeddings are tied to it
@@ -272,7 +272,7 @@ def _add_factors(module, index: str, split: str, settings: LoraSettings, global_
         replicated.sequence_parallel = True  # finalize_model_grads sums its gradient over TP
 
 
-def add_adapters(module, settings: LoraSettings, global_names: dict[str, str], seed: int) -> int:
+def add_adapters(module, settings: LoraSpec, global_names: dict[str, str], seed: int) -> int:
     """Freeze every parameter of `module` (one pipeline stage), then give each targeted weight its
     adapters (trainable) and each targeted module its hook. `global_names`: local parameter name ->
     global name (hf_io.global_names), which seeds each weight's A. Returns the number of adapted

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.train import cpu_compat
-from moe_rl.train.lora import LoraSettings
+from moe_rl.train.lora import LoraSpec
 from moe_rl.weights.hf import dense_layers
 
 # moe_rl name -> (megatron fp8 format, megatron Fp8Recipe)
@@ -28,7 +28,7 @@ FP8_RECIPES = {"delayed": ("hybrid", "delayed"), "tensorwise": ("hybrid", "tenso
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Built from the config by moe_rl.settings.model_spec (defaults live in the config sections,
+    """Built from the config by moe_rl.driver.specs.model_spec (defaults live in the config sections,
     config/run.py and config/learning.py)."""
 
     hf_path: str
@@ -41,7 +41,7 @@ class ModelSpec:
     moe_aux_loss_coeff: float  # model.*: the switch load-balancing loss (0: off)
     moe_z_loss_coeff: float  # model.*: the router z-loss (0: off)
     expert_bias_update_rate: float  # model.*: aux-loss-free balancing's step (0: the bias frozen)
-    lora: LoraSettings | None = None  # model.lora, the policy only: adapters on a frozen base (train/lora.py)
+    lora: LoraSpec | None = None  # model.lora, the policy only: adapters on a frozen base (train/lora.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -195,7 +195,7 @@ def make_bridge(spec: ModelSpec):
     )
     # aux-loss-free balancing (the expert bias of DeepSeek-V3 / GLM-4.5): mbridge's DeepSeek bridge moves
     # it by 0.001 an update; here it moves only as model.expert_bias_update_rate says, never under replay
-    # (megatron counts the replayed assignment, padding included; settings.model_spec gives 0 there)
+    # (megatron counts the replayed assignment, padding included; specs.model_spec gives 0 there)
     extra["moe_router_bias_update_rate"] = 0.0 if spec.routing_replay else spec.expert_bias_update_rate
     if spec.recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algos import aggregate, checks, losses, registry
-from moe_rl.algos.masking import PolicyMaskParams
+from moe_rl.algos.masking import PolicyMaskSpec
 from moe_rl.algos.targets import state_values
 
 
@@ -52,7 +52,7 @@ class PolicyLoss:
     old_from_forward: bool
     check_sync: bool
     policy_mask: str
-    mask_params: PolicyMaskParams
+    mask_spec: PolicyMaskSpec
 
     @property
     def mask_scope(self) -> str | None:
@@ -75,7 +75,7 @@ class PolicyLoss:
 
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
-        hp = losses.PolicyLossParams(self.clip_low, self.clip_high, self.dual_clip)
+        hp = losses.PolicyLossSpec(self.clip_low, self.clip_high, self.dual_clip)
         pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp_BS"]
         logp_old = mb.logp_old_BS
         if self.old_from_forward:
@@ -85,7 +85,7 @@ class PolicyLoss:
         loss_BT, metrics = fn(logp, logp_old, mb.adv_BS, pg, hp)
         if self.mask_scope == "sequence":
             keep, mask_metrics = registry.get("policy_mask", self.policy_mask)(
-                logp.detach(), logp_old, mb.logp_mu_BS, mb.adv_BS, pg, self.mask_params)
+                logp.detach(), logp_old, mb.logp_mu_BS, mb.adv_BS, pg, self.mask_spec)
             loss_BT, metrics = torch.where(keep, loss_BT, 0.0), metrics | mask_metrics
         elif self.mask_scope == "batch":
             loss_BT = torch.where(mb.policy_keep_BS, loss_BT, 0.0)

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class OptimSettings:
-    """Built from the config by moe_rl.settings.optim_settings (defaults live in the config sections,
+class OptimSpec:
+    """Built from the config by moe_rl.driver.specs.optim_spec (defaults live in the config sections,
     config/run.py and config/learning.py)."""
 
     lr: float  # trainer.lr or critic.lr
@@ -62,12 +62,12 @@ def shards_optimizer(distributed_optimizer: bool, dp: int, offload: float, preci
     return distributed_optimizer and dp > 1 or bool(offload) or precision_aware
 
 
-def uses_distributed_optimizer(optim: OptimSettings, dp: int) -> bool:
+def uses_distributed_optimizer(optim: OptimSpec, dp: int) -> bool:
     """shards_optimizer for a trainer rank's settings at data-parallel size `dp`."""
     return shards_optimizer(optim.distributed_optimizer, dp, optim.optimizer_offload, optim.precision_aware)
 
 
-def optimizer_config(optim: OptimSettings, distributed: bool, params_dtype: torch.dtype):
+def optimizer_config(optim: OptimSpec, distributed: bool, params_dtype: torch.dtype):
     """The OptimizerConfig of a trainer rank: Adam with `optim`'s settings over parameters of `params_dtype`
     (bf16 ones: fp32 main weights beside them)."""
     import torch

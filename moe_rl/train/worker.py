@@ -1,7 +1,7 @@
 """One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
 
-    w = TrainWorker(settings.model_spec(cfg, hf_path), role="policy",
-                    optim=settings.optim_settings(cfg, cfg.trainer.lr))
+    w = TrainWorker(specs.model_spec(cfg, hf_path), role="policy",
+                    optim=specs.optim_spec(cfg, cfg.trainer.lr))
     out = w.score(batch)                                # forward only: ScoreResult (logp/entropy or critic
                                                         # outputs)
     update = w.train_step(batch, loss_fn, denominator)  # forward+backward over microbatches, step:
@@ -43,14 +43,14 @@ from moe_rl.train.logprobs import (
     target_logprobs,
 )
 from moe_rl.train.offload import HostCopies, storages
-from moe_rl.train.optim import OptimSettings, optimizer_config, uses_distributed_optimizer
+from moe_rl.train.optim import OptimSpec, optimizer_config, uses_distributed_optimizer
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.train.results import ScoreResult, UpdateResult
 from moe_rl.trajectory import route_torch_dtype
 
 
 class TrainWorker:
-    def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSettings,
+    def __init__(self, spec: model_lib.ModelSpec, role: str = "policy", *, optim: OptimSpec,
                  seed: int = 1234, load_weights: bool = True, value_head_from: str | None = None,
                  trains: bool = True):
         """`trains`=False: a model that only scores (the reference policy, a reward model, a teacher): no
@@ -69,7 +69,7 @@ class TrainWorker:
                              "the adapters alone): load_weights must be on")
         cpu_compat.apply()
         parallel.seed_model_parallel(seed)
-        self.spec, self.role, self.optim_settings = spec, role, optim
+        self.spec, self.role, self.optim_spec = spec, role, optim
         RouterReplay.clear_global_router_replay_instances()  # process-wide registry: one model per process
         self.bridge = model_lib.make_bridge(spec)
         self.config = self.bridge.config
@@ -127,7 +127,7 @@ class TrainWorker:
     def _packs(self) -> bool:
         """Microbatches run packed (THD): trainer.pack_sequences, where the layout allows it (not under
         context parallelism, whose rows are split into CP chunks, nor with uniform microbatches)."""
-        return self.optim_settings.pack_sequences and not self._uniform_microbatches() and self.cp == 1
+        return self.optim_spec.pack_sequences and not self._uniform_microbatches() and self.cp == 1
 
     def _packing(self, mb: Batch) -> Packing | None:
         """The microbatch's packing, computed once (forward and loss both need it; it reads lengths)."""
@@ -178,7 +178,7 @@ class TrainWorker:
     def _chunked(self) -> bool:
         """The policy's log-probs come from its last hidden states a chunk of tokens at a time
         (trainer.logit_chunk_tokens), on the last pipeline stage."""
-        return self.role != "critic" and bool(self.optim_settings.logit_chunk_tokens) \
+        return self.role != "critic" and bool(self.optim_spec.logit_chunk_tokens) \
             and self.ps.is_pipeline_last_stage()
 
     def _token_logprobs(self, output: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -193,7 +193,7 @@ class TrainWorker:
         B, S = targets_BS.shape
         hidden = output.reshape(B * S, output.shape[-1])  # [B S, h]; B S may be 0 (an empty shard)
         logp, ent = chunked_target_logprobs(hidden, output_weight(self.module), targets_BS.reshape(-1),
-                                            self.optim_settings.logit_chunk_tokens, *tp)
+                                            self.optim_spec.logit_chunk_tokens, *tp)
         return logp.view(B, S), ent.view(B, S)
 
     def _outputs(self, mb: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -255,9 +255,9 @@ class TrainWorker:
                                  device=self.device)  # NCCL reduces device tensors only
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             rows, length = int(shape[0]), -(-int(shape[1]) // multiple) * multiple
-            per_mb = max(1, min(rows, self.optim_settings.micro_batch_tokens // length))
+            per_mb = max(1, min(rows, self.optim_spec.micro_batch_tokens // length))
             return batch.uniform_microbatches(per_mb, -(-rows // per_mb), length)
-        mbs = batch.microbatches(self.optim_settings.micro_batch_tokens, multiple, self._packs())
+        mbs = batch.microbatches(self.optim_spec.micro_batch_tokens, multiple, self._packs())
         if self.ps.get_expert_model_parallel_world_size() > 1:
             # every forward runs the experts' all-to-all over the expert group, whose ranks hold other
             # data-parallel shards: each must run as many microbatches (an empty one computes nothing)

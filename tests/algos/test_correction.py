@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from moe_rl.algos import registry
-from moe_rl.algos.correction import CorrectionParams, ess, ess_from_log_weights, staleness
+from moe_rl.algos.correction import CorrectionSpec, ess, ess_from_log_weights, staleness
 
 
 def corr(name, old, mu, mask, **kw):
-    return registry.get("correction", name)(old, mu, mask, CorrectionParams(**kw))
+    return registry.get("correction", name)(old, mu, mask, CorrectionSpec(**kw))
 
 
 def _ess(ws: list[float]) -> float:
@@ -23,7 +23,7 @@ def _ess_of_logs(log_ws: list[float]) -> float:
     return 0.0 if top == -math.inf else _ess([math.exp(x - top) for x in log_ws])
 
 
-def slow_correction(name, old, mu, mask, hp: CorrectionParams):
+def slow_correction(name, old, mu, mask, hp: CorrectionSpec):
     """The slow reference: each correction's docstring equation, a Python loop in float64 over the valid
     (mask-1) tokens. Returns ({(b, t): weight}, {(b, t): keep}, metrics) for the valid tokens."""
     B, T = mask.shape
@@ -87,7 +87,7 @@ RATES = {"tis_truncated_frac", "seq_is_truncated_frac", "rejection_rate", "geo_t
 def assert_matches_slow_reference(name, old, mu, mask, rel=1e-5, **kw):
     """The registered correction of (old, mu, mask) equals `slow_correction`: weights and keep flags of
     the valid tokens (to `rel`), no mask-0 token kept, every metric (the same names)."""
-    hp = CorrectionParams(**kw)
+    hp = CorrectionSpec(**kw)
     c = registry.get("correction", name)(old, mu, mask, hp)
     weight, keep, metrics = slow_correction(name, old, mu, mask, hp)
     for bt, w in weight.items():

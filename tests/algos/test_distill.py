@@ -5,18 +5,18 @@ import pytest
 import torch
 from test_batch import traj
 
-from moe_rl import settings
 from moe_rl.algos import aggregate, distill
 from moe_rl.algos.checks import BatchCheckError
-from moe_rl.algos.masking import PolicyMaskParams
+from moe_rl.algos.masking import PolicyMaskSpec
 from moe_rl.algos.targets import Scores, policy_denominators, targets
 from moe_rl.batch import build_batch
 from moe_rl.config import AlgorithmSection, RunConfig, TeacherSection
+from moe_rl.driver import specs
 from moe_rl.train.objectives import PolicyLoss
 
 
 def params(**alg):
-    return settings.target_params(RunConfig(algorithm=AlgorithmSection(whiten_advantages=False, **alg),
+    return specs.target_spec(RunConfig(algorithm=AlgorithmSection(whiten_advantages=False, **alg),
                                             teacher=TeacherSection(path="/teacher")))
 
 
@@ -52,7 +52,7 @@ def test_distillation_alone_and_beside_the_task_advantage():
     torch.testing.assert_close(t.adv_BS, torch.tensor([[0.0, 1.3, 0.5], [0.0, -1.0, -0.6]]))
     # whitened, each term on its own: -k = (0.3, -0.5, 0, 0.4) has mean 0.05 and variance
     # 0.125 - 0.05^2 = 0.1225 (std 0.35), so (-k - 0.05) / 0.35 = (5/7, -11/7, -1/7, 1); rloo's +-1 stays
-    p = settings.target_params(RunConfig(algorithm=AlgorithmSection(advantage="rloo", distill_coef=1.0,
+    p = specs.target_spec(RunConfig(algorithm=AlgorithmSection(advantage="rloo", distill_coef=1.0,
                                                                     whiten_advantages=True),
                                          teacher=TeacherSection(path="/teacher")))
     t = targets(b, Scores(b.logp_mu_BS, logp_teacher_BS=TEACHER), p)
@@ -78,7 +78,7 @@ def test_the_policy_gradient_with_the_distillation_advantage_by_hand():
     p = params(advantage="none", distill_coef=2.0)
     t = targets(b, Scores(b.logp_mu_BS, logp_teacher_BS=TEACHER), p)
     loss = PolicyLoss("ppo", 0.2, 0.2, None, "token_mean", 0.0, "k3", 0.0, old_from_forward=False,
-                      check_sync=False, policy_mask="none", mask_params=PolicyMaskParams())
+                      check_sync=False, policy_mask="none", mask_spec=PolicyMaskSpec())
     mb = b.with_targets(t)
     logp = b.logp_mu_BS.clone().requires_grad_(True)
     numerators, _ = loss({"logp_BS": logp, "entropy_BS": torch.zeros_like(logp)}, mb)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_rl.algos import gae
-from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, gae_advantage
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageSpec, gae_advantage
 
 BACKENDS = ["kernel", "torch"]
 T_, F_ = torch.tensor([True]), torch.tensor([False])
@@ -88,16 +88,16 @@ def test_gae_advantage_routes_decoupled_and_length_adaptive_traces():
                           torch.zeros(1))
     # gamma = 1: delta = (0.2 - 0.1, 0.3 - 0.2, 1 - 0.3) = (0.1, 0.1, 0.7)
     # lam_actor = 0 -> A = delta; lam_critic = 1 -> G = Monte-Carlo return 1 everywhere
-    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.0, lam_critic=1.0))
+    adv, ret = gae_advantage(inp, AdvantageSpec(gamma=1.0, lam=0.0, lam_critic=1.0))
     torch.testing.assert_close(adv, torch.tensor([[0.1, 0.1, 0.7]]))
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
     # plain GAE with lam = 0.5: A3 = 0.7, A2 = 0.1 + 0.5*0.7 = 0.45, A1 = 0.1 + 0.5*0.45 = 0.325; G = A + V
-    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=0.5))
+    adv, ret = gae_advantage(inp, AdvantageSpec(gamma=1.0, lam=0.5))
     torch.testing.assert_close(adv, torch.tensor([[0.325, 0.45, 0.7]]))
     torch.testing.assert_close(ret, torch.tensor([[0.425, 0.65, 1.0]]))
     # length-adaptive: J = 3, alpha = 2/3 -> lambda_actor = 1 - 1/(2/3 * 3) = 0.5 (same A as above);
     # the critic keeps hp.lam = 1 -> G = 1
-    adv, ret = gae_advantage(inp, AdvantageParams(gamma=1.0, lam=1.0, length_adaptive_alpha=2 / 3))
+    adv, ret = gae_advantage(inp, AdvantageSpec(gamma=1.0, lam=1.0, length_adaptive_alpha=2 / 3))
     torch.testing.assert_close(adv, torch.tensor([[0.325, 0.45, 0.7]]))
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_rl.algos import losses
-from moe_rl.algos.losses import PolicyLossParams
+from moe_rl.algos.losses import PolicyLossSpec
 
 torch.manual_seed(0)
 B, T = 3, 5
@@ -58,7 +58,7 @@ def _ppo_data():
                          [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 3.0), (0.1, 0.1, 1.5)])
 def test_ppo_matches_formula(el, eh, cd):
     logp, old, adv, mask = _ppo_data()
-    hp = PolicyLossParams(el, eh, cd)
+    hp = PolicyLossSpec(el, eh, cd)
     v1, g1 = _grad(lambda lp: losses.ppo_clip_loss(lp, old, adv, mask, hp)[0].sum(), logp)
     v2, g2 = _grad(lambda lp: ppo_formula(lp, old, adv, mask, el, eh, cd), logp)
     torch.testing.assert_close(v1, v2)
@@ -74,7 +74,7 @@ def test_ppo_hand_example_and_clip_metrics():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 10.0]]))
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, m = losses.ppo_clip_loss(logp, old, adv, mask, PolicyLossParams(0.2, 0.3, 3.0))
+    loss, m = losses.ppo_clip_loss(logp, old, adv, mask, PolicyLossSpec(0.2, 0.3, 3.0))
     # r=1.5,A=+1 -> clipped to 1.3 -> -1.3; r=0.5,A=-1 -> max(0.5, 0.8) = 0.8;
     # r=1.1 -> -1.1; r=10,A=-1 -> max(10, 1.3) = 10 -> dual clip min(10, 3) = 3
     torch.testing.assert_close(loss, torch.tensor([[-1.3, 0.8, -1.1, 3.0]]))
@@ -87,7 +87,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
     # mean log-ratios (0.21, 0.47, 0.14) -> move sample 1 to 0.47 - 0.8 = -0.33: s = 0.72 < 0.8 with A < 0
     logp = (logp.detach() - 0.8 * (torch.arange(B) == 1).unsqueeze(1)).requires_grad_(True)
     adv = torch.tensor([[0.7], [-1.2], [0.3]], dtype=torch.float64).expand(B, T)
-    hp = PolicyLossParams(0.2, 0.2)
+    hp = PolicyLossSpec(0.2, 0.2)
     J = mask.sum(1)
 
     def formula(lp):
@@ -116,7 +116,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
 def test_gmpo_matches_formula():
     logp, old, _, mask = _data(2)
     adv = torch.tensor([[0.7], [-1.2], [0.3]], dtype=torch.float64).expand(B, T)
-    hp = PolicyLossParams(0.4, 0.4)
+    hp = PolicyLossSpec(0.4, 0.4)
     J = mask.sum(1)
 
     def formula(lp):
@@ -143,7 +143,7 @@ def test_gmpo_matches_formula():
 
 def test_cispo_keeps_gradient_for_clipped_tokens():
     logp, old, adv, mask = _data(3)
-    hp = PolicyLossParams(0.2, 0.2)
+    hp = PolicyLossSpec(0.2, 0.2)
     _, g = _grad(lambda lp: losses.cispo_loss(lp, old, adv, mask, hp)[0].sum(), logp)
     w = torch.exp(logp.detach() - old).clamp(0.8, 1.2)
     torch.testing.assert_close(g, torch.where(mask, -w * adv, 0.0))  # d/dlogp of -sg(w) A logp
@@ -165,7 +165,7 @@ def test_gradcheck_finite_differences(name):
     adv[0, 0], adv[1, 1] = 1.0, -1.0
     logp = (old + delta).detach().requires_grad_(True)
     fn = registry.get("policy_loss", name)
-    hp = PolicyLossParams(0.3, 0.3, 3.0 if name == "ppo" else None)
+    hp = PolicyLossSpec(0.3, 0.3, 3.0 if name == "ppo" else None)
     assert torch.autograd.gradcheck(lambda lp: fn(lp, old, adv, mask, hp)[0], (logp,))
 
 
@@ -223,7 +223,7 @@ def test_non_finite_logprobs_at_mask0_positions_are_ignored(name, bad):
     # padding / observation positions may carry log-prob -inf (or NaN): loss, gradient and metrics must
     # be those of the zero-filled batch
     logp, old, adv, mask = _data(5)
-    hp = PolicyLossParams(0.2, 0.28, 3.0 if name == "ppo" else None)
+    hp = PolicyLossSpec(0.2, 0.28, 3.0 if name == "ppo" else None)
     clean = _loss_and_grad(name, torch.where(mask, logp, 0.0), torch.where(mask, old, 0.0), adv, mask, hp)
     dirty = _loss_and_grad(name, torch.where(mask, logp, bad), torch.where(mask, old, bad), adv, mask, hp)
     for c, d in zip(clean[:2], dirty[:2], strict=True):
@@ -269,7 +269,7 @@ def test_gspo_in_bf16_makes_the_clip_decisions_of_fp32():
     logp[3, :2] -= step
     adv = torch.tensor([[1.0], [1.0], [-1.0], [-1.0]]).expand(4, 16)
     mask = torch.ones(4, 16, dtype=torch.bool)
-    hp = PolicyLossParams(3e-4, 4e-4)
+    hp = PolicyLossSpec(3e-4, 4e-4)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         lp = logp.to(dtype)
@@ -285,7 +285,7 @@ def test_gspo_in_bf16_makes_the_clip_decisions_of_fp32():
 @pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_policy_losses_compute_half_precision_inputs_in_float32(name):
     logp, old, adv, mask = (x.detach() for x in _data(6))
-    hp = PolicyLossParams(0.2, 0.28, 3.0 if name == "ppo" else None)
+    hp = PolicyLossSpec(0.2, 0.28, 3.0 if name == "ppo" else None)
     for dtype in (torch.bfloat16, torch.float16):
         lo = _loss_and_grad(name, logp.to(dtype), old.to(dtype), adv.to(dtype), mask, hp)
         hi = _loss_and_grad(name, logp.to(dtype).float(), old.to(dtype).float(), adv.to(dtype).float(), mask,
@@ -327,7 +327,7 @@ def test_a_ratio_that_would_overflow_gives_a_finite_gradient(name):
     from moe_rl.algos import registry
 
     fn = registry.get("policy_loss", name)
-    hp = PolicyLossParams(0.2, 0.28, 3.0 if name == "ppo" else None)
+    hp = PolicyLossSpec(0.2, 0.28, 3.0 if name == "ppo" else None)
     old = torch.tensor([[-1.0, -1.0, -2.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
     for sign in (-1.0, 1.0):  # both advantage signs: PPO's dual-clip branch, and its high clip

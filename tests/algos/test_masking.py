@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_rl.algos import aggregate, registry
-from moe_rl.algos.correction import CorrectionParams
-from moe_rl.algos.masking import PolicyMaskParams, mean_log_ratio, sequence_advantage
+from moe_rl.algos.correction import CorrectionSpec
+from moe_rl.algos.masking import PolicyMaskSpec, mean_log_ratio, sequence_advantage
 from moe_rl.batch import Batch
 from moe_rl.train.objectives import PolicyLoss
 
@@ -26,7 +26,7 @@ ADV = torch.tensor([[-0.5, 0.25, -0.25], [1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
 
 def opsm(logp_old=THETA, mu=MU, delta=0.1):
     fn = registry.get("policy_mask", "opsm")
-    return fn(THETA, logp_old, mu, ADV, MASK, PolicyMaskParams(opsm_delta=delta))
+    return fn(THETA, logp_old, mu, ADV, MASK, PolicyMaskSpec(opsm_delta=delta))
 
 
 def test_sequence_figures_by_hand():
@@ -56,7 +56,7 @@ def test_opsm_measures_drift_against_mu_never_pi_old():
 
 
 def m2po(logp, old, adv, mask, tau=0.04):
-    return registry.get("policy_mask", "m2po")(logp, old, None, adv, mask, PolicyMaskParams(m2po_tau=tau))
+    return registry.get("policy_mask", "m2po")(logp, old, None, adv, mask, PolicyMaskSpec(m2po_tau=tau))
 
 
 # log r = log pi_theta - log pi_old: row 0 [0.5, -0.3, 0.1] with A > 0, row 1 [-0.4, 0.2, 0.0] with A < 0
@@ -105,20 +105,20 @@ def test_geometric_corrections_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
     mu = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.1], [0.3, 0.9, 0.2, 0.2]]))
     geo = 2 ** (1 / 3)
-    c = registry.get("correction", "geo_tis")(old, mu, mask, CorrectionParams(geo_max=1.2))
+    c = registry.get("correction", "geo_tis")(old, mu, mask, CorrectionSpec(geo_max=1.2))
     assert c.weight_BT[0, :3].tolist() == pytest.approx([1.2] * 3) and c.weight_BT[0, 3] == 0
     assert c.weight_BT[1].tolist() == pytest.approx([1.0] * 4)
     assert c.metrics["geo_truncated_frac"] == pytest.approx(0.5)
-    c = registry.get("correction", "geo_tis")(old, mu, mask, CorrectionParams(geo_max=2.0))
+    c = registry.get("correction", "geo_tis")(old, mu, mask, CorrectionSpec(geo_max=2.0))
     assert c.weight_BT[0, :3].tolist() == pytest.approx([geo] * 3)
-    c = registry.get("correction", "geo_mask")(old, mu, mask, CorrectionParams(geo_min=0.9, geo_max=1.2))
+    c = registry.get("correction", "geo_mask")(old, mu, mask, CorrectionSpec(geo_min=0.9, geo_max=1.2))
     assert c.keep_BT.tolist() == [[False] * 4, [True] * 4] and c.metrics["geo_rejected_frac"] == 0.5
-    c = registry.get("correction", "geo_mask")(old, mu, mask, CorrectionParams(geo_min=1.1, geo_max=1.3))
+    c = registry.get("correction", "geo_mask")(old, mu, mask, CorrectionSpec(geo_min=1.1, geo_max=1.3))
     assert c.keep_BT.tolist() == [[True] * 3 + [False], [False] * 4]
     # length-invariant: the same token ratios repeated twice as long give the same weights
     twice = registry.get("correction", "geo_tis")(old[:1, :3].repeat(1, 2), mu[:1, :3].repeat(1, 2),
                                                   torch.ones(1, 6, dtype=torch.bool),
-                                                  CorrectionParams(geo_max=2.0))
+                                                  CorrectionSpec(geo_max=2.0))
     assert twice.weight_BT[0].tolist() == pytest.approx([geo] * 6)
     assert math.isclose(math.exp(float(mean_log_ratio(old, mu, mask)[0])), geo, rel_tol=1e-6)
 
@@ -126,7 +126,7 @@ def test_geometric_corrections_by_hand():
 def _loss(mask_name: str, **kw) -> PolicyLoss:
     return PolicyLoss("ppo", 0.2, 0.2, None, kw.pop("aggregation", "token_mean"), 0.0, "k3", 0.0,
                       old_from_forward=False, check_sync=False, policy_mask=mask_name,
-                      mask_params=PolicyMaskParams(), **kw)
+                      mask_spec=PolicyMaskSpec(), **kw)
 
 
 def _mb(logp_old, adv, mask, mu, keep=None) -> Batch:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from moe_rl.algos import registry
-from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams
-from moe_rl.algos.correction import CorrectionParams
-from moe_rl.algos.losses import PolicyLossParams
-from moe_rl.algos.masking import PolicyMaskParams
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageSpec
+from moe_rl.algos.correction import CorrectionSpec
+from moe_rl.algos.losses import PolicyLossSpec
+from moe_rl.algos.masking import PolicyMaskSpec
 from moe_rl.algos.registry import AdvantageMeta, CorrectionMeta, PolicyLossMeta, PolicyMaskMeta
 
 GAE_PARAMS = frozenset({"gamma", "lam", "lam_critic", "length_adaptive_alpha"})
@@ -104,7 +104,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("name", sorted(EXPECTED["advantage"]))
 def test_advantage_metadata_matches_what_the_estimator_reads(name):
     fn, meta = registry.get("advantage", name), registry.meta("advantage", name)
-    hp = AdvantageParams()
+    hp = AdvantageSpec()
     base = fn(_advantage_inputs([0, 0, 1, 1], values=True), hp)
     # needs_critic: without values it refuses; otherwise values change nothing
     if meta.needs_critic:
@@ -118,7 +118,7 @@ def test_advantage_metadata_matches_what_the_estimator_reads(name):
         assert not fn(_advantage_inputs([0, 1, 2, 3], values=True), hp)[0].any()
     # params: exactly the declared hyperparameters change the result (advantages or critic targets)
     other = {"gamma": 0.5, "lam": 0.5, "lam_critic": 0.3, "length_adaptive_alpha": 0.5, "eps": 0.5}
-    for field in dataclasses.fields(AdvantageParams):
+    for field in dataclasses.fields(AdvantageSpec):
         changed = fn(_advantage_inputs([0, 0, 1, 1], values=True),
                      dataclasses.replace(hp, **{field.name: other[field.name]}))
         assert _same(changed, base) != (field.name in meta.params), field.name
@@ -132,7 +132,7 @@ OLD = torch.log(torch.tensor([[0.5, 0.4, 0.2, 0.1], [0.3, 0.3, 0.6, 0.2]]))
 @pytest.mark.parametrize("name", sorted(EXPECTED["correction"]))
 def test_correction_metadata_matches_what_the_correction_reads(name):
     fn, meta = registry.get("correction", name), registry.meta("correction", name)
-    mask, old, hp = MASK, OLD, CorrectionParams()
+    mask, old, hp = MASK, OLD, CorrectionSpec()
     mu = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.1], [0.3, 0.9, 0.2, 0.2]]))
     a, b = fn(old, mu, mask, hp), fn(old, old, mask, hp)  # mu != pi_old, mu = pi_old
     differs = not (torch.equal(a.weight_BT, b.weight_BT) and torch.equal(a.keep_BT, b.keep_BT))
@@ -140,12 +140,12 @@ def test_correction_metadata_matches_what_the_correction_reads(name):
     # params: exactly the declared hyperparameters change the weights or the kept tokens (caps and bands
     # chosen so that every bound binds on this batch: token weights pi_old/mu from 1/3 to 4, the first
     # sequence's product 2, the geometric means 2^(1/3) = 1.26 and 1)
-    hp = CorrectionParams(is_cap=1.5, seq_is_cap=1.5, icepop_min=0.6, icepop_max=1.6, geo_min=0.99,
+    hp = CorrectionSpec(is_cap=1.5, seq_is_cap=1.5, icepop_min=0.6, icepop_max=1.6, geo_min=0.99,
                           geo_max=1.2)
     base = fn(old, mu, mask, hp)
     other = {"is_cap": 3.0, "seq_is_cap": 30.0, "icepop_min": 0.3, "icepop_max": 3.0, "geo_min": 1.1,
              "geo_max": 3.0}
-    for field in dataclasses.fields(CorrectionParams):
+    for field in dataclasses.fields(CorrectionSpec):
         c = fn(old, mu, mask, dataclasses.replace(hp, **{field.name: other[field.name]}))
         same = torch.equal(c.weight_BT, base.weight_BT) and torch.equal(c.keep_BT, base.keep_BT)
         assert same != (field.name in meta.params), field.name
@@ -158,10 +158,10 @@ def test_policy_loss_metadata_matches_what_the_loss_reads(name):
     fn, meta = registry.get("policy_loss", name), registry.meta("policy_loss", name)
     logp = torch.log(torch.tensor([[0.9, 0.35, 0.25, 0.1], [0.05, 0.35, 0.7, 0.1]]))
     adv = torch.tensor([[-1.0, -2.0, 1.0, 0.0], [-1.0, 0.5, -1.5, 0.0]])
-    hp = PolicyLossParams(clip_low=0.1, clip_high=0.1, dual_clip=1.5)
+    hp = PolicyLossSpec(clip_low=0.1, clip_high=0.1, dual_clip=1.5)
     base, _ = fn(logp, OLD, adv, MASK, hp)
     other = {"clip_low": 0.5, "clip_high": 0.9, "dual_clip": 4.0}
-    for field in dataclasses.fields(PolicyLossParams):
+    for field in dataclasses.fields(PolicyLossSpec):
         loss, _ = fn(logp, OLD, adv, MASK, dataclasses.replace(hp, **{field.name: other[field.name]}))
         assert torch.equal(loss, base) != (field.name in meta.params), field.name
 
@@ -172,7 +172,7 @@ def test_sequence_level_losses_give_each_token_its_sequence_value(name):
     mask, old = MASK, OLD
     logp = torch.log(torch.tensor([[0.6, 0.3, 0.25, 0.1], [0.2, 0.35, 0.7, 0.1]]))
     adv = torch.tensor([[1.0], [-0.5]]).expand(2, 4)  # one advantage per sequence
-    loss, _ = fn(logp, old, adv, mask, PolicyLossParams(clip_low=0.1, clip_high=0.1))
+    loss, _ = fn(logp, old, adv, mask, PolicyLossSpec(clip_low=0.1, clip_high=0.1))
     per_sequence = all(torch.allclose(row[m], row[m][0].expand(int(m.sum())))
                        for row, m in zip(loss, mask, strict=True))
     assert per_sequence == meta.sequence_level
@@ -188,7 +188,7 @@ def test_policy_mask_metadata_matches_what_the_mask_reads(name):
     logp = torch.log(torch.tensor([[0.3, 0.3, 0.3, 0.1], [0.5, 0.5, 0.5, 0.5]]))
     mu, old = logp + torch.tensor([[0.5], [0.0]]), logp - torch.tensor([[0.0], [0.5]])
     adv = torch.tensor([[-1.0], [1.0]]).expand(2, 4)
-    hp = PolicyMaskParams(opsm_delta=0.1, m2po_tau=0.01)
+    hp = PolicyMaskSpec(opsm_delta=0.1, m2po_tau=0.01)
 
     def keep(**kw):
         args = {"logp_BT": logp, "logp_old_BT": old, "logp_mu_BT": mu, "adv_BT": adv, "mask_BT": MASK,
@@ -201,6 +201,6 @@ def test_policy_mask_metadata_matches_what_the_mask_reads(name):
     if meta.reads_old:
         assert keep(logp_old_BT=logp).equal(MASK)
     other = {"opsm_delta": 1.0, "m2po_tau": 1.0}
-    for field in dataclasses.fields(PolicyMaskParams):
+    for field in dataclasses.fields(PolicyMaskSpec):
         changed = keep(hp=dataclasses.replace(hp, **{field.name: other[field.name]}))
         assert (not changed.equal(base)) == (field.name in meta.params), field.name

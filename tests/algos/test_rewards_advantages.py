@@ -1,7 +1,7 @@
 import torch
 
 from moe_rl.algos import registry, rewards
-from moe_rl.algos.advantages import AdvantageInputs, AdvantageParams, group_stats, whiten
+from moe_rl.algos.advantages import AdvantageInputs, AdvantageSpec, group_stats, whiten
 
 
 def test_terminal_reward_goes_on_last_valid_model_token_not_tensor_end():
@@ -48,12 +48,12 @@ def _inp(scores, groups, mask=None):
 
 def test_outcome_estimators_by_hand():
     scores, groups = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0], [0, 0, 0, 0, 7, 7]
-    hp = AdvantageParams(eps=0.0)
+    hp = AdvantageSpec(eps=0.0)
     get = lambda name: registry.get("advantage", name)(_inp(scores, groups), hp)[0][:, 0]  # noqa: E731
     # group 0: mean 0.5, unbiased std sqrt(1/3); group 7: all equal
     std = (1 / 3) ** 0.5
     torch.testing.assert_close(get("drgrpo"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
-    grpo_hp = AdvantageParams(eps=1e-6)
+    grpo_hp = AdvantageSpec(eps=1e-6)
     grpo = registry.get("advantage", "grpo")(_inp(scores, groups), grpo_hp)[0][:, 0]
     torch.testing.assert_close(grpo, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0]) / (std + 1e-6))
     # RLOO: R_i - mean of the others; sample 0: 1 - (0+0+1)/3
@@ -70,14 +70,14 @@ def test_reinforce_pp_baseline_is_the_group_centred_score():
     # groups {0: (3, 1)}, {5: (2, 5, 8)}: means 2 and 5 -> (1, -1, -3, 0, 3); no std division (the loop
     # whitens)
     inp = _inp([3.0, 1.0, 2.0, 5.0, 8.0], [0, 0, 5, 5, 5])
-    adv, ret = registry.get("advantage", "reinforce_pp_baseline")(inp, AdvantageParams(eps=0.0))
+    adv, ret = registry.get("advantage", "reinforce_pp_baseline")(inp, AdvantageSpec(eps=0.0))
     assert ret is None
     torch.testing.assert_close(adv, torch.tensor([[1.0] * 3, [-1.0] * 3, [-3.0] * 3, [0.0] * 3, [3.0] * 3]))
 
 
 def test_outcome_advantages_only_on_model_tokens():
     mask = torch.tensor([[1, 0, 1], [0, 1, 0]], dtype=torch.bool)
-    adv, ret = registry.get("advantage", "grpo")(_inp([1.0, 0.0], [0, 0], mask), AdvantageParams())
+    adv, ret = registry.get("advantage", "grpo")(_inp([1.0, 0.0], [0, 0], mask), AdvantageSpec())
     assert ret is None
     # mean 0.5, unbiased std sqrt(0.5): A = +-0.5 / (sqrt(0.5) + 1e-6)
     a = 0.5 / (0.5**0.5 + 1e-6)
@@ -88,7 +88,7 @@ def test_reward_to_go():
     mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
     r = torch.tensor([[1.0, 0.0, 2.0, 3.0]])
     inp = AdvantageInputs(r, mask, torch.zeros(1), torch.zeros(1, dtype=torch.long))
-    adv, _ = registry.get("advantage", "reward_to_go")(inp, AdvantageParams(gamma=0.5))
+    adv, _ = registry.get("advantage", "reward_to_go")(inp, AdvantageSpec(gamma=0.5))
     torch.testing.assert_close(adv, torch.tensor([[1 + 0.5 * 2 + 0.25 * 3, 0.0, 2 + 0.5 * 3, 3.0]]))
 
 
@@ -132,5 +132,5 @@ def test_rloo_group_of_one_gets_no_advantage():
     mask = torch.ones(3, 2, dtype=torch.bool)
     inp = AdvantageInputs(rewards_BT=torch.zeros(3, 2), mask_BT=mask, score_B=torch.tensor([1.0, 0.0, 5.0]),
                           group_B=torch.tensor([0, 0, 1]))
-    adv, _ = registry.get("advantage", "rloo")(inp, AdvantageParams())
+    adv, _ = registry.get("advantage", "rloo")(inp, AdvantageSpec())
     assert adv[:, 0].tolist() == [1.0, -1.0, 0.0]

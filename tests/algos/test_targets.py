@@ -5,15 +5,15 @@ import pytest
 import torch
 from test_batch import traj
 
-from moe_rl import settings
 from moe_rl.algos.checks import BatchCheckError
 from moe_rl.algos.targets import Scores, correct, policy_denominators, targets
 from moe_rl.batch import build_batch
 from moe_rl.config import AlgorithmSection, RolloutSection, RunConfig
+from moe_rl.driver import specs
 
 
 def params(**alg):
-    return settings.target_params(RunConfig(algorithm=AlgorithmSection(whiten_advantages=False, **alg)))
+    return specs.target_spec(RunConfig(algorithm=AlgorithmSection(whiten_advantages=False, **alg)))
 
 
 def two_samples():
@@ -52,7 +52,7 @@ def test_checklist_runs_before_the_targets():
     assert t.is_weight_BS[b.mask_BS].tolist() == pytest.approx([torch.exp(torch.tensor(-0.1)).item()] * 4,
                                                                rel=1e-6)
     cfg = RunConfig(algorithm=AlgorithmSection(advantage="grpo"), rollout=RolloutSection(async_mode=True))
-    targets(b, Scores(drifted), settings.target_params(cfg))  # asynchronous: mu = pi_old is not assumed
+    targets(b, Scores(drifted), specs.target_spec(cfg))  # asynchronous: mu = pi_old is not assumed
 
 
 def test_policy_denominators_weighted_and_plain():
@@ -80,7 +80,7 @@ def test_group_normalised_advantages_are_not_whitened_again_by_default():
 
     def adv(**alg):
         cfg = RunConfig(algorithm=AlgorithmSection(**alg), rollout=RolloutSection(samples_per_prompt=4))
-        return targets(b, Scores(b.logp_mu_BS), settings.target_params(cfg)).adv_BS
+        return targets(b, Scores(b.logp_mu_BS), specs.target_spec(cfg)).adv_BS
 
     for advantage in ("grpo", "drgrpo", "rloo"):
         a = adv(advantage=advantage)

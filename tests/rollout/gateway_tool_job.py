@@ -5,7 +5,7 @@ so that vLLM's `hermes` tool parser has a real call to read from the model's sam
 import json
 
 import torch
-from conftest import agent_settings, engine_settings
+from conftest import agent_spec, engine_spec
 
 PROMPT = "What is a tiger? Use the lookup tool."
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "tiger"}}\n</tool_call>'
@@ -49,12 +49,12 @@ def gateway_tool_job(rank, world, model_path, out_dir):
     from moe_rl.rollout.envs import EnvSpec, import_object
 
     final_loss = teach_the_call(model_path, out_dir)
-    engine = RolloutEngine(engine_settings(out_dir, max_model_len=256, seed=0))
+    engine = RolloutEngine(engine_spec(out_dir, max_model_len=256, seed=0))
     tok = AutoTokenizer.from_pretrained(out_dir)
     path = Path(__file__).with_name("harnesses.py")
     options = {"harness": f"{path}:tool_calling", "tool_parser": "hermes"}
     agent = Agent(engine, tok, EnvSpec("gateway", options),
-                  agent_settings(token_budget=200, max_tokens_per_turn=96))
+                  agent_spec(token_budget=200, max_tokens_per_turn=96))
     rows = [{"id": f"tool-{i}", "prompt": PROMPT, "tools": TOOLS, "stream": i % 2 == 1} for i in range(4)]
 
     async def go():

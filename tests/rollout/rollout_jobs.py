@@ -1,7 +1,7 @@
 """Process bodies for rollout tests: vLLM and Megatron each run in their own fresh process."""
 
 import torch
-from conftest import agent_settings, engine_settings, model_spec, optim_settings
+from conftest import agent_spec, engine_spec, model_spec, optim_spec
 
 PROMPTS = [[257, 84, 82, 68, 81, 198, 38, 84], [257, 50, 51, 52], [257, 60, 61, 62, 63, 64, 65]]
 
@@ -13,7 +13,7 @@ def vllm_sync_job(rank, world, model_path, bucket_dir):
     from moe_rl.weights.hf import HFReader
     from moe_rl.weights.sync import read_bucket
 
-    engine = RolloutEngine(engine_settings(model_path, seed=0))
+    engine = RolloutEngine(engine_spec(model_path, seed=0))
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
     route_calls = engine.route_calls
@@ -91,7 +91,7 @@ def megatron_train_export_job(rank, world, model_path, bucket_dir, ckpt_dir, buc
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(model_path),
-                    optim=optim_settings(3e-3, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(3e-3, micro_batch_tokens=4096, pack_sequences=False))
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.bool)
     # one production SFT step (NLL of every token): new weights for vLLM to receive
@@ -111,7 +111,7 @@ def megatron_score_job(rank, world, model_path, sequences, routes):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(model_path),
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     S = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), S, dtype=torch.long)
     for i, s in enumerate(sequences):
@@ -132,7 +132,7 @@ def agent_vllm_job(rank, world, model_path):
     from moe_rl.rollout.envs import EnvSpec, get_env
     from moe_rl.weights.hf import HFReader
 
-    engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
+    engine = RolloutEngine(engine_spec(model_path, max_model_len=256, seed=0))
     sampled = {}
     real = engine.agenerate
     reader = HFReader(model_path)
@@ -148,7 +148,7 @@ def agent_vllm_job(rank, world, model_path):
     engine.agenerate = logged
     tok = AutoTokenizer.from_pretrained(model_path)
     agent = Agent(engine, tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=3, token_budget=100, max_tokens_per_turn=6))
+                  agent_spec(max_turns=3, token_budget=100, max_tokens_per_turn=6))
     prompts = get_env("guess_number").generate_prompts(4, seed=0, options=get_env("guess_number").Options())
     groups = asyncio.run(agent.run_groups(prompts, samples_per_prompt=2, seed=3))
     return {"groups": groups, "sampled": sampled, "stats": agent.stats, "layers": engine.num_moe_layers}
@@ -166,7 +166,7 @@ def export_source_job(rank, world, model_path, layout, gathered):
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(model_path),
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     passes = []
 
     def export():
@@ -189,7 +189,7 @@ def vllm_prefix_cache_job(rank, world, model_path, bucket_dir):
     from moe_rl.rollout.engine import RolloutEngine, Sampling
     from moe_rl.weights.hf import HFReader
 
-    engine = RolloutEngine(engine_settings(model_path, seed=0, record_routes=False))
+    engine = RolloutEngine(engine_spec(model_path, seed=0, record_routes=False))
     prompt = [257] + [65 + i % 26 for i in range(199)]  # 200 tokens: one full 128-token cache block
     s = Sampling(max_tokens=4, seed=3)
     reader = HFReader(model_path)
@@ -343,7 +343,7 @@ def vllm_tp_job(rank, world, model_path, tp, bucket_dir):
     from moe_rl.rollout.engine import RolloutEngine, Sampling
     from moe_rl.weights.sync import read_bucket, shm_dir
 
-    engine = RolloutEngine(engine_settings(model_path, seed=0, tensor_parallel_size=tp))
+    engine = RolloutEngine(engine_spec(model_path, seed=0, tensor_parallel_size=tp))
     s = Sampling(max_tokens=10, seed=7)
     before = engine.generate(PROMPTS, s)
     paths = sorted(os.path.join(bucket_dir, p) for p in os.listdir(bucket_dir) if p.endswith(".safetensors"))
@@ -389,7 +389,7 @@ def gateway_job(rank, world, model_path):
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.envs import EnvSpec, get_env, import_object
 
-    engine = RolloutEngine(engine_settings(model_path, max_model_len=256, seed=0))
+    engine = RolloutEngine(engine_spec(model_path, max_model_len=256, seed=0))
     tok = AutoTokenizer.from_pretrained(model_path)
     path = Path(__file__).with_name("harnesses.py")
     seen = import_object(f"{path}:SEEN")
@@ -412,7 +412,7 @@ def gateway_job(rank, world, model_path):
             options = {"harness": f"{path}:{name}", "episode_timeout_s": 5.0 if name == "hangs" else 60.0,
                        "max_request_bytes": 1 << 16}
             agent = Agent(engine, tok, EnvSpec("gateway", options),
-                          agent_settings(token_budget=40 if name == "over_budget" else 200,
+                          agent_spec(token_budget=40 if name == "over_budget" else 200,
                                          max_tokens_per_turn=8))
             rows = [{"id": f"{name}-{i}", "prompt": "hi there", "prompt_ids": prompt_ids} for i in range(2)]
             groups = await agent.run_groups(rows, samples_per_prompt=1, seed=5)
@@ -424,7 +424,7 @@ def gateway_job(rank, world, model_path):
     async def same_game():
         """The guessing game, 8 games, through the agent loop and through the gateway's reference harness
         that plays it over HTTP (moe_rl.rollout.envs.harness:guess_number), with the same seeds."""
-        game = agent_settings(max_turns=4, token_budget=160, max_tokens_per_turn=4)
+        game = agent_spec(max_turns=4, token_budget=160, max_tokens_per_turn=4)
         env = get_env("guess_number")
         prompts = env.generate_prompts(8, seed=1, options=env.Options())
         out = {}
@@ -444,7 +444,7 @@ def gateway_job(rank, world, model_path):
     # engine computes for them
     routes_again = {t.group_id: engine.generate([t.token_ids], Sampling(max_tokens=1, seed=0))[0].routes
                     for t in results["single_turn"][0]}
-    chat = Agent(engine, tok, EnvSpec("guess_number"), agent_settings()).chat
+    chat = Agent(engine, tok, EnvSpec("guess_number"), agent_spec()).chat
     def turns(t):
         return [tok.decode(t.token_ids[b: e + 1], skip_special_tokens=True) for b, e in t.spans]
 

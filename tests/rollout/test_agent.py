@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import agent_settings
+from conftest import agent_spec
 from scripted_policy import ScriptedPolicy, run
 from transformers import AutoTokenizer
 
@@ -25,7 +25,7 @@ def tok(tiny_qwen):
 
 def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
     policy = ScriptedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_spec(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     assert t.outcome is Outcome.COMPLETED and t.terminated
     text = tok.decode(t.token_ids)
@@ -47,7 +47,7 @@ def test_guessing_game_masks_spans_and_rewards_by_hand(tok):
 
 def test_truncation_keeps_the_boundary_observation(tok):
     policy = ScriptedPolicy(tok, ["1", "2"])
-    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=2, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_spec(max_turns=2, token_budget=200))
     t = run(agent.run_episode({"secret": 9}))
     assert t.outcome is Outcome.TRUNCATED_TURNS and not t.terminated
     # the boundary state includes the observation returned after the last model token
@@ -59,19 +59,19 @@ def test_truncation_keeps_the_boundary_observation(tok):
 
 def test_budget_and_context_limits(tok):
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=5, token_budget=30, max_tokens_per_turn=16))
+                  agent_spec(max_turns=5, token_budget=30, max_tokens_per_turn=16))
     t = run(agent.run_episode({"secret": 3}))
     # no turn starts once the budget is spent; the boundary observation itself may overshoot it
     assert t.outcome is Outcome.TRUNCATED_BUDGET and len(t.spans) == 1 and t.spans[0][1] - t.prompt_len < 30
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 5), tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=5, token_budget=500, max_model_len=60))
+                  agent_spec(max_turns=5, token_budget=500, max_model_len=60))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.TRUNCATED_CONTEXT and len(t.token_ids) <= 60
 
 
 def test_repetition_outcome(tok):
     agent = Agent(ScriptedPolicy(tok, ["hmm"] * 5), tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=5, token_budget=500, repetition_limit=3))
+                  agent_spec(max_turns=5, token_budget=500, repetition_limit=3))
     t = run(agent.run_episode({"secret": 3}))
     assert t.outcome is Outcome.REPETITION and len(t.spans) == 3 and t.turn_rewards == [-0.1] * 3
     # a cut the policy can trigger at will ends the episode as it stands: no bootstrap from the critic's
@@ -93,7 +93,7 @@ class Sleepy(Exploding):
 
 
 def test_environment_failures_are_counted_not_trained(tok):
-    for env, settings in ((Exploding, agent_settings()), (Sleepy, agent_settings(env_timeout_s=0.2))):
+    for env, settings in ((Exploding, agent_spec()), (Sleepy, agent_spec(env_timeout_s=0.2))):
         agent = Agent(ScriptedPolicy(tok, ["x"]), tok, EnvSpec(env), settings)
         t = run(agent.run_episode({}))
         assert t.outcome is Outcome.ENV_ERROR
@@ -103,7 +103,7 @@ def test_environment_failures_are_counted_not_trained(tok):
 def test_calculator_tool_call_result_and_verified_answer(tok):
     agent = Agent(ScriptedPolicy(tok, ["<calc>12*7+3</calc>", "<answer>87</answer>"]), tok,
                   EnvSpec("calculator"),
-                  agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32))
+                  agent_spec(max_turns=3, token_budget=300, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "What is 12*7+3?", "answer": 87}))
     assert t.outcome is Outcome.COMPLETED and t.terminal_reward == 1.0
     assert "<|im_start|>user\n<result>87</result><|im_end|>" in tok.decode(t.token_ids)
@@ -117,7 +117,7 @@ def test_calculator_expert_calls_the_tool_then_answers(tok):
     from moe_rl.rollout.demos import ExpertPolicy
 
     env = get_env("calculator")
-    settings = agent_settings(max_turns=3, token_budget=300, max_tokens_per_turn=32)
+    settings = agent_spec(max_turns=3, token_budget=300, max_tokens_per_turn=32)
     agent = Agent(ExpertPolicy(tok, env.expert_turn, 0), tok, EnvSpec(env), settings)
     prompt = env.generate_prompts(1, seed=3, options=env.Options())[0]
     t = run(agent.run_episode(prompt))
@@ -142,7 +142,7 @@ def test_calculator_failures_become_tool_error_observations(expr, expect):
 
 def test_repeated_tool_errors_end_the_episode(tok):
     agent = Agent(ScriptedPolicy(tok, ["<calc>1/0</calc>"] * 3), tok, EnvSpec("calculator"),
-                  agent_settings(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
+                  agent_spec(max_turns=5, token_budget=400, max_model_len=512, max_tokens_per_turn=32))
     t = run(agent.run_episode({"question": "q", "answer": 1}))
     assert t.outcome is Outcome.TOOL_ERROR and t.info["tool_errors"] == 3 and t.terminated
 
@@ -162,7 +162,7 @@ class FlakyTool(Environment):
 
 
 def test_max_tool_errors_ends_a_user_environment_episode(tok):
-    settings = agent_settings(max_turns=6, token_budget=400, max_model_len=512, max_tokens_per_turn=8)
+    settings = agent_spec(max_turns=6, token_budget=400, max_model_len=512, max_tokens_per_turn=8)
     # failed calls count over the episode, not in a row: the 2nd failure (turn 3) ends it
     agent = Agent(ScriptedPolicy(tok, ["bad", "ok", "bad", "ok", "bad", "ok"]), tok, EnvSpec(FlakyTool),
                   settings)
@@ -216,7 +216,7 @@ def test_sandbox_unavailable_stops_the_rollout_instead_of_becoming_an_episode(to
         fail_in = "reset"
 
     for env in (NoSandbox, InReset):
-        agent = Agent(ScriptedPolicy(tok, ["x", "y"]), tok, EnvSpec(env), agent_settings())
+        agent = Agent(ScriptedPolicy(tok, ["x", "y"]), tok, EnvSpec(env), agent_spec())
         with pytest.raises(SandboxUnavailable, match="cannot run tool code isolated"):
             run(agent.run_groups([{}], samples_per_prompt=2))
         assert not agent.stats.outcomes and not agent.stats.rejected
@@ -228,7 +228,7 @@ def test_group_sampling_and_dynamic_sampling(tok):
             self.turns = ["5"]
             return await super().agenerate(ids, sampling)
 
-    agent = Agent(Always(tok, []), tok, EnvSpec("arithmetic"), agent_settings(max_turns=1))
+    agent = Agent(Always(tok, []), tok, EnvSpec("arithmetic"), agent_spec(max_turns=1))
     prompts = [{"question": "2+3?", "answer": 5}, {"question": "1+1?", "answer": 2}]
     groups = run(agent.run_groups(prompts, samples_per_prompt=3))
     assert [len(g) for g in groups] == [3, 3] and [t.group_id for t in groups[1]] == [1, 1, 1]
@@ -240,9 +240,9 @@ def test_group_sampling_and_dynamic_sampling(tok):
 
 def test_overlong_filter_marks_length_cuts_only(tok):
     agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=5, token_budget=10))
+                  agent_spec(max_turns=5, token_budget=10))
     cut = run(agent.run_episode({"secret": 3}))
-    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, EnvSpec("guess_number"), agent_settings(max_turns=2))
+    agent = Agent(ScriptedPolicy(tok, ["1", "2"]), tok, EnvSpec("guess_number"), agent_spec(max_turns=2))
     out_of_turns = run(agent.run_episode({"secret": 9}))
     assert (cut.outcome, out_of_turns.outcome) == (Outcome.TRUNCATED_BUDGET, Outcome.TRUNCATED_TURNS)
     agent.overlong_filter([cut, out_of_turns])
@@ -289,7 +289,7 @@ class RoutedPolicy(ScriptedPolicy):
 
 def test_routes_across_turns_come_from_the_turn_that_computed_them(tok):
     policy = RoutedPolicy(tok, ["5", "7", "6"])
-    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_settings(max_turns=4, token_budget=200))
+    agent = Agent(policy, tok, EnvSpec("guess_number"), agent_spec(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6, "low": 1, "high": 9}))
     ends = [len(c) + 1 for c in policy.calls]  # computed positions per call: prompt + first sampled token
     assert policy.starts == [0] + ends[:-1]  # each turn asks from where the record ended
@@ -306,7 +306,7 @@ def test_observations_are_rendered_by_the_chat_template(tok):
     and another template's markup for another template, never a hard-coded format."""
     import copy
 
-    agent = Agent(ScriptedPolicy(tok, []), tok, EnvSpec("guess_number"), agent_settings())
+    agent = Agent(ScriptedPolicy(tok, []), tok, EnvSpec("guess_number"), agent_spec())
 
     def chatml(prefix):
         return tok.encode(f"{prefix}\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
@@ -319,7 +319,7 @@ def test_observations_are_rendered_by_the_chat_template(tok):
     inst.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
                           "[/INST]{% else %}{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
     other = Agent(ScriptedPolicy(inst, ["3", "7"]), inst, EnvSpec("guess_number"),
-                  agent_settings(max_turns=2))
+                  agent_spec(max_turns=2))
     assert other._observation_ids("user", "higher", closed=True) == inst.encode("[INST] higher [/INST]",
                                                                                 add_special_tokens=False)
     assert other._observation_ids("user", "higher", closed=False) == inst.encode(
@@ -335,12 +335,12 @@ def test_observations_are_rendered_by_the_chat_template(tok):
         "m['role'] == 'assistant' and loop.index0 > ns.last %}<think>\n\n</think>\n\n{% endif %}{{ "
         "m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% "
         "endif %}")
-    qwen3 = Agent(ScriptedPolicy(thinking, []), thinking, EnvSpec("guess_number"), agent_settings())
+    qwen3 = Agent(ScriptedPolicy(thinking, []), thinking, EnvSpec("guess_number"), agent_spec())
     assert qwen3._observation_ids("user", "higher", closed=True) == chatml("")
     broken = copy.deepcopy(tok)
     broken.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message
     with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn"):
-        Agent(ScriptedPolicy(broken, []), broken, EnvSpec("guess_number"), agent_settings())
+        Agent(ScriptedPolicy(broken, []), broken, EnvSpec("guess_number"), agent_spec())
 
 
 def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
@@ -350,7 +350,7 @@ def test_the_first_environment_error_is_kept_for_the_stop_line(tok, tmp_path):
 
     (tmp_path / "scores.py").write_text("def score(row, response):\n    return 1 / 0\n")
     spec = EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{tmp_path / 'scores.py'}:score"))
-    agent = Agent(ScriptedPolicy(tok, ["a", "b"]), tok, spec, agent_settings(max_turns=1))
+    agent = Agent(ScriptedPolicy(tok, ["a", "b"]), tok, spec, agent_spec(max_turns=1))
     assert run(agent.run_groups([{"prompt": "q"}], 2)) == []
     assert agent.stats.rejected["env_error"] == 2
     assert agent.stats.first_error == ("step: ZeroDivisionError: division by zero "

@@ -3,15 +3,15 @@ calls): the GPU path is read here, since no GPU runs the tests."""
 
 import dataclasses
 
-from conftest import engine_settings
+from conftest import engine_spec
 
 from moe_rl.config import from_dict
-from moe_rl.rollout.engine_settings import engine_kwargs
-from moe_rl.settings import engine_settings as settings_from_config
+from moe_rl.driver.specs import engine_spec as settings_from_config
+from moe_rl.rollout.engine_spec import engine_kwargs
 
 
 def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
-    s = engine_settings("m")  # defaults: 256-token context, 128 sequences
+    s = engine_spec("m")  # defaults: 256-token context, 128 sequences
     kw = engine_kwargs(s, "capture", cuda=False)
     assert kw["enforce_eager"] and not kw["enable_prefix_caching"]  # the capture hook sees every position
     assert kw["kv_cache_memory_bytes"] == 2**30 and "gpu_memory_utilization" not in kw
@@ -25,9 +25,9 @@ def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
 def test_cpu_kv_cache_holds_the_longest_batch_twice_at_most_one_gib(tiny_qwen, tiny_deepseek_v3):
     from transformers import AutoConfig
 
-    from moe_rl.rollout.engine_settings import kv_bytes_per_token
+    from moe_rl.rollout.engine_spec import kv_bytes_per_token
 
-    s = engine_settings("m", max_num_seqs=16, max_model_len=512)
+    s = engine_spec("m", max_num_seqs=16, max_model_len=512)
     # 4 KiB a token: 16 sequences of 512 tokens twice over
     assert engine_kwargs(s, None, cuda=False, kv_bytes_per_token=4096)["kv_cache_memory_bytes"] \
         == 2 * 16 * 512 * 4096
@@ -78,7 +78,7 @@ def test_gpu_engine_cuda_graphs_prefix_cache_with_vllm_routes_and_memory_from_co
 def test_route_sources_per_machine():
     import pytest
 
-    from moe_rl.rollout.engine_settings import resolve_route_source
+    from moe_rl.rollout.engine_spec import resolve_route_source
 
     assert resolve_route_source("auto", True) == "vllm" and resolve_route_source("auto", False) == "capture"
     with pytest.raises(ValueError, match="Model Runner V2"):
@@ -104,7 +104,7 @@ def test_vllm_routed_expert_rows_keep_the_moe_layers_in_order():
 def test_cpu_engine_workers_bind_disjoint_cores():
     import pytest
 
-    from moe_rl.rollout.engine_settings import cpu_thread_binding
+    from moe_rl.rollout.engine_spec import cpu_thread_binding
 
     assert cpu_thread_binding([1, 0], 2) == "0|1"
     assert cpu_thread_binding(list(range(16)), 2) == "0-7|8-15"

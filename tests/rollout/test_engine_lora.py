@@ -9,7 +9,7 @@ import pytest
 import torch
 from lora_jobs import megatron_lora_export_job, megatron_lora_score_job, vllm_lora_job
 
-from moe_rl.rollout.engine_settings import lora_kwargs, resolve_lora_sync
+from moe_rl.rollout.engine_spec import lora_kwargs, resolve_lora_sync
 from moe_rl.train.launch_local import run_in_process, run_ranks
 
 TOL = dict(atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@ ends after its guesses (a true end), ruled-out guesses cost more, a scripted tur
 limit is an error, and the game's reference policies are chance and optimal."""
 
 import pytest
-from conftest import agent_settings
+from conftest import agent_spec
 from scripted_policy import ScriptedPolicy, run
 from transformers import AutoTokenizer
 
@@ -22,13 +22,13 @@ def test_the_guessing_game_ends_after_its_guesses_a_true_termination(tok):
     ends the episode (completed, terminal reward 0, no bootstrap from a state the game never reaches),
     whatever environment.max_turns allows; an answer out of range uses a guess too."""
     agent = Agent(ScriptedPolicy(tok, ["1", "x", "2", "3", "4"]), tok, EnvSpec("guess_number"),
-                  agent_settings(max_turns=6, token_budget=200))
+                  agent_spec(max_turns=6, token_budget=200))
     t = run(agent.run_episode({"secret": 9}))
     assert t.outcome is Outcome.COMPLETED and t.terminated and len(t.spans) == 4
     assert t.turn_rewards == [-0.05, -0.1, -0.05, -0.05] and t.terminal_reward == 0.0
     assert tok.decode(t.token_ids).endswith("3<|im_end|>")  # no observation after the last guess
     two = Agent(ScriptedPolicy(tok, ["1", "2", "3"]), tok, EnvSpec("guess_number", {"guesses": 2}),
-                agent_settings(max_turns=6, token_budget=200))
+                agent_spec(max_turns=6, token_budget=200))
     t = run(two.run_episode({"secret": 9}))
     assert t.outcome is Outcome.COMPLETED and len(t.spans) == 2
     assert t.info["figures"] == {"guess": 2.0, "ruled_out": 0.0}
@@ -42,7 +42,7 @@ def test_a_guess_the_feedback_ruled_out_costs_the_ruled_out_penalty(tok):
     turns = ["5", "3", "8", "8", "x", "6"]
     for penalty in (0.25, 0.0):
         env = EnvSpec("guess_number", {"guesses": 6, "ruled_out_penalty": penalty})
-        settings = agent_settings(max_turns=6, token_budget=300)
+        settings = agent_spec(max_turns=6, token_budget=300)
         agent = Agent(ScriptedPolicy(tok, list(turns)), tok, env, settings)
         t = run(agent.run_episode({"secret": 6}))
         expect = [-0.05, -0.05 - penalty, -0.05, -0.05 - penalty, -0.1 - penalty, 0.0]
@@ -59,12 +59,12 @@ def test_a_scripted_turn_longer_than_the_turn_limit_is_an_error_not_a_cut_demons
     def lookup(conversation, rng):
         return "<lookup>tiger</lookup>"
 
-    settings = agent_settings(max_turns=2, token_budget=200, max_tokens_per_turn=16)
+    settings = agent_spec(max_turns=2, token_budget=200, max_tokens_per_turn=16)
     agent = Agent(ExpertPolicy(tok, lookup, 0, turn_limit=16), tok, EnvSpec("guess_number"), settings)
     cut = r"lookup played a turn of 22 tokens .* rollout.max_new_tokens=16 cuts it: raise it to at least 23"
     with pytest.raises(DemonstrationError, match=cut):
         run(agent.run_groups([{"secret": 3}], 1))
-    settings = agent_settings(max_turns=2, token_budget=200, max_tokens_per_turn=23)
+    settings = agent_spec(max_turns=2, token_budget=200, max_tokens_per_turn=23)
     fits = Agent(ExpertPolicy(tok, lookup, 0, turn_limit=23), tok, EnvSpec("guess_number"), settings)
     assert "<lookup>tiger</lookup>" in tok.decode(run(fits.run_episode({"secret": 3})).token_ids)
 
@@ -83,7 +83,7 @@ def test_the_guessing_games_reference_policies_are_chance_and_optimal(tok):
     assert list(policies) == ["random guesses", "binary search"]
     won = {}
     for name, turn in policies.items():
-        settings = agent_settings(max_turns=4, token_budget=128)
+        settings = agent_spec(max_turns=4, token_budget=128)
         agent = Agent(ExpertPolicy(tok, turn, 1), tok, EnvSpec(env), settings)
         trajs = [t for g in run(agent.run_groups(prompts, 1)) for t in g]
         won[name] = sum(t.terminal_reward == 1.0 for t in trajs) / len(prompts)
@@ -101,7 +101,7 @@ def test_range_feedback_tells_the_range_the_answers_leave_and_binary_search_stil
 
     env = EnvSpec("guess_number", {"feedback": "range"})
     agent = Agent(ScriptedPolicy(tok, ["5", "8", "6"]), tok, env,
-                  agent_settings(max_turns=4, token_budget=200))
+                  agent_spec(max_turns=4, token_budget=200))
     t = run(agent.run_episode({"secret": 6}))
     text = tok.decode(t.token_ids)
     assert "user\nhigher: 6 to 9<|im_end|>" in text and "user\nlower: 6 to 7<|im_end|>" in text
@@ -109,7 +109,7 @@ def test_range_feedback_tells_the_range_the_answers_leave_and_binary_search_stil
     cls = get_env("guess_number")
     prompts = cls.generate_prompts(60, seed=3, options=cls.Options())
     search = Agent(ExpertPolicy(tok, cls.binary_search_turn, 1), tok, env,
-                   agent_settings(max_turns=4, token_budget=128))
+                   agent_spec(max_turns=4, token_budget=128))
     trajs = [t for g in run(search.run_groups(prompts, 1)) for t in g]
     assert all(t.terminal_reward == 1.0 and len(t.spans) <= 4 for t in trajs)
     with pytest.raises(ValueError, match="feedback='loud' must be 'direction' or 'range'"):

@@ -6,7 +6,7 @@ import asyncio
 import random
 import re
 
-from conftest import agent_settings
+from conftest import agent_spec
 from transformers import AutoTokenizer
 
 from moe_rl.rollout.agent import Agent
@@ -36,7 +36,7 @@ def run_seeds(tok, run_seed: int, steps: int, dynamic: bool) -> tuple[list[int],
     number, which every sample wins with its first guess: all its groups tie and are dropped, and the
     step samples again (games from 1 to 9, which rarely tie)."""
     engine = RecordingEngine(tok)
-    agent = Agent(engine, tok, EnvSpec("guess_number"), agent_settings(max_turns=4, token_budget=200))
+    agent = Agent(engine, tok, EnvSpec("guess_number"), agent_spec(max_turns=4, token_budget=200))
     prompts = [{"secret": 1 + i % 9} for i in range(64)]
     rounds = []
     for step in range(steps):

@@ -6,7 +6,7 @@ import asyncio
 import math
 
 import pytest
-from conftest import ROOT, agent_settings
+from conftest import ROOT, agent_spec
 from test_agent import ScriptedPolicy, tok  # noqa: F401  (the fixture)
 
 from moe_rl.rollout.agent import Agent
@@ -38,7 +38,7 @@ def rewards_module(tmp_path):
 def test_the_reward_function_scores_the_decoded_answer(tok, rewards_module):  # noqa: F811
     spec = EnvSpec("single_turn", {"system_prompt": "Be brief."},
                    EnvContext(reward_fn=f"{rewards_module}:length"))
-    agent = Agent(ScriptedPolicy(tok, ["hello", "yo"]), tok, spec, agent_settings(max_turns=1))
+    agent = Agent(ScriptedPolicy(tok, ["hello", "yo"]), tok, spec, agent_spec(max_turns=1))
     [[a, b]] = asyncio.run(agent.run_groups([{"prompt": [{"role": "user", "content": "hi"}], "id": 3}], 2))
     seen = import_object(f"{rewards_module}:seen")
     assert sorted(seen) == [(3, "hello"), (3, "yo")]  # the row and the decoded answer
@@ -54,14 +54,14 @@ def test_the_reward_function_scores_the_decoded_answer(tok, rewards_module):  # 
 def test_reward_function_results(tok, rewards_module, fn, outcome, reward):  # noqa: F811
     spec = EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:{fn}"))
     t = asyncio.run(Agent(ScriptedPolicy(tok, ["x"]), tok, spec,
-                          agent_settings(max_turns=1)).run_episode({"prompt": "q"}))
+                          agent_spec(max_turns=1)).run_episode({"prompt": "q"}))
     assert t.outcome is outcome and t.terminal_reward == reward
 
 
 def test_bad_reward_functions_and_import_paths_fail_at_start(tok, rewards_module, monkeypatch):  # noqa: F811
     with pytest.raises(EnvImportError, match=r"must take \(row, response\)"):
         Agent(ScriptedPolicy(tok, []), tok,
-              EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:one_arg")), agent_settings())
+              EnvSpec("single_turn", {}, EnvContext(reward_fn=f"{rewards_module}:one_arg")), agent_spec())
     with pytest.raises(EnvImportError, match="has no missing"):
         import_object(f"{rewards_module}:missing")
     with pytest.raises(EnvImportError, match="is not an import path"):

@@ -1,7 +1,7 @@
 """Rank functions for the conversion tests (spawned by moe_rl.train.launch_local)."""
 
 import torch
-from conftest import model_spec, optim_settings
+from conftest import model_spec, optim_spec
 
 B, S = 3, 10
 
@@ -19,6 +19,6 @@ def score_converted_job(rank, world, hf_config, ckpt, role):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_config), role=role, load_weights=False,
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     checkpoint.load(w, ckpt, optimizer=False)
     return w.score(Batch(*tokens()))

@@ -2,7 +2,7 @@
 scoring), run in spawned gloo ranks by moe_rl.train.launch_local."""
 
 import torch
-from conftest import model_spec, optim_settings
+from conftest import model_spec, optim_spec
 from train_jobs import Denominator, batch_tensors, policy_loss, policy_tensors
 
 from moe_rl.batch import Batch
@@ -16,7 +16,7 @@ def expert_bias_job(rank, world, hf_path, rate, replay):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path, expert_bias_update_rate=rate, routing_replay=replay),
-                    optim=optim_settings(1e-2, micro_batch_tokens=24))
+                    optim=optim_spec(1e-2, micro_batch_tokens=24))
 
     def biases():
         return {n: b.detach().clone() for n, b in w.module.named_buffers() if n.endswith("expert_bias")}
@@ -37,5 +37,5 @@ def hf_logprobs_job(rank, world, hf_path, ids):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path, routing_replay=False),
-                    optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     return w.score(Batch(ids, torch.full((ids.shape[0],), ids.shape[1]))).logp_BS

@@ -11,12 +11,15 @@ import pytest
 import torch
 from convert_jobs import B, S, score_converted_job, tokens
 
+from moe_rl.driver.specs import convert_spec
 from moe_rl.train.checkpoint import read_metadata
 from moe_rl.train.convert import hf_to_mcore, mcore_to_hf
 from moe_rl.train.hf_parity import hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.train.parallel import Layout
 from moe_rl.weights.hf import HF_CONFIG_DIR, CheckpointError, CheckpointMismatch, HFReader
+
+CONVERT = convert_spec()  # the model settings `moe-rl convert` builds with
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +34,9 @@ def assert_same_tensors(a, b):
 
 def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_path, tiny_qwen):
     mc = tmp_path / "mcore"
-    done = hf_to_mcore(tiny_qwen, mc, Layout(tp=2, pp=2, ep=2, etp=1))  # 4 ranks
+    done = hf_to_mcore(CONVERT, tiny_qwen, mc, Layout(tp=2, pp=2, ep=2, etp=1))  # 4 ranks
     assert done.role == "policy" and (mc / HF_CONFIG_DIR / "config.json").is_file()
-    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(pp=2, ep=2))  # another layout, 4 ranks
+    back = mcore_to_hf(CONVERT, mc, tmp_path / "hf", layout=Layout(pp=2, ep=2))  # another layout, 4 ranks
     assert_same_tensors(tiny_qwen, back.out)
     assert (json.loads((back.out / "config.json").read_text())
             == json.loads((tiny_qwen / "config.json").read_text()))
@@ -47,8 +50,8 @@ def test_qwen_round_trip_through_tp2_pp2_ep2_is_bitwise_and_logits_match(tmp_pat
 
 def test_mixtral_round_trip_tp2_is_bitwise(tmp_path, tiny_mixtral):
     mc = tmp_path / "mcore"
-    hf_to_mcore(tiny_mixtral, mc, Layout(tp=2))
-    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))
+    hf_to_mcore(CONVERT, tiny_mixtral, mc, Layout(tp=2))
+    back = mcore_to_hf(CONVERT, mc, tmp_path / "hf", layout=Layout(tp=2))
     assert_same_tensors(tiny_mixtral, back.out)
 
 
@@ -70,8 +73,8 @@ def test_critic_round_trip_keeps_value_head_and_matches_transformers(tmp_path, t
     save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
 
     mc = tmp_path / "critic_mcore"
-    hf_to_mcore(rm, mc, Layout(pp=2), role="critic")
-    back = mcore_to_hf(mc, tmp_path / "critic_hf")
+    hf_to_mcore(CONVERT, rm, mc, Layout(pp=2), role="critic")
+    back = mcore_to_hf(CONVERT, mc, tmp_path / "critic_hf")
     assert back.role == "critic"
     exported = HFReader(back.out)
     assert "lm_head.weight" not in exported.names()
@@ -99,18 +102,18 @@ def test_mismatched_architectures_are_refused(tmp_path, tiny_qwen):
     # config with fewer layers than the weights: the extra tensors are named, nothing is written
     fewer = _edit_config(tiny_qwen, tmp_path / "fewer", num_hidden_layers=1)
     with pytest.raises(CheckpointMismatch, match="tensor\\(s\\) its config does not describe.*layers.1"):
-        hf_to_mcore(fewer, tmp_path / "out1")
+        hf_to_mcore(CONVERT, fewer, tmp_path / "out1")
     assert not (tmp_path / "out1").exists()
     # config with more experts than the weights
     more = _edit_config(tiny_qwen, tmp_path / "more", num_local_experts=8)
     with pytest.raises(CheckpointMismatch, match="router.weight.*does not fit the model"):
-        hf_to_mcore(more, tmp_path / "out2")
+        hf_to_mcore(CONVERT, more, tmp_path / "out2")
     # a dist checkpoint exported with another architecture's config
     mc = tmp_path / "mcore"
-    hf_to_mcore(tiny_qwen, mc)
+    hf_to_mcore(CONVERT, tiny_qwen, mc)
     wider = _edit_config(tiny_qwen, tmp_path / "wider", moe_intermediate_size=128)
     with pytest.raises(CheckpointError, match="does not fit this model's architecture.*shape mismatch"):
-        mcore_to_hf(mc, tmp_path / "out3", hf_config=wider)
+        mcore_to_hf(CONVERT, mc, tmp_path / "out3", hf_config=wider)
     assert not (tmp_path / "out3").exists()
 
 
@@ -120,10 +123,10 @@ def test_pickles_are_never_loaded(tmp_path, tiny_qwen):
     shutil.copy(tiny_qwen / "config.json", bin_only)
     (bin_only / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(CheckpointMismatch, match="pickled .bin weights"):
-        hf_to_mcore(bin_only, tmp_path / "out")
+        hf_to_mcore(CONVERT, bin_only, tmp_path / "out")
 
     mc = tmp_path / "mcore"
-    hf_to_mcore(tiny_qwen, mc)
+    hf_to_mcore(CONVERT, tiny_qwen, mc)
     read_metadata(mc)  # the genuine index passes the restricted unpickler
 
     class Payload:
@@ -134,7 +137,7 @@ def test_pickles_are_never_loaded(tmp_path, tiny_qwen):
     with pytest.raises(CheckpointError, match="subprocess.call, which is not checkpoint metadata"):
         read_metadata(mc)
     with pytest.raises(CheckpointError, match="not checkpoint metadata"):
-        mcore_to_hf(mc, tmp_path / "hf")
+        mcore_to_hf(CONVERT, mc, tmp_path / "hf")
     assert not (tmp_path / "pwned").exists()
 
 
@@ -180,7 +183,7 @@ def test_convert_seeds_megatrons_rng_streams_on_a_gpu_machine(monkeypatch, tiny_
     monkeypatch.setattr(parallel, "init_distributed", lambda layout: None)
     monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", megatron_seed)
     with pytest.raises(Seeded) as seeded:
-        convert._build(str(tiny_qwen), "float32", "policy", Layout())
+        convert._build(CONVERT, str(tiny_qwen), "float32", "policy", Layout())
     assert seeded.value.args == (0,)
 
 
@@ -198,7 +201,7 @@ def test_deepseek_multi_token_prediction_layers_survive_the_round_trip(tmp_path,
     mtp = with_mtp_layer(tiny_deepseek_v3, src)
     ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path)
     shutil.rmtree(tmp_path / "mcore" / "mtp")
-    lost = mcore_to_hf(tmp_path / "mcore", tmp_path / "lost")
+    lost = mcore_to_hf(CONVERT, tmp_path / "mcore", tmp_path / "lost")
     assert describe(lost).splitlines()[-1].startswith(f"warning: {tmp_path / 'mcore' / 'mtp'} is missing")
     assert HFReader(lost.out).names() == HFReader(src).names() - set(mtp) and not mtp_names(lost.out)
     assert json.loads((lost.out / "config.json").read_text())["num_nextn_predict_layers"] == 0
@@ -208,8 +211,8 @@ def ep2_to_tp2_is_bitwise_and_scores_as_transformers(src, tmp_path):
     """HF -> Megatron in EP2 -> HF in TP2 gives `src`'s tensors back bitwise, and the Megatron checkpoint,
     loaded by one rank, scores as transformers scores `src`."""
     mc = tmp_path / "mcore"
-    hf_to_mcore(src, mc, Layout(ep=2))
-    back = mcore_to_hf(mc, tmp_path / "hf", layout=Layout(tp=2))
+    hf_to_mcore(CONVERT, src, mc, Layout(ep=2))
+    back = mcore_to_hf(CONVERT, mc, tmp_path / "hf", layout=Layout(tp=2))
     assert_same_tensors(src, back.out)
     ids, _ = tokens()
     out = run_ranks(score_converted_job, 1, (str(src), str(mc), "policy"))[0]

@@ -16,18 +16,18 @@ LENGTHS = [12, 7, 10, 9]
 
 
 def uneven_job(rank, world, hf_path, ep):
-    from moe_rl import settings
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig
+    from moe_rl.driver import specs
     from moe_rl.train import parallel
     from moe_rl.train.objectives import SftLoss
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(ep=ep))
     cfg = RunConfig()
-    optim = dataclasses.replace(settings.optim_settings(cfg, 1e-3), micro_batch_tokens=12,
+    optim = dataclasses.replace(specs.optim_spec(cfg, 1e-3), micro_batch_tokens=12,
                                 pack_sequences=False)
-    w = TrainWorker(settings.model_spec(cfg, hf_path), optim=optim)
+    w = TrainWorker(specs.model_spec(cfg, hf_path), optim=optim)
     g = torch.Generator().manual_seed(5)
     B, S = len(LENGTHS), max(LENGTHS)
     ids = torch.randint(0, 300, (B, S), generator=g)

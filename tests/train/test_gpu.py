@@ -38,7 +38,7 @@ def te_ids() -> torch.Tensor:
 
 
 def te_job(rank, world, hf_path, fp8, tp):
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
 
     from moe_rl.batch import Batch
     from moe_rl.train import parallel
@@ -49,7 +49,7 @@ def te_job(rank, world, hf_path, fp8, tp):
     assert torch.distributed.get_backend() == "nccl"
     spec = model_spec(hf_path, layer_spec="transformer_engine", fp8=fp8,
                       dtype="bfloat16" if fp8 != "none" else "float32")
-    w = TrainWorker(spec, optim=optim_settings(1e-5, micro_batch_tokens=4096, pack_sequences=False))
+    w = TrainWorker(spec, optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     ids = te_ids()  # on the CPU, as from Ray: the worker moves it
     lengths = torch.full((4,), 32)
     out = w.score(Batch(ids, lengths))
@@ -107,11 +107,11 @@ def test_nccl_tp2(tiny_qwen):
 
 
 def vllm_routes_job(rank, world, model_path):
-    from conftest import engine_settings
+    from conftest import engine_spec
 
     from moe_rl.rollout.engine import RolloutEngine, Sampling
 
-    engine = RolloutEngine(engine_settings(model_path, route_source="vllm", seed=0))
+    engine = RolloutEngine(engine_spec(model_path, route_source="vllm", seed=0))
     first = engine.generate([[257, 84, 82, 68]], Sampling(max_tokens=6, seed=1))[0]
     start = first.routes.num_positions
     nxt = engine.generate([first.prompt_ids + first.token_ids + [198]],

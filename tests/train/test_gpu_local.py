@@ -96,7 +96,7 @@ def local_job(rank, world, hf_path, dtype, checks=False):
     routes, then a critic and one value step; with how far each step moved the weights. `checks`: also
     replay on unpacked microbatches, an offload round trip followed by a second step, a CP gather, and
     torch.compile's counters at the end."""
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
     from torch._dynamo.utils import counters
 
     from moe_rl.batch import Batch
@@ -108,7 +108,7 @@ def local_job(rank, world, hf_path, dtype, checks=False):
     parallel.init_distributed(parallel.Layout())
     ids, lengths, mask, adv = batch_tensors()
     # production's packed microbatches, two of them here; eps 1e-4 as the CPU tests
-    optim = optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24)
+    optim = optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24)
     policy = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim)
     free = policy.score(Batch(ids, lengths), record_routes=True)
     replay = policy.score(Batch(ids, lengths, free.routes_BSLK))

@@ -40,7 +40,7 @@ def test_an_unknown_spec_is_refused():
 def compile_job(rank, world, hf_path):
     """Production's local-spec policy: its config's flags, then forward+backward steps on two batch shapes
     (so every expert sees other token counts), with torch.compile's counters before and after."""
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
     from torch._dynamo.utils import counters
 
     from moe_rl.batch import Batch
@@ -48,7 +48,7 @@ def compile_job(rank, world, hf_path):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-3))
+    w = TrainWorker(model_spec(hf_path), optim=optim_spec(1e-3))
     flags = {name: getattr(w.config, name) for name in FUSIONS}
     g = torch.Generator().manual_seed(0)
     for rows, length in ((2, 8), (3, 13)):

@@ -8,8 +8,11 @@ import pytest
 import torch
 from train_jobs import B, S, batch_tensors, lora_gradient_job, lora_job
 
+from moe_rl.driver.specs import convert_spec
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.train.lora import TARGETS
+
+CONVERT = convert_spec()  # the model settings `moe-rl convert` builds with
 
 pytestmark = pytest.mark.slow
 TOL = dict(atol=1e-5, rtol=0)
@@ -128,10 +131,10 @@ def test_checkpoint_holds_adapters_only_and_reshards(tmp_path, tiny_qwen, layout
     from train_jobs import ckpt_job
 
     from moe_rl.train.checkpoint import read_extra, tensor_shapes
-    from moe_rl.train.lora import LoraSettings
+    from moe_rl.train.lora import LoraSpec
     from moe_rl.weights.hf import fingerprint
 
-    settings = LoraSettings(rank=4, alpha=8.0, targets=TARGETS)
+    settings = LoraSpec(rank=4, alpha=8.0, targets=TARGETS)
     ckpt = tmp_path / "ckpt"
     saved = run_ranks(ckpt_job, 2, (str(tiny_qwen), layout, str(ckpt), "save", settings))
     keys = set(tensor_shapes(ckpt))
@@ -164,7 +167,7 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
     ckpt = tmp_path / "ckpt"
     trained = run_ranks(lora_job, 2, (str(tiny_qwen), {"tp": 2}, ("linear_qkv", "linear_proj"), False,
                                       str(ckpt)))[0]["after_free"].logp_BS
-    done = mcore_to_hf(ckpt, tmp_path / "peft")
+    done = mcore_to_hf(CONVERT, ckpt, tmp_path / "peft")
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"] and done.tensors == 2 * 4 * 2
@@ -175,7 +178,7 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
     peft_logp = torch.zeros(B, S)
     peft_logp[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(peft_logp * valid(), trained * valid(), **TOL)
-    mcore_to_hf(ckpt, tmp_path / "merged", merge=True)
+    mcore_to_hf(CONVERT, ckpt, tmp_path / "merged", merge=True)
     merged = hf_token_logprobs(tmp_path / "merged", ids)
     torch.testing.assert_close(merged * valid(), trained * valid(), **TOL)
 
@@ -195,8 +198,8 @@ def test_expert_adapters_export_per_expert_as_the_merged_weights_say(tmp_path, t
 
     ckpt = tmp_path / "ckpt"
     run_ranks(lora_job, 2, (str(tiny_qwen), layout, TARGETS, False, str(ckpt)))
-    mcore_to_hf(ckpt, tmp_path / "peft", layout=Layout(**layout))  # exported in the same layout
-    mcore_to_hf(ckpt, tmp_path / "merged", merge=True)
+    mcore_to_hf(CONVERT, ckpt, tmp_path / "peft", layout=Layout(**layout))  # exported in the same layout
+    mcore_to_hf(CONVERT, ckpt, tmp_path / "merged", merge=True)
     adapters, base, merged = (load_file(tmp_path / "peft" / "adapter_model.safetensors"), HFReader(tiny_qwen),
                               HFReader(tmp_path / "merged"))
     modules = {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in adapters}
@@ -261,11 +264,11 @@ def test_adapters_refuse_a_base_that_changed(tmp_path, tiny_qwen):
 
     from moe_rl.train.checkpoint import CheckpointError
     from moe_rl.train.convert import mcore_to_hf
-    from moe_rl.train.lora import LoraSettings
+    from moe_rl.train.lora import LoraSpec
 
     base, ckpt = tmp_path / "base", tmp_path / "ckpt"
     shutil.copytree(tiny_qwen, base)
-    settings = LoraSettings(rank=4, alpha=8.0, targets=("linear_qkv",))
+    settings = LoraSpec(rank=4, alpha=8.0, targets=("linear_qkv",))
     run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "save", settings))
     run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "load", settings))  # the same base: resumes
     (file,) = base.glob("*.safetensors")
@@ -276,4 +279,4 @@ def test_adapters_refuse_a_base_that_changed(tmp_path, tiny_qwen):
     with pytest.raises(RuntimeError, match="its LoRA adapters were trained on a base whose weights differ"):
         run_ranks(ckpt_job, 1, (str(base), {}, str(ckpt), "load", settings))
     with pytest.raises(CheckpointError, match="the base changed since"):
-        mcore_to_hf(ckpt, tmp_path / "peft")
+        mcore_to_hf(CONVERT, ckpt, tmp_path / "peft")

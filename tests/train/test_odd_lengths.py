@@ -15,24 +15,24 @@ LENGTHS = [43, 17, 30]  # the longest is odd: padded to 44 under TP2 / CP2
 
 
 def odd_job(rank, world, hf_path, layout):
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
 
-    from moe_rl import settings
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
+    from moe_rl.driver import specs
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path),
-                    optim=optim_settings(1e-3, micro_batch_tokens=64, pack_sequences=False))
+                    optim=optim_spec(1e-3, micro_batch_tokens=64, pack_sequences=False))
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (B, S), generator=g)
     lengths = torch.tensor(LENGTHS)
     mask = (torch.arange(S) < lengths.unsqueeze(1)) & (torch.arange(S) >= 5)
     out = {}
     for pack in (False, True):
-        w.optim_settings = dataclasses.replace(w.optim_settings, pack_sequences=pack)
+        w.optim_spec = dataclasses.replace(w.optim_spec, pack_sequences=pack)
         out[pack] = w.score(Batch(ids, lengths))
     dp, dps = w.ps.get_data_parallel_rank(), w.ps.get_data_parallel_world_size()
     rows = slice(dp * B // dps, (dp + 1) * B // dps)
@@ -40,7 +40,7 @@ def odd_job(rank, world, hf_path, layout):
                  adv_BS=torch.randn(B, S, generator=g) * mask, logp_old_BS=out[False].logp_BS,
                  is_weight_BS=torch.ones(B, S))
     # PPO-Clip, token mean, as configured by default; pi_old given (scored by a pass of its own)
-    loss = settings.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
+    loss = specs.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
     out["step"] = w.train_step(full.rows(rows), loss, {"policy": mask.sum().double()}).figures
     return out
 

@@ -5,7 +5,7 @@ batch whose tokens include the pad token, on one rank and in TP2 (the row on one
 
 import pytest
 import torch
-from conftest import model_spec, optim_settings
+from conftest import model_spec, optim_spec
 from train_jobs import B, Denominator, S, batch_tensors, policy_loss, policy_tensors
 
 from moe_rl.batch import Batch
@@ -29,7 +29,7 @@ def gradients_job(rank, world, hf_path, layout, pad_id):
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, routing_replay=False),
-                    optim=optim_settings(1e-2, grad_clip=1e9, micro_batch_tokens=24))
+                    optim=optim_spec(1e-2, grad_clip=1e9, micro_batch_tokens=24))
     ids, lengths, mask, adv = pad_batch(pad_id)
     tensors = policy_tensors(w.score(Batch(ids, lengths)).logp_BS, mask, adv)
     step = w.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask)).figures

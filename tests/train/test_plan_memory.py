@@ -135,7 +135,7 @@ def state_bytes_job(rank, world, hf_path, layout, dtype):
     """After one policy step: the bytes of this rank's weights, gradient buffers, optimizer state (the
     optimizer's own parameters, i.e. fp32 master weights, and its state tensors, less any storage the
     model's parameters or DDP buffers hold) and of a PPO-EWMA anchor of its parameters."""
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
     from train_jobs import Denominator, batch_tensors, policy_loss, policy_tensors
 
     from moe_rl.algos.anchor import EwmaAnchor
@@ -144,7 +144,7 @@ def state_bytes_job(rank, world, hf_path, layout, dtype):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_settings(1e-2, micro_batch_tokens=24))
+    w = TrainWorker(model_spec(hf_path, dtype=dtype), optim=optim_spec(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     logp = w.score(Batch(ids, lengths)).logp_BS
     w.train_step(Batch(ids, lengths, None, **policy_tensors(logp, mask, adv)), policy_loss(),
@@ -188,7 +188,7 @@ def activations_job(rank, world, hf_path, cases):
     """For each (dtype, recompute): one packed microbatch (rows of 128, 100, 128 and 77 tokens) through a
     real TrainWorker's forward; the bytes of every storage autograd saves for backward inside the decoder
     (its layers and final norm; the parameters left out), per token the decoder sees."""
-    from conftest import model_spec, optim_settings
+    from conftest import model_spec, optim_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from moe_rl.batch import Batch
@@ -200,7 +200,7 @@ def activations_job(rank, world, hf_path, cases):
     out = []
     for dtype, recompute in cases:
         w = TrainWorker(model_spec(hf_path, dtype=dtype, recompute=recompute),
-                        optim=optim_settings(1e-2, micro_batch_tokens=4096))
+                        optim=optim_spec(1e-2, micro_batch_tokens=4096))
         block = next(m for m in w.module.modules() if isinstance(m, TransformerBlock))
         params = {p.untyped_storage().data_ptr() for p in w.module.parameters()}
         inside, tokens, saved = [False], [0], {}

@@ -3,11 +3,11 @@
 import dataclasses
 
 import torch
-from conftest import model_spec, optim_settings
+from conftest import model_spec, optim_spec
 
-from moe_rl import settings
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig, TrainerSection
+from moe_rl.driver import specs
 
 B, S = 4, 12
 
@@ -24,7 +24,7 @@ def batch_tensors(seed: int = 0):
 
 # production's policy loss as configured by default (PPO-Clip, token mean, eps 0.2) and the loop's
 # global denominator; pi_old is given (logp_old_BS, off the current policy), as a separate pass scores it
-POLICY = settings.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
+POLICY = specs.policy_loss(RunConfig(trainer=TrainerSection(proximal_pass="separate")))
 
 
 def policy_loss():
@@ -68,7 +68,7 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, moe_dispatcher=dispatcher),
                     # eps 1e-4: Adam does not blow rounding noise in near-zero grads up to full lr steps
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     lay = parallel.Layout(**layout)
     dp_size = w.ps.get_data_parallel_world_size()
@@ -89,7 +89,7 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
     out["mbs"] = len(shard.microbatches(24))
     # how the worker cuts the shard: rows it packs are counted by their tokens, rows it pads by their padded
     # size (a budget of 30 tokens cuts the lengths 12, 7, 10, 9 as 3 + 1 rows packed, 2 + 2 padded)
-    w.optim_settings = dataclasses.replace(w.optim_settings, micro_batch_tokens=30)
+    w.optim_spec = dataclasses.replace(w.optim_spec, micro_batch_tokens=30)
     out["worker_mbs"] = [mb.size for mb in w._microbatches(shard)]
     out["padded_mbs"] = [mb.size for mb in shard.microbatches(30, packed=False)]
     return out
@@ -97,13 +97,13 @@ def layout_job(rank, world, hf_path, layout, dispatcher, routes, pack=False):
 
 def ckpt_job(rank, world, hf_path, layout, ckpt_dir, mode, lora=None):
     """mode 'save': step, save, step (reference). mode 'load': load, step. Returns step-2 figures.
-    `lora`: a LoraSettings for the policy's adapters."""
+    `lora`: a LoraSpec for the policy's adapters."""
     from moe_rl.train import checkpoint, parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, lora=lora),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=False),
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=False),
                     load_weights=mode == "save" or lora is not None)  # LoRA: its base is the HF checkpoint
     ids, lengths, mask, adv = batch_tensors()
 
@@ -146,7 +146,7 @@ def critic_job(rank, world, hf_path, layout):
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path), role="critic",
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=4096, pack_sequences=False))
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=4096, pack_sequences=False))
     ids, lengths, mask, adv = batch_tensors()
     before = w.score(Batch(ids, lengths)).critic_out_BS
     returns = critic_returns()
@@ -182,7 +182,7 @@ def own_routes_job(rank, world, hf_path, seeds):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path),
-                    optim=optim_settings(1e-5, micro_batch_tokens=24, pack_sequences=False))
+                    optim=optim_spec(1e-5, micro_batch_tokens=24, pack_sequences=False))
     gaps = []
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
@@ -204,7 +204,7 @@ def recompute_job(rank, world, hf_path, routes, pack=False):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path, recompute=True),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack))
     ids, lengths, mask, adv = batch_tensors()
     tensors = policy_tensors(w.score(Batch(ids, lengths, routes)).logp_BS, mask, adv)
     shard = Batch(ids, lengths, routes, **tensors)
@@ -228,7 +228,7 @@ def offload_job(rank, world, hf_path, layout, dtype, offload):
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, dtype=dtype),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     out = {"moved": [], "steps": [], "scores": []}
     for _ in range(2):
@@ -257,7 +257,7 @@ def nonfinite_job(rank, world, hf_path):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    w = TrainWorker(model_spec(hf_path), optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     rows = parallel.dp_rows(B, rank, world)
     before = {n: p.detach().clone() for n, p in w.module.named_parameters()}
@@ -283,7 +283,7 @@ def router_loss_job(rank, world, hf_path, aux, z, replay_first_experts=False):
 
     parallel.init_distributed(parallel.Layout())
     w = TrainWorker(model_spec(hf_path, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z),
-                    optim=optim_settings(1e-2, micro_batch_tokens=24))
+                    optim=optim_spec(1e-2, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     routes = None
     if replay_first_experts:
@@ -306,7 +306,7 @@ def reward_model_job(rank, world, hf_path, layout):
 
     parallel.init_distributed(parallel.Layout(**layout))
     spec = model_spec(hf_path, routing_replay=False)
-    w = TrainWorker(spec, role="critic", optim=optim_settings(1e-3), value_head_from=hf_path, trains=False)
+    w = TrainWorker(spec, role="critic", optim=optim_spec(1e-3), value_head_from=hf_path, trains=False)
     ids, lengths, _, _ = batch_tensors()
     return boundary_values(w.score(Batch(ids, lengths)).critic_out_BS, lengths)
 
@@ -322,7 +322,7 @@ def proximal_job(rank, world, hf_path, from_forward, mu_offset=0.0):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
-    w = TrainWorker(model_spec(hf_path), optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+    w = TrainWorker(model_spec(hf_path), optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
     logp = w.score(Batch(ids, lengths, routes)).logp_BS  # pi_old as the separate pass scores it
@@ -350,7 +350,7 @@ def teacher_job(rank, world, hf_path, layout):
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout(**layout))
-    w = TrainWorker(model_spec(hf_path, routing_replay=False), optim=optim_settings(1e-3), trains=False)
+    w = TrainWorker(model_spec(hf_path, routing_replay=False), optim=optim_spec(1e-3), trains=False)
     ids, lengths, _, _ = batch_tensors()
     return w.score(Batch(ids, lengths)).logp_BS
 
@@ -365,9 +365,9 @@ def lora_job(rank, world, hf_path, layout, targets, recompute=False, ckpt_dir=No
 
     lay = parallel.Layout(**layout)
     parallel.init_distributed(lay)
-    settings = lora.LoraSettings(rank=4, alpha=8.0, targets=tuple(targets))
+    settings = lora.LoraSpec(rank=4, alpha=8.0, targets=tuple(targets))
     w = TrainWorker(model_spec(hf_path, lora=settings, recompute=recompute),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24))
     ids, lengths, mask, adv = batch_tensors()
     dp_size = w.ps.get_data_parallel_world_size()
     rows = parallel.dp_rows(B, parallel.dp_rank_of(rank, lay.tp, lay.cp, dp_size), dp_size)
@@ -411,8 +411,8 @@ def lora_gradient_job(rank, world, hf_path, merged_dir):
     from moe_rl.weights.hf import save_hf_checkpoint
 
     parallel.init_distributed(parallel.Layout())
-    settings = lora.LoraSettings(rank=4, alpha=8.0, targets=lora.TARGETS)
-    optim = optim_settings(0.0, grad_clip=0.0, micro_batch_tokens=24)
+    settings = lora.LoraSpec(rank=4, alpha=8.0, targets=lora.TARGETS)
+    optim = optim_spec(0.0, grad_clip=0.0, micro_batch_tokens=24)
     w = TrainWorker(model_spec(hf_path, lora=settings), optim=optim)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -463,7 +463,7 @@ def chunk_worker_job(rank, world, hf_path, layout, chunk, pack=False):
 
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack,
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24, pack_sequences=pack,
                                          logit_chunk_tokens=chunk))
     ids, lengths, mask, adv = batch_tensors()
     routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
@@ -487,7 +487,7 @@ def optimizer_offload_job(rank, world, hf_path, layout, offload, steps=3, precis
     exact_fp32_matmuls()
     parallel.init_distributed(parallel.Layout(**layout))
     w = TrainWorker(model_spec(hf_path, dtype=dtype),
-                    optim=optim_settings(1e-2, adam_eps=1e-4, micro_batch_tokens=24,
+                    optim=optim_spec(1e-2, adam_eps=1e-4, micro_batch_tokens=24,
                                          optimizer_offload=offload, precision_aware=precision_aware))
     ids, lengths, mask, adv = batch_tensors()
     routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK

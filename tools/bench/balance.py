@@ -40,7 +40,7 @@ def lengths_of(rows: int, long_rows: int, short: int, long: int, seed: int) -> t
 def job(rank, world, path, lengths, rounds, hidden):
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
-    from moe_rl.settings import model_spec, optim_settings
+    from moe_rl.driver.specs import model_spec, optim_spec
     from moe_rl.train import parallel
     from moe_rl.train.objectives import SftLoss
     from moe_rl.train.worker import TrainWorker
@@ -48,7 +48,7 @@ def job(rank, world, path, lengths, rounds, hidden):
     torch.set_num_threads(1)
     parallel.init_distributed(parallel.Layout())
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=4096))
-    w = TrainWorker(model_spec(cfg, path), optim=optim_settings(cfg, lr=1e-6))
+    w = TrainWorker(model_spec(cfg, path), optim=optim_spec(cfg, lr=1e-6))
     B, S = len(lengths), int(lengths.max())
     ids = torch.randint(0, 300, (B, S), generator=torch.Generator().manual_seed(1))
     mask = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)

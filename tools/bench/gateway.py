@@ -221,8 +221,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from moe_rl import settings
     from moe_rl.config import RunConfig, RunSection, TinyModel
+    from moe_rl.driver import specs
     from moe_rl.rollout.agent import Agent
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.rollout.envs import EnvSpec, get_env, import_object
@@ -231,7 +231,7 @@ def main() -> None:
     path = build_tiny_checkpoint(Path(tempfile.gettempdir()) / "moe_rl_bench_gateway", TinyModel(), seed=0)
     turns = 4
     cfg = RunConfig(run=RunSection(seed=0))
-    engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
+    engine = RolloutEngine(specs.engine_spec(cfg, str(path)))
     timed = TimedEngine(engine)  # the floor's clients wait a gateway request's engine time between requests
     in_steps = Counter()  # the engine's steps and their seconds: its own work, apart from the arms' own
     raw_step = engine._step
@@ -246,7 +246,7 @@ def main() -> None:
 
     engine._step = step
     tok = AutoTokenizer.from_pretrained(path)
-    agent_s = dataclasses.replace(settings.agent_settings(cfg), max_turns=turns,
+    agent_s = dataclasses.replace(specs.agent_spec(cfg), max_turns=turns,
                                   max_tokens_per_turn=args.max_new_tokens,
                                   token_budget=turns * (args.max_new_tokens + 16))
     env = get_env("guess_number")

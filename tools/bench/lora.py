@@ -39,17 +39,17 @@ ROWS, SEQ = 4, 256
 
 def arm(rank, world, path: str, lora_rank: int, steps: int) -> dict:
     """One rank: the policy (with rank-`lora_rank` adapters where > 0), warm-up and timed PPO steps."""
-    from moe_rl import settings
     from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
     from moe_rl.config import LoraSection, ModelSection, RunConfig, TrainerSection
+    from moe_rl.driver import specs
     from moe_rl.train import hf_io, parallel
     from moe_rl.train.worker import TrainWorker
 
     parallel.init_distributed(parallel.Layout())
     cfg = RunConfig(model=ModelSection(lora=LoraSection(rank=lora_rank, alpha=2.0 * lora_rank)),
                     trainer=TrainerSection(proximal_pass="separate", micro_batch_tokens=ROWS * SEQ))
-    w = TrainWorker(settings.policy_spec(cfg, path), optim=settings.optim_settings(cfg, 1e-5))
+    w = TrainWorker(specs.policy_spec(cfg, path), optim=specs.optim_spec(cfg, 1e-5))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (ROWS, SEQ), generator=g)
     lengths = torch.full((ROWS,), SEQ)
@@ -58,8 +58,8 @@ def arm(rank, world, path: str, lora_rank: int, steps: int) -> dict:
     routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
     batch = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, is_weight_BS=weight, adv_BS=adv,
                   logp_old_BS=w.score(Batch(ids, lengths, routes)).logp_BS)
-    loss = settings.policy_loss(cfg)
-    denominators = policy_denominators(mask, mask, weight, settings.target_params(cfg))
+    loss = specs.policy_loss(cfg)
+    denominators = policy_denominators(mask, mask, weight, specs.target_spec(cfg))
     times: list[float] = []
     w.train_step(batch, loss, denominators)  # warm-up: the optimizer's state is allocated here
     for _ in range(steps):

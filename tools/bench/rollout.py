@@ -38,14 +38,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moe_rl import settings
     from moe_rl.config import RunConfig, RunSection, TinyModel
+    from moe_rl.driver import specs
     from moe_rl.rollout.engine import RolloutEngine, Sampling
     from moe_rl.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(os.path.join(tempfile.gettempdir(), "moe_rl_bench_rollout"), TinyModel(),
                                  seed=0)
-    engine = RolloutEngine(settings.engine_settings(RunConfig(run=RunSection(seed=0)), str(path)))
+    engine = RolloutEngine(specs.engine_spec(RunConfig(run=RunSection(seed=0)), str(path)))
     prompts = [[257] + [40 + (i * 7 + j) % 60 for j in range(20)] for i in range(args.prompts)]
     s = Sampling(max_tokens=args.max_tokens, seed=0)
     if engine.route_source != "capture":

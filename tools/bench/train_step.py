@@ -106,7 +106,7 @@ def main() -> None:
     # 2. Megatron CPU path (one rank, gloo)
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
-    from moe_rl.settings import model_spec, optim_settings
+    from moe_rl.driver.specs import model_spec, optim_spec
     from moe_rl.train import parallel
     from moe_rl.train.worker import TrainWorker
 
@@ -114,7 +114,7 @@ def main() -> None:
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
     # padded; packed below
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))
-    w = TrainWorker(model_spec(cfg, str(path)), optim=optim_settings(cfg, lr=1e-6))
+    w = TrainWorker(model_spec(cfg, str(path)), optim=optim_spec(cfg, lr=1e-6))
     lengths = torch.full((args.batch,), args.seq)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, 0] = False
@@ -146,16 +146,16 @@ def main() -> None:
     var_mask = (torch.arange(args.seq) < var_len.unsqueeze(1)) & (torch.arange(args.seq) > 0)
     var = Batch(var_ids, var_len, mask_BS=var_mask)
     var_denom = var_mask.sum().double()
-    padded_settings = w.optim_settings
+    padded_settings = w.optim_spec
     packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)
     t_pad, t_pack, loss = [], [], {}
     for i in range(args.steps + 1):  # alternating order, round 0 untimed
         arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
         for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
-            w.optim_settings = settings
+            w.optim_spec = settings
             # round 0 warms up
             loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]
-    w.optim_settings = padded_settings
+    w.optim_spec = padded_settings
     t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
     parallel.shutdown()
 

@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from moe_rl import settings
     from moe_rl.config import RolloutSection, RunConfig, RunSection, TinyModel
+    from moe_rl.driver import specs
     from moe_rl.rollout.engine import RolloutEngine
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.weights.hf import HFReader
@@ -86,7 +86,7 @@ def main() -> None:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     trainer = TrainerStandIn.remote(str(path))
     assert ray.get(trainer.nbytes.remote()) == nbytes
-    engine = RolloutEngine(settings.engine_settings(cfg, str(path)))
+    engine = RolloutEngine(specs.engine_spec(cfg, str(path)))
     dst = [torch.empty_like(t) for _, t in named]
 
     def memcpy():

@@ -184,7 +184,7 @@ class TrialError(ValueError):
         super().__init__(message)
 
 
-TRIAL_TIMEOUT_S = 30.0  # as long as an episode's reset or step may take (AgentSettings.env_timeout_s)
+TRIAL_TIMEOUT_S = 30.0  # as long as an episode's reset or step may take (AgentSpec.env_timeout_s)
 # moe_rl/, Python's own
 _OURS = (str(Path(__file__).resolve().parents[2]) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
 _INSTALLED = tuple(dict.fromkeys(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")))

@@ -1,4 +1,4 @@
-"""moe_rl.settings is the one place config fields become component settings, and the config sections
+"""moe_rl.driver.specs is the one place config fields become component settings, and the config sections
 (config/run.py, config/learning.py) the one place their defaults live: every field of a settings object that
 mirrors a config field carries the config's value (each set away from its default here), and its
 dataclass declares no default for it."""
@@ -8,10 +8,9 @@ from operator import attrgetter
 
 import pytest
 
-from moe_rl import settings
-from moe_rl.algos.correction import CorrectionParams
-from moe_rl.algos.masking import PolicyMaskParams
-from moe_rl.algos.targets import TargetParams
+from moe_rl.algos.correction import CorrectionSpec
+from moe_rl.algos.masking import PolicyMaskSpec
+from moe_rl.algos.targets import TargetSpec
 from moe_rl.config import (
     AlgorithmSection,
     ClusterSection,
@@ -26,12 +25,13 @@ from moe_rl.config import (
     RunSection,
     TrainerSection,
 )
-from moe_rl.rollout.agent import AgentSettings
-from moe_rl.rollout.engine_settings import EngineLora, EngineSettings
-from moe_rl.train.lora import LoraSettings
+from moe_rl.driver import specs
+from moe_rl.rollout.agent import AgentSpec
+from moe_rl.rollout.engine_spec import EngineLoraSpec, EngineSpec
+from moe_rl.train.lora import LoraSpec
 from moe_rl.train.model import ModelSpec
 from moe_rl.train.objectives import PolicyLoss
-from moe_rl.train.optim import OptimSettings
+from moe_rl.train.optim import OptimSpec
 
 # every config field a settings object reads, away from its default
 CFG = RunConfig(
@@ -72,7 +72,7 @@ def at(path: str):
 # settings function -> (its dataclass, {field: where in the config its value comes from},
 # fields that are no config field: arguments of the function or the component's own defaults)
 CASES = {
-    "model_spec": (lambda cfg: settings.model_spec(cfg, "ckpt/dir"), ModelSpec, {
+    "model_spec": (lambda cfg: specs.model_spec(cfg, "ckpt/dir"), ModelSpec, {
         "dtype": at("model.dtype"), "layer_spec": at("model.layer_spec"), "fp8": at("model.fp8"),
         "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
         "routing_replay": at("rollout.record_routes"), "moe_aux_loss_coeff": at("model.moe_aux_loss_coeff"),
@@ -80,12 +80,12 @@ CASES = {
         "expert_bias_update_rate": at("model.expert_bias_update_rate"),
     }, {"hf_path", "lora"}),  # lora: the policy's alone (policy_spec)
     # rank 0 (the default config): no adapters, None; stood in for by rank 0 with the config's other fields
-    "policy_spec.lora": (lambda cfg: settings.policy_spec(cfg, "ckpt/dir").lora or LoraSettings(
-        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets)), LoraSettings, {
+    "policy_spec.lora": (lambda cfg: specs.policy_spec(cfg, "ckpt/dir").lora or LoraSpec(
+        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets)), LoraSpec, {
         "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),
         "targets": lambda cfg: tuple(cfg.model.lora.targets),
     }, set()),
-    "optim_settings": (lambda cfg: settings.optim_settings(cfg, cfg.critic.lr), OptimSettings, {
+    "optim_spec": (lambda cfg: specs.optim_spec(cfg, cfg.critic.lr), OptimSpec, {
         "lr": at("critic.lr"),  # the argument: trainer.lr for the policy, critic.lr for the critic
         "weight_decay": at("trainer.weight_decay"), "adam_beta1": at("trainer.adam_beta1"),
         "adam_beta2": at("trainer.adam_beta2"), "grad_clip": at("trainer.grad_clip"),
@@ -97,7 +97,7 @@ CASES = {
         "precision_aware": at("trainer.precision_aware_optimizer"),
         "adam_moments_dtype": at("trainer.adam_moments_dtype"),
     }, {"adam_eps"}),
-    "engine_settings": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir"), EngineSettings, {
+    "engine_spec": (lambda cfg: specs.engine_spec(cfg, "ckpt/dir"), EngineSpec, {
         "dtype": at("model.dtype"), "max_model_len": at("rollout.max_model_len"), "seed": at("run.seed"),
         "record_routes": at("rollout.record_routes"), "kv_cache_gb": at("rollout.kv_cache_gb"),
         "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
@@ -106,19 +106,19 @@ CASES = {
         "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
         "sleep": at("rollout.sleep_engines"), "tensor_parallel_size": at("rollout.engine_tp"),
         "expert_parallel": at("rollout.engine_ep"),
-    }, {"model_path", "lora"}),  # lora: engine_settings.lora
-    "engine_settings.lora": (lambda cfg: settings.engine_settings(cfg, "ckpt/dir").lora or EngineLora(
-        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets), cfg.model.lora.sync), EngineLora, {
+    }, {"model_path", "lora"}),  # lora: engine_spec.lora
+    "engine_spec.lora": (lambda cfg: specs.engine_spec(cfg, "ckpt/dir").lora or EngineLoraSpec(
+        0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets), cfg.model.lora.sync), EngineLoraSpec, {
         "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),
         "targets": lambda cfg: tuple(cfg.model.lora.targets), "sync": at("model.lora.sync"),
     }, set()),
-    "agent_settings": (settings.agent_settings, AgentSettings, {
+    "agent_spec": (specs.agent_spec, AgentSpec, {
         "max_turns": at("environment.max_turns"), "token_budget": at("environment.token_budget"),
         "max_model_len": at("rollout.max_model_len"), "max_tokens_per_turn": at("rollout.max_new_tokens"),
         "temperature": at("rollout.temperature"), "top_p": at("rollout.top_p"),
         "overlong_filter": at("environment.overlong_filter"),
     }, {"repetition_limit", "env_timeout_s"}),
-    "policy_loss": (settings.policy_loss, PolicyLoss, {
+    "policy_loss": (specs.policy_loss, PolicyLoss, {
         "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"),
         "clip_high": at("algorithm.clip_high"), "dual_clip": at("algorithm.dual_clip"),
         "aggregation": at("algorithm.aggregation"), "kl_coef": at("algorithm.kl_loss_coef"),
@@ -126,9 +126,9 @@ CASES = {
         "old_from_forward": at("proximal_from_update"),
         "check_sync": lambda cfg: cfg.proximal_from_update and not cfg.rollout.async_mode,
         "policy_mask": at("algorithm.policy_mask"),
-        "mask_params": lambda cfg: PolicyMaskParams(cfg.algorithm.opsm_delta, cfg.algorithm.m2po_tau),
+        "mask_spec": lambda cfg: PolicyMaskSpec(cfg.algorithm.opsm_delta, cfg.algorithm.m2po_tau),
     }, set()),
-    "target_params": (settings.target_params, TargetParams, {
+    "target_spec": (specs.target_spec, TargetSpec, {
         "advantage": at("algorithm.advantage"), "gamma": at("algorithm.gamma"), "lam": at("algorithm.lam"),
         "lam_critic": at("algorithm.lam_critic"),
         "length_adaptive_alpha": at("algorithm.length_adaptive_alpha"),
@@ -137,7 +137,7 @@ CASES = {
         "overlong_buffer": at("algorithm.overlong_buffer"),
         "overlong_penalty": at("algorithm.overlong_penalty"), "token_budget": at("environment.token_budget"),
         "correction": at("algorithm.correction"),
-        "correction_params": lambda cfg: CorrectionParams(cfg.algorithm.is_cap, cfg.algorithm.seq_is_cap,
+        "correction_params": lambda cfg: CorrectionSpec(cfg.algorithm.is_cap, cfg.algorithm.seq_is_cap,
                                                           cfg.algorithm.icepop_min, cfg.algorithm.icepop_max,
                                                           cfg.algorithm.geo_min, cfg.algorithm.geo_max),
         "ewma_anchor": lambda cfg: cfg.algorithm.anchor == "ewma", "aggregation": at("algorithm.aggregation"),

@@ -3,7 +3,7 @@ trajectories with non-finite rewards rejected and counted (never trained on)."""
 
 import asyncio
 
-from conftest import agent_settings
+from conftest import agent_spec
 from test_agent import ScriptedPolicy
 from transformers import AutoTokenizer
 
@@ -17,7 +17,7 @@ def test_overlong_filter_setting_excludes_truncated_episodes(tiny_qwen):
     for on in (False, True):
         # cut by the token budget
         agent = Agent(ScriptedPolicy(tok, ["12345678"] * 2), tok, EnvSpec("guess_number"),
-                      agent_settings(max_turns=5, token_budget=10, overlong_filter=on))
+                      agent_spec(max_turns=5, token_budget=10, overlong_filter=on))
         [[t]] = asyncio.run(agent.run_groups(prompts, 1))
         assert ("loss_excluded" in t.info) is on and agent.stats.overlong_filtered == int(on)
 
@@ -33,7 +33,7 @@ class NanReward(Environment):
 def test_non_finite_rewards_are_rejected_and_counted(tiny_qwen):
     tok = AutoTokenizer.from_pretrained(tiny_qwen)
     agent = Agent(ScriptedPolicy(tok, ["good", "bad", "good"]), tok, EnvSpec(NanReward),
-                  agent_settings(max_turns=1))
+                  agent_spec(max_turns=1))
     groups = asyncio.run(agent.run_groups([{}], 3))
     assert [t.terminal_reward for g in groups for t in g] == [1.0, 1.0]
     assert agent.stats.rejected == {"rewards": 1}
@@ -57,6 +57,6 @@ def test_a_greedy_evaluation_samples_at_temperature_zero(tiny_qwen):
         engine = Temperatures(tok, ["5"] * 2)
         engine.seen = []
         actor = SimpleNamespace(agent=Agent(engine, tok, EnvSpec("guess_number"),
-                                            agent_settings(temperature=0.7, max_turns=1)))
+                                            agent_spec(temperature=0.7, max_turns=1)))
         trajs, _ = asyncio.run(collect(actor, [{"secret": 5, "low": 1, "high": 9}] * 2, 1, 0, greedy=greedy))
         assert engine.seen == [expected, expected] and len(trajs) == 2

