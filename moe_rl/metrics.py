@@ -169,6 +169,44 @@ def expert_load_figures(name: str, load_LE: torch.Tensor, title: str) -> dict[st
             f"heatmap/moe/expert_load/{title}": load_LE}
 
 
+def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
+    """Per-token weight versions of a step's model tokens against the engines' `current` version: the
+    share of trajectories whose tokens come from several versions (a sync landed mid-conversation), and
+    the age (current - version) of the tokens: mean, max, and the share sampled by the current weights."""
+    ages, spanning = [], 0
+    for t in trajectories:
+        versions = t.versions or [t.weight_version] * len(t.token_ids)
+        mine = [v for v, m in zip(versions, t.response_mask, strict=True) if m]
+        spanning += len(set(mine)) > 1
+        ages += [current - v for v in mine]
+    return {"rollout/spanning_versions_frac": spanning / max(1, len(trajectories)),
+            "rollout/token_age_mean": sum(ages) / max(1, len(ages)),
+            "rollout/token_age_max": max(ages, default=0),
+            "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
+
+
+def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[str, float]:
+    """eval/ figures of `samples` samples for each of `prompts` held-out prompts (group g, sample k):
+    the mean reward of the scored samples, the success rate over all of them (mean@samples; a sample
+    lost to an environment error counts as a failure, eval/rejected counts them) and pass@k for k = 1,
+    2, 4, ... up to `samples` (and `samples` itself). An episode a gateway harness split at prefix breaks
+    (several trajectories of one group and sample, one reward) counts once."""
+    from moe_rl.algos.stats import pass_at_k
+    from moe_rl.trajectory import trajectory_success
+
+    success = torch.zeros(prompts, samples, dtype=torch.bool)
+    episodes = {(t.group_id, t.sample_index): t for t in trajectories}
+    for (g, k), t in episodes.items():
+        success[g, k] = trajectory_success(t)
+    rewards = torch.tensor([t.total_reward for t in episodes.values()], dtype=torch.float64)
+    ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
+    return {"eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
+            "eval/success_rate": float(success.double().mean()),
+            f"eval/mean@{samples}": float(success.double().mean()),
+            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}, "eval/samples": len(episodes),
+            "eval/prompts": prompts, "eval/rejected": prompts * samples - len(episodes)}
+
+
 def step_figures(batch, scores, targets, num_experts: int = 0) -> dict[str, object]:
     """The figures of a step's batch (moe_rl.batch.Batch), scores and targets (algos.targets); with the
     model's `num_experts`, the expert load of the rollout's routes (and of the trainer's own routing on

@@ -116,7 +116,7 @@ def test_evaluation_figures_count_lost_samples_as_failures():
     an episode is its `success` figure where it has one (the first: 0 despite a reward of 0.1), else a
     terminal reward > 0. Success [[0, 1], [1, lost]]: success rate 2/4, pass@1 1/2, pass@2 (each prompt
     has a success) 1; the reward mean is over the 3 scored samples."""
-    from moe_rl.driver.rollout_manager import evaluation_figures
+    from moe_rl.metrics import evaluation_figures
     from moe_rl.trajectory import Outcome, Trajectory
 
     def episode(group, sample, terminal, figures=None):

@@ -16,6 +16,7 @@ import torch
 from moe_rl.algos.targets import TargetSpec, targets
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
+from moe_rl.driver.contracts import StepCheckpoints
 from moe_rl.driver.preflight import preflight
 from moe_rl.driver.report import CONFIG_FILE, TIMELINE_FILE, earlier_summary, report, say
 from moe_rl.driver.run_checkpoints import Checkpoints
@@ -88,8 +89,8 @@ def run(cfg: RunConfig, spec: RunSpecs, out: Path, prompts: list[dict], eval_pro
     return 0
 
 
-def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints, log: StepLog,
-          trips: int = 0) -> None:
+def steps(first: int, end: int, schedule: RolloutSchedule, update, checkpoints: StepCheckpoints,
+          log: StepLog, trips: int = 0) -> None:
     """Steps first .. end - 1, each on the batch `schedule` hands it: `update(batch, step)` (train_step)
     gives its figures, logged with the rollout's; then its checkpoint where due (holding the rollouts in
     flight) and the schedule's turn (`step_done`). timing/round_trips: the driver's waits on remote calls

@@ -24,7 +24,7 @@ def preflight(cfg: RunConfig, out: Path, env: EnvSpec,
     to resume from (`check_resume_point`), and whether the actors fit the local Ray cluster the run will
     start."""
     from moe_rl.config.rules import check_layout_fits_hf_config, check_lora_rank_hf, check_model_features
-    from moe_rl.driver.rollout_manager import evaluation_prompts, training_prompts
+    from moe_rl.driver.prompts import evaluation_prompts, training_prompts
     from moe_rl.rollout.envs import try_first_prompt
     from moe_rl.weights.hf import (
         CheckpointError,

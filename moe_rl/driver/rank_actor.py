@@ -1,5 +1,8 @@
 """One trainer rank as a Ray actor (RankActor): its TrainWorker plus the EWMA anchor, the weight export
-and the checkpoint I/O of that rank."""
+and the checkpoint I/O of that rank.
+
+Runs in a process of its own (Ray's worker), not the driver's: the driver holds a handle and calls it
+with `.remote`; what it imports loads there."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """One vLLM engine and the agent loop as a Ray actor (RolloutActor), the error an engine's refused
-settings raise, and the client through which a trainer rank drives the engines' weight transfer."""
+settings raise, and the client through which a trainer rank drives the engines' weight transfer.
+
+RolloutActor runs in a process of its own (Ray's worker; vLLM's own worker processes beside it with
+engine tensor parallelism), not the driver's; EngineSyncClient runs in a trainer rank's."""
 
 from __future__ import annotations
 

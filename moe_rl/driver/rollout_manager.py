@@ -1,11 +1,12 @@
 """The rollout manager: vLLM engines as Ray actors, the prompt stream, and the weights they generate with.
 
-    rollouts = Rollouts(cfg, place, spec, training_prompts(cfg, spec.env))   # spec: driver.specs.run_specs
+    rollouts = Rollouts(cfg, place, spec, training_prompts(cfg, spec.env))  # spec: driver.specs.run_specs
     rollout = rollouts.generate(step)             # InFlight: the step's prompts split over the engines
     batch, metrics, episodes = rollouts.wait(rollout)  # one Batch; merged statistics; stale samples dropped
     rollouts.sync(policy, version)                # the policy's weights into every engine
 
-Evaluation (held-out prompts) and the warm start's scripted-expert demonstrations live here too.
+Evaluation (held-out prompts) and the warm start's scripted-expert demonstrations live here too; the
+prompt stream is driver/prompts.py's, the rollout's figures metrics.py's.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import ray
-import torch
 
 from moe_rl.algos import correction
 from moe_rl.batch import Batch, build_batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.placement import Placement
+from moe_rl.driver.prompts import generated_prompts
 from moe_rl.driver.remote import RemoteCallError, gather, last_line
 from moe_rl.driver.rollout_actor import RolloutActor
 from moe_rl.driver.specs import RunSpecs
+from moe_rl.metrics import evaluation_figures, token_version_figures
 from moe_rl.rollout.seeds import sample_seed
 from moe_rl.trajectory import Outcome, trajectory_from_state, trajectory_state
 
 if TYPE_CHECKING:
-    from moe_rl.rollout.envs import EnvSpec
+    pass
 
 
 class RolloutError(RuntimeError):
@@ -78,82 +80,6 @@ class Collected:
                      RolloutStats(**{**st, "outcomes": Counter(st["outcomes"]),
                                      "rejected": Counter(st["rejected"])}))
                     for trajs, st in state["results"]], state["wait_s"])
-
-
-def token_version_figures(trajectories: list, current: int) -> dict[str, float]:
-    """Per-token weight versions of a step's model tokens against the engines' `current` version: the
-    share of trajectories whose tokens come from several versions (a sync landed mid-conversation), and
-    the age (current - version) of the tokens: mean, max, and the share sampled by the current weights."""
-    ages, spanning = [], 0
-    for t in trajectories:
-        versions = t.versions or [t.weight_version] * len(t.token_ids)
-        mine = [v for v, m in zip(versions, t.response_mask, strict=True) if m]
-        spanning += len(set(mine)) > 1
-        ages += [current - v for v in mine]
-    return {"rollout/spanning_versions_frac": spanning / max(1, len(trajectories)),
-            "rollout/token_age_mean": sum(ages) / max(1, len(ages)),
-            "rollout/token_age_max": max(ages, default=0),
-            "rollout/token_age_0_frac": sum(a == 0 for a in ages) / max(1, len(ages))}
-
-
-def dataset_rows(cfg: RunConfig, path: str) -> list[dict]:
-    """A JSONL or Parquet file's rows, each checked for what the run's environment reads (its required
-    fields and `check_row`): DatasetError naming the file, line and field otherwise."""
-    from moe_rl.rollout.data import load_prompts
-    from moe_rl.rollout.envs import get_env
-
-    env_cls = get_env(cfg.environment.name)
-    return load_prompts(path, env_cls.required_fields, env_cls.check_row, cfg.environment.dataset_fields)
-
-
-def generated_prompts(env: EnvSpec, n: int, seed: int) -> list[dict]:
-    """n prompts the environment makes itself, from `seed`."""
-    return env.env_cls.generate_prompts(n, seed=seed, options=env.built_options())
-
-
-def training_prompts(cfg: RunConfig, env: EnvSpec) -> list[dict]:
-    """The prompt stream: environment.dataset's rows, or prompts the environment (`env`) generates."""
-    dataset = cfg.environment.dataset
-    return dataset_rows(cfg, dataset) if dataset else generated_prompts(env, 100_000, cfg.run.seed)
-
-
-def evaluation_prompts(cfg: RunConfig, env: EnvSpec) -> list[dict]:
-    """The held-out prompts (trainer.eval_prompts of them): trainer.eval_dataset's first rows, or
-    prompts the environment makes from a seed the training stream never uses."""
-    tr = cfg.trainer
-    if not tr.eval_prompts:
-        return []
-    if tr.eval_dataset:
-        from moe_rl.rollout.data import DatasetError
-
-        rows = dataset_rows(cfg, tr.eval_dataset)
-        if len(rows) < tr.eval_prompts:
-            raise DatasetError(f"trainer.eval_prompts={tr.eval_prompts}, but {tr.eval_dataset} has "
-                               f"{len(rows)} rows")
-        return rows[:tr.eval_prompts]
-    return generated_prompts(env, tr.eval_prompts, cfg.run.seed + 424242)
-
-
-def evaluation_figures(trajectories: list, prompts: int, samples: int) -> dict[str, float]:
-    """eval/ figures of `samples` samples for each of `prompts` held-out prompts (group g, sample k):
-    the mean reward of the scored samples, the success rate over all of them (mean@samples; a sample
-    lost to an environment error counts as a failure, eval/rejected counts them) and pass@k for k = 1,
-    2, 4, ... up to `samples` (and `samples` itself). An episode a gateway harness split at prefix breaks
-    (several trajectories of one group and sample, one reward) counts once."""
-    from moe_rl.algos.stats import pass_at_k
-    from moe_rl.trajectory import trajectory_success
-
-    success = torch.zeros(prompts, samples, dtype=torch.bool)
-    episodes = {(t.group_id, t.sample_index): t for t in trajectories}
-    for (g, k), t in episodes.items():
-        success[g, k] = trajectory_success(t)
-    rewards = torch.tensor([t.total_reward for t in episodes.values()], dtype=torch.float64)
-    ks = sorted({k for k in (2 ** i for i in range(samples.bit_length())) if k <= samples} | {samples})
-    return {"eval/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "eval/success_rate": float(success.double().mean()),
-            f"eval/mean@{samples}": float(success.double().mean()),
-            **{f"eval/pass@{k}": float(pass_at_k(success, k)) for k in ks}, "eval/samples": len(episodes),
-            "eval/prompts": prompts, "eval/rejected": prompts * samples - len(episodes)}
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
+from moe_rl.driver.contracts import RolloutSource, SteppingAside
 from moe_rl.driver.report import say, write_summary
 from moe_rl.driver.rollout_manager import Collected, InFlight
 from moe_rl.samples import SampleLog
@@ -32,7 +33,8 @@ class Evaluation:
     """The held-out evaluation: when it is due (`due`), and its figures by step (`results`); summary.json
     is written after each. `summary`: the figures before RL (the warm start's) it is written with."""
 
-    def __init__(self, cfg: RunConfig, out: Path, rollouts, log, summary: dict, results: dict[int, dict],
+    def __init__(self, cfg: RunConfig, out: Path, rollouts: RolloutSource, log, summary: dict,
+                 results: dict[int, dict],
                  sample_log: SampleLog | None = None):
         self.out, self.rollouts, self.log, self.summary, self.results = out, rollouts, log, summary, results
         self.sample_log = sample_log  # a few of its episodes as text (logging.samples)
@@ -68,7 +70,8 @@ class RolloutSchedule:
     rollouts running or waiting to be trained on, oldest first: at most one synchronous, up to
     rollout.async_depth asynchronous; none after the last step's."""
 
-    def __init__(self, cfg: RunConfig, models, rollouts, log, evaluation: Evaluation, first: int,
+    def __init__(self, cfg: RunConfig, models: SteppingAside, rollouts: RolloutSource, log,
+                 evaluation: Evaluation, first: int,
                  resumed: list[Collected], sample_log: SampleLog | None = None):
         self.models, self.rollouts, self.log, self.evaluation = models, rollouts, log, evaluation
         self.sample_log = sample_log  # a few of a step's episodes as text, every logging.samples_every

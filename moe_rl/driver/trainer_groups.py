@@ -4,24 +4,23 @@ loops they own.
 
     models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
-    figures, logp = models.fit(batch, targets, step)  # critic.fit, then policy.fit: epochs x minibatches
+    figures, logp = models.fit(batch, targets, step)  # the critic, then the policy (driver/updates.py)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
-from moe_rl.algos import aggregate, registry
-from moe_rl.algos.targets import Scores, Targets, TargetSpec, boundary_values, correct, policy_denominators
+from moe_rl.algos.targets import Scores, Targets, TargetSpec, boundary_values
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.placement import Placement
 from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
 from moe_rl.driver.specs import GroupSpec, RunSpecs
+from moe_rl.driver.updates import fit_critic, fit_policy
 from moe_rl.metrics import reduce_updates, role_figures
 from moe_rl.plan import hf_config_of
 from moe_rl.train.lr_schedule import lr_at
@@ -190,15 +189,6 @@ class TrainerGroup:
 
 
 
-def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
-    """The rows of each update of a step, epoch after epoch: a random split of n rows (seeded by the
-    step, the same in every epoch) into trainer.minibatches minibatches, at most n // dp of them so
-    every data-parallel replica gets a row of each."""
-    k = max(1, min(cfg.trainer.minibatches, n // dp))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.run.seed * 7919 + step))
-    return [perm[i::k] for i in range(k)] * cfg.trainer.epochs
-
-
 class PolicyGroup(TrainerGroup):
     def __init__(self, cfg: RunConfig, place: Placement, slot: str, spec: GroupSpec, loss: PolicyLoss,
                  params: TargetSpec):
@@ -215,63 +205,6 @@ class PolicyGroup(TrainerGroup):
         """trainer.lr_schedule's learning rate of RL step `step` (train.lr_schedule.lr_at)."""
         tr = self.cfg.trainer
         return lr_at(step, tr.lr, tr.lr_schedule, tr.lr_warmup_steps, self.cfg.lr_decay_end, tr.lr_min)
-
-    def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Epochs x minibatches of policy updates; the step's policy/ and correction/ figures, and with
-        RunConfig.proximal_from_update the policy's log-probs before the update ([B, S], routes
-        replayed: the update's own forward), else None.
-
-        Under PPO-EWMA update n uses pi_{theta_bar_{n-1}}, the anchor as it is after the previous
-        update: it is scored, and the correction recomputed, per minibatch (guide 000 section 7.2)."""
-        cfg, p, t0 = self.cfg, self.params, time.perf_counter()
-        self.set_lr(self.scheduled_lr(step))
-        full = batch.with_targets(t)
-        updates, corrections, masks, skipped, gap = [], [], [], 0, None
-        logp = torch.zeros(batch.input_ids_BS.shape) if cfg.proximal_from_update else None
-        for n, rows in enumerate(update_rows(cfg, batch.size, self.dp, step)):
-            mb = full.rows(rows)
-            if p.ewma_anchor:
-                old = self.score(mb.model_inputs(), anchor=True).logp_BS
-                c = correct(old, mb.logp_mu_BS, mb.mask_BS, p)
-                corrections.append(c.metrics)
-                if gap is None:  # the anchor vs the policy at the start of the step
-                    gap = float(((old - t.logp_policy_BS[rows][:, :old.shape[1]]).abs() * mb.mask_BS).sum()
-                                / mb.mask_BS.sum().clamp(min=1))
-                mb = dataclasses.replace(mb, logp_old_BS=old, is_weight_BS=c.weight_BT,
-                                         pg_mask_BS=mb.loss_mask_BS & c.keep_BT)
-            denominators = policy_denominators(mb.pg_mask_BS, mb.loss_mask_BS, mb.is_weight_BS, p)
-            if self.loss.mask_scope == "batch":  # decided over the whole minibatch, denominators unchanged
-                before = t.logp_policy_BS[rows] if n == 0 and t.logp_policy_BS is not None else None
-                mb, figures = self._batch_mask(mb, before)
-                masks.append(figures)
-            trained = float(denominators["policy"]) > 0
-            if trained:
-                updates.append(self.train(mb, self.loss, denominators, keep_logp=logp is not None))
-            else:  # nothing kept (or NaN): a skip, never an epsilon
-                skipped += 1
-            if logp is not None:  # pi_old from the update's forward, or (no update) a pass of its own
-                kept = updates[-1].logp_BS if trained else self.score(mb.model_inputs()).logp_BS
-                logp[rows, :kept.shape[1]] = kept
-        out = role_figures("policy", [u.figures for u in updates])
-        # a count, not a mean
-        out["policy/skipped_nonfinite"] = sum(u.figures["skipped_nonfinite"] for u in updates)
-        out.update({f"correction/{k}": v for k, v in reduce_updates(corrections).items()})
-        out.update({f"policy/{k}": v for k, v in reduce_updates(masks).items()})
-        out.update({"policy/skipped_minibatches": skipped, "timing/actor_train_s": time.perf_counter() - t0})
-        if gap is not None:
-            out["policy/anchor_logp_gap"] = gap
-        return out, logp
-
-    def _batch_mask(self, mb: Batch, logp_BS: torch.Tensor | None) -> tuple[Batch, dict]:
-        """mb with the batch-scope policy mask (M2PO) decided over all of its rows, and its figures.
-        pi_theta is the policy about to be updated: `logp_BS` where the caller has it (the first update
-        of a step: the policy as scored before the step), else a forward pass of its own."""
-        if logp_BS is None:
-            logp_BS = self.score(mb.model_inputs()).logp_BS
-        fn = registry.get("policy_mask", self.loss.policy_mask)
-        keep, figures = fn(logp_BS[:, :mb.input_ids_BS.shape[1]], mb.logp_old_BS, mb.logp_mu_BS, mb.adv_BS,
-                           mb.pg_mask_BS, self.loss.mask_spec)
-        return dataclasses.replace(mb, policy_keep_BS=keep), figures
 
     def warm_start(self, batches: list[Batch], lr: float) -> dict[str, float]:
         """Supervised steps on demonstration batches at learning rate `lr`; their figures (warm_start/:
@@ -296,22 +229,6 @@ class CriticGroup(TrainerGroup):
     def __init__(self, cfg: RunConfig, place: Placement, spec: GroupSpec, loss: ValueLoss):
         super().__init__(cfg, place, "critic", spec)
         self.cfg, self.path, self.loss = cfg, spec.model.hf_path, loss
-
-    def fit(self, batch: Batch, t: Targets, step: int) -> dict[str, float]:
-        """Epochs x minibatches of value regression to the returns; the step's critic/ figures."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        full = dataclasses.replace(batch.with_targets(t), routes_BSLK=None)  # the critic routes freely
-        updates = []
-        for rows in update_rows(cfg, batch.size, self.dp, step):
-            mb = full.rows(rows)
-            denominator = aggregate.loss_denominator(mb.mask_BS, "token_mean")
-            if float(denominator) > 0:
-                updates.append(self.train(mb, self.loss, denominator))
-        return role_figures("critic", [u.figures for u in updates]) | {
-            # a count, not a mean
-            "critic/skipped_nonfinite": sum(u.figures["skipped_nonfinite"] for u in updates),
-            "timing/critic_train_s": time.perf_counter() - t0}
-
 
 class Models:
     """The policy and, as the run needs them, the critic, the reference policy, the reward model and the
@@ -383,16 +300,16 @@ class Models:
 
     def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
         """The critic's update, then (past critic.warmup_steps) the policy's; their figures and the
-        policy's log-probs before the update when its forward gave them (PolicyGroup.fit). Timings and
-        the policy's skip counts are figures of every step (0 for a model that did not train); the
+        policy's log-probs before the update when its forward gave them (driver.updates.fit_policy).
+        Timings and the policy's skip counts are figures of every step (0 for a model that did not train); the
         learning rates, of the steps that trained."""
         t0 = time.perf_counter()
         out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
                "policy/skipped_nonfinite": 0}
-        out |= self.critic.fit(batch, t, step) if self.critic else {}
+        out |= fit_critic(self.critic, batch, t, step) if self.critic else {}
         logp = None
         if step >= self.cfg.critic.warmup_steps:
-            figures, logp = self.policy.fit(batch, t, step)
+            figures, logp = fit_policy(self.policy, batch, t, step)
             out |= figures
         scoring_only = {"reference": self.reference, "reward_model": self.reward_model, **self.teachers}
         for role, group in scoring_only.items():  # their memory is asked for (the others report theirs

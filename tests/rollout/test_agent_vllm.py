@@ -42,7 +42,7 @@ def test_a_sync_mid_conversation_gives_per_token_versions_and_staleness_from_the
 
     from moe_rl.algos.correction import staleness
     from moe_rl.batch import build_batch
-    from moe_rl.driver.rollout_manager import token_version_figures
+    from moe_rl.metrics import token_version_figures
 
     out = rollout
     trajs = [t for g in out["groups"] for t in g]

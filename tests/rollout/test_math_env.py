@@ -93,7 +93,7 @@ def test_a_dataset_with_its_own_field_names(tmp_path):
     import json
 
     from moe_rl.config import ConfigError, from_dict
-    from moe_rl.driver.rollout_manager import dataset_rows
+    from moe_rl.driver.prompts import dataset_rows
     from moe_rl.rollout.data import DatasetError
 
     rows = tmp_path / "p.jsonl"
