@@ -1,6 +1,8 @@
 """The code's style as pyproject.toml declares it, held by the test run (and so by CI): ruff's lint rules
-pass, the 110-column line length (E501) among them; no module of moe_rl is over 500 lines."""
+pass, the 110-column line length (E501) among them; no module of moe_rl is over 500 lines, no function
+over 80."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -20,3 +22,12 @@ def test_no_module_is_over_500_lines():
     long = {str(f.relative_to(ROOT)): n for f in sorted((ROOT / "moe_rl").rglob("*.py"))
             if (n := len(f.read_text().splitlines())) > 500}
     assert not long, f"split these modules: {long}"
+
+
+def test_no_function_is_over_80_lines():
+    functions = [(f, node) for f in sorted((ROOT / "moe_rl").rglob("*.py"))
+                 for node in ast.walk(ast.parse(f.read_text()))
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+    long = {f"{f.relative_to(ROOT)}:{node.name}": lines for f, node in functions
+            if (lines := node.end_lineno - node.lineno + 1) > 80}
+    assert not long, f"split these functions: {long}"

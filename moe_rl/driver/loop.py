@@ -23,6 +23,7 @@ from moe_rl.driver.run_checkpoints import Checkpoints
 from moe_rl.driver.schedule import Evaluation, RolloutSchedule
 from moe_rl.driver.specs import RunSpecs, run_specs
 from moe_rl.driver.startup import model_dir, start
+from moe_rl.driver.updates import fit
 from moe_rl.metrics import StepLog, step_figures
 from moe_rl.samples import SampleLog
 from moe_rl.trackers import open_writers
@@ -122,7 +123,7 @@ def train_step(models, rollouts, batch: Batch, step: int, params: TargetSpec, lo
         scores = models.score(batch, diagnostics=diagnostics)
     with log.timer("advantages", step):
         tgt = targets(batch, scores, params)
-    fit_figures, logp_policy = models.fit(batch, tgt, step)
+    fit_figures, logp_policy = fit(models, batch, tgt, step)
     scores = scores.with_policy(logp_policy)  # one update per step: pi_old from its own forward
     with log.timer("sync", step):
         log.add(rollouts.sync(models.policy, step + 1))

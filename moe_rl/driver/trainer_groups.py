@@ -4,7 +4,7 @@ loops they own.
 
     models = Models(cfg, place, model_path)
     scores = models.score(batch, diagnostics)       # DP-sharded forward passes, routes replayed
-    figures, logp = models.fit(batch, targets, step)  # the critic, then the policy (driver/updates.py)
+    figures, logp = fit(models, batch, targets, step)  # the critic, then the policy (driver/updates.py)
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import time
 
 import torch
 
-from moe_rl.algos.targets import Scores, Targets, TargetSpec, boundary_values
+from moe_rl.algos.targets import Scores, TargetSpec, boundary_values
 from moe_rl.batch import Batch
 from moe_rl.config import RunConfig
 from moe_rl.driver.placement import Placement
 from moe_rl.driver.rank_actor import RankActor
 from moe_rl.driver.remote import gather
 from moe_rl.driver.specs import GroupSpec, RunSpecs
-from moe_rl.driver.updates import fit_critic, fit_policy
-from moe_rl.metrics import reduce_updates, role_figures
+from moe_rl.metrics import reduce_updates
 from moe_rl.plan import hf_config_of
 from moe_rl.train.lr_schedule import lr_at
 from moe_rl.train.objectives import PolicyLoss, SftLoss, ValueLoss
@@ -297,27 +296,6 @@ class Models:
                 logp = group.score(inputs.rows(rows)).logp_BS
                 out[rows, :logp.shape[1]] = logp
         return out, time.perf_counter() - t0
-
-    def fit(self, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
-        """The critic's update, then (past critic.warmup_steps) the policy's; their figures and the
-        policy's log-probs before the update when its forward gave them (driver.updates.fit_policy).
-        Timings and the policy's skip counts are figures of every step (0 for a model that did not train); the
-        learning rates, of the steps that trained."""
-        t0 = time.perf_counter()
-        out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
-               "policy/skipped_nonfinite": 0}
-        out |= fit_critic(self.critic, batch, t, step) if self.critic else {}
-        logp = None
-        if step >= self.cfg.critic.warmup_steps:
-            figures, logp = fit_policy(self.policy, batch, t, step)
-            out |= figures
-        scoring_only = {"reference": self.reference, "reward_model": self.reward_model, **self.teachers}
-        for role, group in scoring_only.items():  # their memory is asked for (the others report theirs
-            if group:                             # with each update)
-                out |= role_figures(role, group.call("memory"))
-        tokens = float(batch.lengths_B.sum()) * self.cfg.trainer.epochs
-        out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
-        return out, logp
 
     def offload(self) -> dict[str, float]:
         """Colocated with cluster.offload: every trainer rank hands its device memory (parameters,

@@ -3,7 +3,7 @@ shards batches over its ranks and gathers what they return: the policy's (PPO-EW
 the correction recomputed per minibatch, a batch-scope mask such as M2PO decided per minibatch, pi_old
 taken from the update's own forward) and the critic's value regression.
 
-    figures, logp = fit_policy(models.policy, batch, targets, step)
+    figures, logp = fit(models, batch, targets, step)   # the critic's, then the policy's
 """
 
 from __future__ import annotations
@@ -21,7 +21,29 @@ from moe_rl.config import RunConfig
 from moe_rl.metrics import reduce_updates, role_figures
 
 if TYPE_CHECKING:
-    from moe_rl.driver.trainer_groups import CriticGroup, PolicyGroup
+    from moe_rl.driver.trainer_groups import CriticGroup, Models, PolicyGroup
+
+
+def fit(models: Models, batch: Batch, t: Targets, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
+    """The critic's update, then (past critic.warmup_steps) the policy's; their figures and the
+    policy's log-probs before the update when its forward gave them (fit_policy).
+    Timings and the policy's skip counts are figures of every step (0 for a model that did not train); the
+    learning rates, of the steps that trained."""
+    t0 = time.perf_counter()
+    out = {"timing/critic_train_s": 0.0, "timing/actor_train_s": 0.0, "policy/skipped_minibatches": 0,
+           "policy/skipped_nonfinite": 0}
+    out |= fit_critic(models.critic, batch, t, step) if models.critic else {}
+    logp = None
+    if step >= models.cfg.critic.warmup_steps:
+        figures, logp = fit_policy(models.policy, batch, t, step)
+        out |= figures
+    scoring_only = {"reference": models.reference, "reward_model": models.reward_model, **models.teachers}
+    for role, group in scoring_only.items():  # their memory is asked for (the others report theirs
+        if group:                             # with each update)
+            out |= role_figures(role, group.call("memory"))
+    tokens = float(batch.lengths_B.sum()) * models.cfg.trainer.epochs
+    out["perf/train_tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
+    return out, logp
 
 
 def update_rows(cfg: RunConfig, n: int, dp: int, step: int) -> list[torch.Tensor]:
