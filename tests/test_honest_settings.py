@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 from moe_rl.config import from_dict, load_config, read_yaml
-from moe_rl.driver.specs import convert_spec
+from moe_rl.driver.specs import convert_spec, env_spec
 from moe_rl.schema import ConfigError, ConfigWarning
 
 CONVERT = convert_spec()  # the model settings `moe-rl convert` builds with
@@ -112,7 +112,7 @@ def test_a_teacher_without_an_lm_head_is_refused_before_start(tmp_path, tiny_qwe
     with pytest.raises(CheckpointError, match=r"teacher.path: '.*' has no LM head \(lm_head.weight\), but a "
                                               r"score head \(score.weight\): a reward model; a distillation "
                                               r"teacher is a causal language model"):
-        preflight(cfg, tmp_path / "run")
+        preflight(cfg, tmp_path / "run", env_spec(cfg))
 
 
 def test_convert_names_the_right_path_or_direction(tmp_path, tiny_qwen):
