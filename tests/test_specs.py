@@ -178,3 +178,35 @@ def test_settings_dataclasses_declare_no_default_for_config_fields(name):
         assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
             f"{cls.__name__}.{field} declares a default; it comes from the config (defaults live in the "
             "config sections, config/run.py and config/learning.py)")
+
+
+def test_the_driver_builds_the_specs_once():
+    """Outside driver/specs.py the driver reaches the spec builders only through run_specs (loop.main,
+    once a run), and each group's ranks get the spec run_specs made for their slot."""
+    import ast
+
+    from conftest import ROOT
+
+    builders = {name for name, value in vars(specs).items()
+                if callable(value) and getattr(value, "__module__", "") == specs.__name__
+                and not isinstance(value, type)} - {"run_specs"}
+    assert {"model_spec", "optim_spec", "engine_spec", "env_spec", "target_spec"} <= builders
+    called = {}
+    for f in sorted((ROOT / "moe_rl" / "driver").glob("*.py")):
+        if f.name == "specs.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == specs.__name__:  # import model_spec
+                reached = {a.name for a in node.names} & builders
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "specs":  # specs.x(...)
+                reached = {node.attr} & builders
+            else:
+                continue
+            if reached:
+                called.setdefault(f.name, set()).update(reached)
+    assert not called, f"spec builders reached around run_specs: {called}"
+    cfg = RunConfig()
+    run = specs.run_specs(cfg, "m")
+    assert list(run.groups) == ["policy", "critic"] and run.groups["critic"].role == "critic"
+    assert run.groups["policy"].model == specs.policy_spec(cfg, "m")
+    assert run.engine == specs.engine_spec(cfg, "m")
