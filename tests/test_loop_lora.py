@@ -19,25 +19,25 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "parallel.tp=2", "parallel.wo
 
 def test_lora_policy_syncs_merged_weights_and_resumes_from_its_adapters(tmp_path):
     full = tmp_path / "full"
-    proc = run_train(full, *LORA)
+    proc = run_train(full, *LORA, "run.steps=2")
     assert "LoRA merged: the engines get W + (alpha/r) B A (rank 4, alpha 8" in proc.stdout, proc.stdout
     hist = torch.load(full / "history.pt", weights_only=False)
-    assert len(hist) == 3
+    assert len(hist) == 2
     # the adapters moved (the warm start and each update), and the engines' log-probs of their own samples
     # are the trainer's, token by token: every step after an update compares the merged sync against the
     # adapters (the largest |log mu - log pi_old| of the step's model tokens)
     assert max(h["correction/logp_mismatch_max"] for h in hist) < 1e-4, [h["correction/logp_mismatch_max"]
                                                                          for h in hist]
-    policy = full / "checkpoints" / "step_000003" / "policy"
+    policy = full / "checkpoints" / "step_000002" / "policy"
     model_keys = [k for k in tensor_shapes(policy) if not k.startswith("optimizer")]
     assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys)
-    split = tmp_path / "split"  # the full run's step-2 checkpoint, resumed (resume: auto) for step 3
-    shutil.copytree(full / "checkpoints" / "step_000002", split / "checkpoints" / "step_000002")
-    run_train(split, *LORA, "run.steps=3")
+    split = tmp_path / "split"  # the full run's step-1 checkpoint, resumed (resume: auto) for step 2
+    shutil.copytree(full / "checkpoints" / "step_000001", split / "checkpoints" / "step_000001")
+    run_train(split, *LORA, "run.steps=2")
     resumed = torch.load(split / "history.pt", weights_only=False)
     assert len(resumed) == 1
     for key in ("policy/loss", "reward/mean", "correction/logp_mismatch_mean"):
-        assert resumed[0][key] == pytest.approx(hist[2][key], rel=1e-4, abs=1e-6), key
+        assert resumed[0][key] == pytest.approx(hist[1][key], rel=1e-4, abs=1e-6), key
 
 
 def test_attention_adapters_sync_as_adapters_in_the_loop(tmp_path):
