@@ -294,7 +294,7 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float, adapters: bool) -> t
     """(bytes per engine GPU, KV-cache tokens an engine holds). An engine spans rollout.engine_tp GPUs,
     each with 1/engine_tp of the weights and of the KV heads; `adapters` (the engines apply the policy's
     LoRA adapters): its LORA_SLOTS slots of LoRA buffers (`engine_lora_params`) too, before the KV cache."""
-    from moe_rl.rollout.engine_spec import GPU_MEMORY_UTILIZATION, LORA_SLOTS
+    from moe_rl.rollout.engine_spec import LORA_SLOTS
 
     b, tp, r, lo = dtype_bytes(cfg), cfg.rollout.engine_tp, cfg.rollout, cfg.model.lora
     held = {"weights": shape.total * b / tp}
@@ -302,9 +302,8 @@ def engine_memory(shape: ModelShape, cfg, gpu_bytes: float, adapters: bool) -> t
         per_slot = engine_lora_params(shape, lo.rank, lo.targets, tp, r.engine_ep)
         held["lora_buffers"] = LORA_SLOTS * per_slot * b
     held["runtime"] = ENGINE_RESERVE_GIB * GiB
-    util = r.gpu_memory_utilization if r.gpu_memory_utilization is not None \
-        else GPU_MEMORY_UTILIZATION[cfg.cluster.colocate]
-    kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None else max(0.0, util * gpu_bytes - sum(held.values()))
+    kv = r.kv_cache_gb * GiB if r.kv_cache_gb is not None \
+        else max(0.0, cfg.engine_gpu_share * gpu_bytes - sum(held.values()))
     return held | {"kv_cache": kv}, kv / shape.kv_bytes_per_token(b, tp)
 
 

@@ -103,10 +103,11 @@ CASES = {
         "route_source": at("rollout.route_source"), "weight_transfer": at("rollout.weight_transfer"),
         "max_num_seqs": at("rollout.max_num_seqs"),
         "max_num_batched_tokens": at("rollout.max_num_batched_tokens"),
-        "gpu_memory_utilization": at("rollout.gpu_memory_utilization"), "colocated": at("cluster.colocate"),
+        "gpu_memory_utilization": attrgetter("engine_gpu_share"),  # rollout.*, else cluster.colocate's
         "sleep": at("rollout.sleep_engines"), "tensor_parallel_size": at("rollout.engine_tp"),
         "expert_parallel": at("rollout.engine_ep"),
-    }, {"model_path", "lora"}),  # lora: engine_spec.lora
+    }, {"model_path", "lora", "cpu_kv_cache_max_gb", "cpu_kv_fills", "gpu_batched_tokens"}),
+    # lora: engine_spec.lora; the CPU KV cache's and the GPU token budget's defaults: RolloutSection's
     "engine_spec.lora": (lambda cfg: specs.engine_spec(cfg, "ckpt/dir").lora or EngineLoraSpec(
         0, cfg.model.lora.alpha, tuple(cfg.model.lora.targets), cfg.model.lora.sync), EngineLoraSpec, {
         "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),

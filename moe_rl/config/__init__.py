@@ -124,6 +124,13 @@ class RunConfig:
         own = {k: getattr(t, k) for k in ("tp", "pp", "ep") if getattr(t, k) is not None}
         return dataclasses.replace(self.parallel, **own, **({"etp": None} if "tp" in own else {}))
 
+    @property
+    def engine_gpu_share(self) -> float:
+        """The share of its GPU an engine may take: rollout.gpu_memory_utilization, else the default for
+        engines alone on their GPUs or colocated with the trainer (RolloutSection.GPU_MEMORY_UTILIZATION)."""
+        share = self.rollout.gpu_memory_utilization
+        return share if share is not None else RolloutSection.GPU_MEMORY_UTILIZATION[self.cluster.colocate]
+
     def lora_sync(self, cuda: bool) -> tuple[str, str]:
         """How the engines get a LoRA policy's weights on a machine with (or without) CUDA, "adapters" or
         "merged", and why (rollout.engine_spec.resolve_lora_sync; ValueError where model.lora.sync asks for

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from moe_rl.schema import ConfigError, in_range, positive
 
@@ -16,6 +16,15 @@ from moe_rl.schema import ConfigError, in_range, positive
 class RolloutSection:
     """The vLLM engines and each step's rollout: how many engines, sampling, prompts and samples per step,
     routes for replay, weight sync, asynchronous mode, engine memory and restarts."""
+
+    # what the engine takes where kv_cache_gb, gpu_memory_utilization and max_num_batched_tokens are null
+    # (their descriptions say so): an engine's share of its GPU alone / colocated; on CPU a KV cache of
+    # max_num_seqs sequences of max_model_len CPU_KV_FILLS times over, at most CPU_KV_CACHE_GB GiB; on GPU
+    # one engine step's token budget (chunked prefill beyond it)
+    GPU_MEMORY_UTILIZATION: ClassVar[dict[bool, float]] = {False: 0.85, True: 0.4}
+    CPU_KV_CACHE_GB: ClassVar[float] = 1.0
+    CPU_KV_FILLS: ClassVar[int] = 2
+    GPU_BATCHED_TOKENS: ClassVar[int] = 8192
 
     num_engines: int = 1
     """vLLM engines"""

@@ -124,13 +124,13 @@ def engine_spec(cfg: RunConfig, model_path: str):
 
     r = cfg.rollout
     return EngineSpec(model_path, dtype=cfg.model.dtype, max_model_len=r.max_model_len, seed=cfg.run.seed,
-                          record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb,
-                          route_source=r.route_source, weight_transfer=r.weight_transfer,
-                          max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                          gpu_memory_utilization=r.gpu_memory_utilization, colocated=cfg.cluster.colocate,
-                          sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp,
-                          expert_parallel=r.engine_ep,
-                          lora=engine_lora(cfg))
+                      record_routes=r.record_routes, kv_cache_gb=r.kv_cache_gb, route_source=r.route_source,
+                      weight_transfer=r.weight_transfer, max_num_seqs=r.max_num_seqs,
+                      max_num_batched_tokens=r.max_num_batched_tokens,
+                      gpu_memory_utilization=cfg.engine_gpu_share, cpu_kv_cache_max_gb=r.CPU_KV_CACHE_GB,
+                      cpu_kv_fills=r.CPU_KV_FILLS, gpu_batched_tokens=r.GPU_BATCHED_TOKENS,
+                      sleep=r.sleep_engines, tensor_parallel_size=r.engine_tp, expert_parallel=r.engine_ep,
+                      lora=engine_lora(cfg))
 
 
 def engine_lora(cfg: RunConfig):

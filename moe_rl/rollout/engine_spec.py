@@ -29,9 +29,13 @@ class EngineSpec:
     # rollout.*; store: update_weights(tensors); nccl | ipc: vLLM's transfer (`transfer`)
     weight_transfer: str
     max_num_seqs: int  # rollout.*
-    max_num_batched_tokens: int | None  # rollout.*; None: see engine_kwargs
-    gpu_memory_utilization: float | None  # rollout.*; None: see engine_kwargs
-    colocated: bool  # cluster.colocate: the engine shares its GPU with a trainer rank
+    max_num_batched_tokens: int | None  # rollout.*; None: on CPU whole prompts, on GPU gpu_batched_tokens
+    gpu_memory_utilization: float  # RunConfig.engine_gpu_share: rollout.*, else the default (colocated?)
+    # the config's defaults where rollout.kv_cache_gb / max_num_batched_tokens are null (RolloutSection's
+    # CPU_KV_CACHE_GB, CPU_KV_FILLS, GPU_BATCHED_TOKENS; see engine_kwargs)
+    cpu_kv_cache_max_gb: float
+    cpu_kv_fills: int
+    gpu_batched_tokens: int
     sleep: bool  # rollout.sleep_engines: vLLM's sleep mode (CUDA): free the GPU while the trainer trains
     tensor_parallel_size: int  # rollout.engine_tp
     expert_parallel: bool  # rollout.engine_ep
@@ -50,10 +54,6 @@ class EngineLoraSpec:
 
 
 
-CPU_KV_CACHE_GB = 1.0  # the most an engine's KV cache on CPU takes when rollout.kv_cache_gb is null ...
-CPU_KV_FILLS = 2  # ... which holds max_num_seqs sequences of max_model_len this many times over
-GPU_MEMORY_UTILIZATION = {False: 0.85, True: 0.4}  # an engine's share of its GPU: alone, colocated
-GPU_BATCHED_TOKENS = 8192  # one engine step's token budget on GPU (chunked prefill beyond it)
 
 
 ROUTE_SOURCES = ("auto", "vllm", "capture")
@@ -155,14 +155,16 @@ def cpu_moe_without_lora() -> None:
     FusedMoEConfig.moe_rl_without_lora = True
 
 
-def cpu_kv_cache_gb(max_num_seqs: int, max_model_len: int, kv_bytes_per_token: int | None) -> float:
+def cpu_kv_cache_gb(settings: EngineSpec, kv_bytes_per_token: int | None) -> float:
     """An engine's KV cache on CPU where rollout.kv_cache_gb is null: max_num_seqs sequences of max_model_len
-    tokens CPU_KV_FILLS times over (the rest keeps prefixes cached), at most CPU_KV_CACHE_GB GiB; that
+    tokens cpu_kv_fills times over (the rest keeps prefixes cached), at most cpu_kv_cache_max_gb GiB; that
     cap where the bytes per token are not known (`kv_bytes_per_token`: one worker's, ModelShape's). vLLM
     allocates and zeroes the whole cache at start-up: 1 GiB took 0.6-1 s of an engine's start."""
+    cap = settings.cpu_kv_cache_max_gb
     if kv_bytes_per_token is None:
-        return CPU_KV_CACHE_GB
-    return min(CPU_KV_CACHE_GB, CPU_KV_FILLS * max_num_seqs * max_model_len * kv_bytes_per_token / 2**30)
+        return cap
+    need = settings.cpu_kv_fills * settings.max_num_seqs * settings.max_model_len * kv_bytes_per_token
+    return min(cap, need / 2**30)
 
 
 def kv_bytes_per_token(hf_config, dtype: str, tp: int) -> int | None:
@@ -189,13 +191,13 @@ def engine_kwargs(settings: EngineSpec, route_source: str | None, cuda: bool,
       cache is reset after every weight update (`RolloutEngine._new_weights`).
     - CUDA graphs on GPU (weights are reloaded in place, so captured graphs stay valid); eager on CPU.
     - KV cache: kv_cache_gb when set (CPU default `cpu_kv_cache_gb`), else on GPU what the share
-      gpu_memory_utilization (default GPU_MEMORY_UTILIZATION, lower when colocated) leaves; vLLM also
+      gpu_memory_utilization (the config's default lower when colocated) leaves; vLLM also
       checks at start-up that the share is free.
     - synchronous scheduling (vLLM's GPU default launches the next batch before reading the last): no
       batch is in flight when weights change (its old-weight tokens would carry the new version) or the
       prefix cache resets (the routed-experts connector asserts "generation changed with output in flight").
     - token budget: on CPU every running sequence's whole prompt fits one step (no prefill chunks: a
-      seeded CPU sampler cannot rewind the sample a chunk discards); on GPU GPU_BATCHED_TOKENS.
+      seeded CPU sampler cannot rewind the sample a chunk discards); on GPU gpu_batched_tokens.
     """
     kwargs = dict(model=settings.model_path, dtype=settings.dtype, max_model_len=settings.max_model_len,
                   seed=settings.seed, max_num_seqs=settings.max_num_seqs, enforce_eager=not cuda,
@@ -206,16 +208,14 @@ def engine_kwargs(settings: EngineSpec, route_source: str | None, cuda: bool,
         # for one head at the wrong position (log-probs off by up to 0.06); torch's rotary is right for all
         kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     kv_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None or cuda \
-        else cpu_kv_cache_gb(settings.max_num_seqs, settings.max_model_len, kv_bytes_per_token)
+        else cpu_kv_cache_gb(settings, kv_bytes_per_token)
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
     if cuda:  # with a fixed KV cache too: vLLM checks at start-up that this share of the GPU is free
-        kwargs["gpu_memory_utilization"] = (settings.gpu_memory_utilization
-                                            if settings.gpu_memory_utilization is not None
-                                            else GPU_MEMORY_UTILIZATION[settings.colocated])
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     budget = settings.max_num_batched_tokens
     if budget is None:
-        budget = max(GPU_BATCHED_TOKENS, settings.max_num_seqs) if cuda \
+        budget = max(settings.gpu_batched_tokens, settings.max_num_seqs) if cuda \
             else settings.max_model_len * settings.max_num_seqs
     kwargs["max_num_batched_tokens"] = budget
     if route_source == "vllm":

@@ -25,9 +25,14 @@ def test_cpu_engine_eager_with_a_fixed_kv_cache_and_whole_prompt_steps():
 def test_cpu_kv_cache_holds_the_longest_batch_twice_at_most_one_gib(tiny_qwen, tiny_deepseek_v3):
     from transformers import AutoConfig
 
+    from moe_rl.config import RolloutSection
     from moe_rl.rollout.engine_spec import kv_bytes_per_token
 
     s = engine_spec("m", max_num_seqs=16, max_model_len=512)
+    # the defaults are the config's (RolloutSection), carried by the spec
+    r = RolloutSection
+    assert (s.cpu_kv_cache_max_gb, s.cpu_kv_fills, s.gpu_batched_tokens) \
+        == (r.CPU_KV_CACHE_GB, r.CPU_KV_FILLS, r.GPU_BATCHED_TOKENS) == (1.0, 2, 8192)
     # 4 KiB a token: 16 sequences of 512 tokens twice over
     assert engine_kwargs(s, None, cuda=False, kv_bytes_per_token=4096)["kv_cache_memory_bytes"] \
         == 2 * 16 * 512 * 4096
