@@ -235,3 +235,21 @@ class ModelShape:
         if self.mla:
             return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.layers * math.ceil(self.kv_heads / tp) * self.head_dim * dtype_bytes
+
+
+GROUPED_GEMM_ALIGN_BYTES = 16  # torch._grouped_mm's row-stride alignment (the grouped experts' kernel)
+
+
+def grouped_gemm_misfits(element_bytes: int, widths: dict[str, int]) -> list[str]:
+    """The widths (name -> elements) whose rows are not a multiple of GROUPED_GEMM_ALIGN_BYTES at
+    `element_bytes` an element: what keeps torch._grouped_mm from the grouped experts (train/experts.py)."""
+    return [f"{name} {n}" for name, n in widths.items() if n * element_bytes % GROUPED_GEMM_ALIGN_BYTES]
+
+
+def grouped_expert_widths(hidden: int, expert_width: int, etp: int, lora_rank: int) -> dict[str, int]:
+    """The widths one rank's grouped expert GEMMs see: the hidden size, the expert width on this expert-TP
+    rank, the experts' LoRA rank (0: none)."""
+    widths = {"hidden size": hidden, "expert width per expert-TP rank": expert_width // etp}
+    if lora_rank:
+        widths["expert LoRA rank"] = lora_rank
+    return widths

@@ -25,7 +25,7 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
     assert "would run: timeout" in out and "tests/train/test_gpu_local.py" in out \
         and "tools/gpu_check.py" in out
     assert "mbridge-0.15.1-py3-none-any.whl" in out and "megatron_core-0.16.1-cp312" in out
-    assert "collects: 12 gpu tests" in out \
+    assert "collects: 13 gpu tests" in out \
         and re.search(r"wheel cache: \.whl holds 3 wheels, [\d.]+ MiB", out)
     assert "FLOP/MFU arithmetic: the hand-worked case and the model's own parameter count agree" in out
     budget = re.search(r"time budget: .* at most (\d+) s of (\d+) s", out)
@@ -36,6 +36,11 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
         and figures["train_tokens_per_s"] > 0
     assert {"torch", "megatron_core", "mbridge", "transformers", "python", "mfu",
             "logp_max_abs_diff_fp32"} <= set(figures)
+    # the Qwen3-30B-A3B slice's arms (on the CPU: the tiny model), each step logged as it ended
+    assert "slice of Qwen3-30B-A3B: hidden 2048, 4 layers, 128 experts top-8 of width 768" in out
+    arms = figures["slice"]
+    assert arms["sequential"]["policy_step_s"] > 0 and arms["grouped"]["policy_step_s"] > 0 \
+        and arms["grouped_vs_sequential"] > 0 and arms["grouped"]["mfu"] is None
     # no GPU, no peak: no MFU rather than one against another GPU's peak
     assert figures["mfu"] is None and figures["peak_flops_source"].startswith("none (CPU dry run): not in")
     assert "problem" not in out and out.rstrip().splitlines()[-1].startswith("gpu_check: dry run OK in")

@@ -48,6 +48,12 @@ def refused(overrides, data=None) -> str:
      "transformer_engine"),
     (["model.tiny.arch=deepseek_v3", "model.lora.rank=8"], "model.lora.rank: a 'deepseek_v3' model's "
      "multi-latent attention takes no LoRA adapters here yet"),
+    (["model.experts=grouped", "model.tiny.moe_intermediate_size=62"], "model.experts: grouped: torch's "
+     "grouped GEMM needs rows of whole 16-byte units in float32, and expert width per expert-TP rank 62 is "
+     "not; use model.experts=auto or sequential"),
+    (["model.experts=grouped", "model.dtype=bfloat16", "model.tiny.moe_intermediate_size=60"],
+     "model.experts: grouped: torch's grouped GEMM needs rows of whole 16-byte units in bfloat16, and expert "
+     "width per expert-TP rank 60 is not"),
     (["cluster.gpu_memory_gb=81920"], "cluster.gpu_memory_gb: 81920 GB is not one GPU's memory: the unit is "
      "GB as the maker names it (80 for an H100 80GB, 141 for an H200), and no GPU has more than 1024 GB"),
 ])
@@ -65,6 +71,8 @@ def test_the_settings_take_where_they_have_an_effect():
     assert from_dict({}, ["model.lora.rank=64", "model.lora.targets=[linear_qkv]"],
                      cuda_available=False).model.lora.rank == 64
     assert from_dict({}, ["cluster.gpu_memory_gb=141"], cuda_available=False).cluster.gpu_memory_gb == 141
+    assert from_dict({}, ["model.experts=grouped", "model.tiny.moe_intermediate_size=60"],
+                     cuda_available=False).model.experts == "grouped"  # 240 bytes: 15 units in float32
     glm = ["model.tiny.arch=glm4_moe", "rollout.record_routes=false", "model.expert_bias_update_rate=0.001"]
     assert from_dict({}, glm, cuda_available=False).model.expert_bias_update_rate == 0.001
 

@@ -36,7 +36,8 @@ from moe_rl.train.optim import OptimSpec
 # every config field a settings object reads, away from its default
 CFG = RunConfig(
     run=RunSection(seed=4321),
-    model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", fp8="delayed", recompute=True,
+    model=ModelSection(dtype="bfloat16", layer_spec="transformer_engine", experts="sequential", fp8="delayed",
+                       recompute=True,
                        moe_dispatcher="allgather", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
                        expert_bias_update_rate=0.002,  # read with rollout.record_routes=false (below)
                        lora=LoraSection(rank=8, alpha=4.0, targets=["linear_qkv", "linear_fc2"],
@@ -73,7 +74,8 @@ def at(path: str):
 # fields that are no config field: arguments of the function or the component's own defaults)
 CASES = {
     "model_spec": (lambda cfg: specs.model_spec(cfg, "ckpt/dir"), ModelSpec, {
-        "dtype": at("model.dtype"), "layer_spec": at("model.layer_spec"), "fp8": at("model.fp8"),
+        "dtype": at("model.dtype"), "layer_spec": at("model.layer_spec"), "experts": at("model.experts"),
+        "fp8": at("model.fp8"),
         "recompute": at("model.recompute"), "moe_dispatcher": at("model.moe_dispatcher"),
         "routing_replay": at("rollout.record_routes"), "moe_aux_loss_coeff": at("model.moe_aux_loss_coeff"),
         "moe_z_loss_coeff": at("model.moe_z_loss_coeff"),

@@ -1,15 +1,23 @@
 """GPU measurement of the Megatron trainer on its local layer spec (megatron-core's own layers, torch
 SDPA attention; no Transformer Engine, vLLM or Ray): one rank on one GPU, started by run_ranks. Run by
-tools/gpu_check.sh; progress goes to stderr, JSON lines to stdout: one after the trainer's figures
-(`"partial": true`, in case the parity step runs out of time), then the whole one.
+tools/gpu_check.sh; progress goes to stderr, JSON lines to stdout: one after the slice's figures and
+one after the trainer's (`"partial": true`, in case a later step runs out of time), then the whole one.
 
     python3 tools/gpu_check.py [--dry-run] [--tests-xml FILE] [--layers N] [--rows B] [--seq S] [--steps N]
 
-Model: a random Qwen3-MoE built here (moe_rl.tiny), hidden 1024, 8 layers, 64 experts top-8 of width
-384, 16 query and 4 key/value heads of 128: 647M parameters, 118M active per token (a 2.5 GiB fp32
-checkpoint; building it took 24 s on one thread of the 2-core CI machine). bf16, 8 rows x 2048 tokens a
-step, packed into one microbatch (trainer.micro_batch_tokens=16384, as the GPU recipes); production's
-PPO loss and value loss.
+The slice (`slice` in the JSON): Qwen3-30B-A3B's real layer shapes, 4 of its 48 layers (hidden 2048, 128
+experts top-8 of width 768, 32 query and 4 key/value heads of 128; the tiny vocabulary), 2.5B parameters,
+about 0.2B active a token; bf16 PPO policy steps of 8 x 2048 tokens packed into one 16,384-token
+microbatch, with megatron-core's SequentialMLP experts and then with GroupedExperts (model.experts),
+one model at a time: step time, tokens/s, MFU and peak memory of each, and the ratio.
+
+Model: a random Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8 of width 384, 16 query and 4
+key/value heads of 128: 647M parameters, 118M active per token. bf16, 8 rows x 2048 tokens a step,
+packed into one microbatch (trainer.micro_batch_tokens=16384, as the GPU recipes); production's PPO loss
+and value loss; the default experts (model.experts=auto: grouped on Hopper).
+
+Both measured models are built from their config alone, with random weights on the GPU (no checkpoint
+written or read); the parity model is a checkpoint of weights (both sides must read the same).
 
 Figures (medians of timed calls after warm-up calls, each call ending in torch.cuda.synchronize):
   train_tokens_per_s, mfu   policy step (routes replayed): tokens / time, and
@@ -84,6 +92,9 @@ def peak_bf16_flops(gpu_name: str, given_tflops: float | None = None) -> tuple[f
 MEASURED = TinyModel(hidden_size=1024, num_layers=8, num_attention_heads=16, num_key_value_heads=4,
                      head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=384,
                      max_position_embeddings=4096)
+# a slice of Qwen3-30B-A3B's real layer shapes (its vocabulary left out: the output layer is the tiny one)
+SLICE = TinyModel(hidden_size=2048, num_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  num_experts=128, top_k=8, moe_intermediate_size=768, max_position_embeddings=4096)
 PARITY = TinyModel()  # conftest's tiny_qwen
 PARITY_SHAPE = (4, 64)  # rows x tokens scored for the parity figures
 
@@ -102,6 +113,7 @@ class Plan:
         return self.rows * self.seq
 
 
+SLICE_PLAN = Plan(rows=8, seq=2048, micro_batch_tokens=16384, warmup=1, steps=3, pairs=0)
 DRY_PLAN = Plan(rows=2, seq=32, micro_batch_tokens=64, warmup=1, steps=1, pairs=1)  # --dry-run, on the CPU
 
 
@@ -191,7 +203,6 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     from torch._dynamo.utils import counters
 
     from moe_rl.algos import aggregate
-    from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
     from moe_rl.driver import specs
@@ -201,47 +212,89 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     parallel.init_distributed(parallel.Layout())
     cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))  # the PPO step is given pi_old
-    spec = dataclasses.replace(specs.model_spec(cfg, hf_path), dtype="bfloat16")
+    policy, step, free, replayed = policy_step_setup(cfg, hf_path, plan, load_weights=False)
+    t_free, t_replay = [], []
+    for i in range(plan.warmup + plan.pairs):  # alternating order: drift hits both alike
+        for batch, times in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
+            timed(synced(policy.score), times if i >= plan.warmup else [], batch)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    first = []
+    timed(step, first)  # cold: the process's first step
+    t_policy = median_time(step, plan.steps, max(0, plan.warmup - 1), label="policy step")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    trip = offload_round_trip(policy)
+
+    rows, seq = free.input_ids_BS.shape
+    mask = torch.arange(seq).expand(rows, -1) > 0
+    critic = TrainWorker(dataclasses.replace(policy.spec, routing_replay=False), role="critic",
+                         optim=policy.optim_spec, load_weights=False)
+    values = Batch(free.input_ids_BS, free.lengths_B, mask_BS=mask,
+                   returns_BS=torch.randn(rows, seq, generator=torch.Generator().manual_seed(1)),
+                   values_old_BS=torch.zeros(rows, seq))
+    value_loss, denominator = specs.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
+    t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps,
+                           plan.warmup, label="critic step")
+    return {"policy_step_s": t_policy, "policy_first_step_s": first[0], "critic_step_s": t_critic,
+            "peak_memory_gib": peak, **trip,
+            "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)),
+            "dynamo_graphs": int(counters["stats"].get("unique_graphs", 0))}
+
+
+def policy_step_setup(cfg, hf_path: str, plan: Plan, **changes):
+    """The bf16 policy (ModelSpec `changes` applied) and its PPO step on plan.rows x plan.seq random tokens
+    with the routes it recorded replayed: (worker, step, the batch unrouted, the batch with its routes),
+    step() one synced update."""
+    from moe_rl.algos.targets import policy_denominators
+    from moe_rl.batch import Batch
+    from moe_rl.driver import specs
+    from moe_rl.train.worker import TrainWorker
+
+    load = changes.pop("load_weights", True)
+    spec = dataclasses.replace(specs.model_spec(cfg, hf_path), dtype="bfloat16", **changes)
     optim = dataclasses.replace(specs.optim_spec(cfg, cfg.trainer.lr),
                                 micro_batch_tokens=plan.micro_batch_tokens)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB_SIZE, (plan.rows, plan.seq), generator=g)  # on the CPU, as from Ray
     lengths = torch.full((plan.rows,), plan.seq)
     mask = torch.arange(plan.seq).expand(plan.rows, -1) > 0  # every token after the first is an action
-
-    policy = TrainWorker(spec, optim=optim)
+    policy = TrainWorker(spec, optim=optim, load_weights=load)
     free = Batch(ids, lengths)
     routes = policy.score(free, record_routes=True).routes_BSLK
     replayed = Batch(ids, lengths, routes)
-    t_free, t_replay = [], []
-    for i in range(plan.warmup + plan.pairs):  # alternating order: drift hits both alike
-        for batch, times in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
-            timed(synced(policy.score), times if i >= plan.warmup else [], batch)
-
     weight, adv = torch.ones(plan.rows, plan.seq), torch.randn(plan.rows, plan.seq, generator=g) * mask
     ppo = Batch(ids, lengths, routes, pg_mask_BS=mask, loss_mask_BS=mask, is_weight_BS=weight, adv_BS=adv,
                 logp_old_BS=policy.score(replayed).logp_BS)
     loss = specs.policy_loss(cfg)
     denominators = policy_denominators(mask, mask, weight, specs.target_spec(cfg))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    step = synced(lambda: policy.train_step(ppo, loss, denominators))
-    first = []
-    timed(step, first)  # cold: the process's first step
-    t_policy = median_time(step, plan.steps, max(0, plan.warmup - 1))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    trip = offload_round_trip(policy)
+    return policy, synced(lambda: policy.train_step(ppo, loss, denominators)), free, replayed
 
-    critic = TrainWorker(dataclasses.replace(spec, routing_replay=False), role="critic", optim=optim)
-    values = Batch(ids, lengths, mask_BS=mask, returns_BS=torch.randn(plan.rows, plan.seq, generator=g),
-                   values_old_BS=torch.zeros(plan.rows, plan.seq))
-    value_loss, denominator = specs.value_loss(cfg), aggregate.loss_denominator(mask, "token_mean")
-    t_critic = median_time(synced(lambda: critic.train_step(values, value_loss, denominator)), plan.steps,
-                           plan.warmup)
-    return {"policy_step_s": t_policy, "policy_first_step_s": first[0], "critic_step_s": t_critic,
-            "peak_memory_gib": peak, **trip,
-            "replay_score_ratio": statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)),
-            "dynamo_graphs": int(counters["stats"].get("unique_graphs", 0))}
+
+def slice_job(rank, world, hf_path, plan: Plan) -> dict[str, dict[str, float]]:
+    """One bf16 rank, the slice built from its config alone (random weights, on the GPU): the PPO policy
+    step with each expert implementation in turn (model.experts), each model freed before the next:
+    {experts: {"policy_step_s", "peak_memory_gib"}}."""
+    import gc
+
+    from moe_rl.config import RunConfig, TrainerSection
+    from moe_rl.train import parallel
+
+    parallel.init_distributed(parallel.Layout())
+    cuda = torch.cuda.is_available()
+    cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))
+    out = {}
+    for experts in ("sequential", "grouped"):
+        policy, step, _, _ = policy_step_setup(cfg, hf_path, plan, experts=experts, load_weights=False)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds = median_time(step, plan.steps, plan.warmup, label=f"slice policy step, {experts} experts")
+        out[experts] = {"policy_step_s": seconds,
+                        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        del policy, step
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
 
 
 def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -265,10 +318,44 @@ def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Te
     return out
 
 
+def config_only_checkpoint(out_dir: Path, spec: TinyModel) -> Path:
+    """A checkpoint directory with `spec`'s config.json and the tokenizer but no weights: the trainer
+    builds it with random weights on its device (load_weights=False), without seconds of writing and
+    reading a multi-GiB file."""
+    from moe_rl.tiny import build_tokenizer, hf_config
+
+    tok = build_tokenizer(out_dir)
+    hf_config(spec, tok.eos_token_id, tok.pad_token_id).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def slice_figures(slice_spec: TinyModel, plan: Plan, arms: dict[str, dict], peak: float | None) -> dict:
+    """The slice's JSON figures from slice_job's: each arm's step time, tokens/s, MFU and peak memory,
+    and grouped's speedup over sequential."""
+    active = active_params(slice_spec)
+    out = {"model": dataclasses.asdict(slice_spec) | {"active_params": active},
+           "plan": dataclasses.asdict(plan)}
+    for experts, f in arms.items():
+        out[experts] = f | {"train_tokens_per_s": plan.tokens / f["policy_step_s"],
+                            "mfu": mfu(active, plan.tokens, f["policy_step_s"], peak)}
+    out["grouped_vs_sequential"] = arms["sequential"]["policy_step_s"] / arms["grouped"]["policy_step_s"]
+    return out
+
+
 def describe(spec: TinyModel, plan: Plan) -> str:
     active = active_params(spec)
     flops = train_flops(active, plan.tokens)
+    slice_active = active_params(SLICE)
     return "\n".join([
+        f"slice of Qwen3-30B-A3B: hidden {SLICE.hidden_size}, {SLICE.num_layers} layers, {SLICE.num_experts} "
+        f"experts top-{SLICE.top_k} of width {SLICE.moe_intermediate_size}, {SLICE.num_attention_heads} "
+        "heads "
+        f"({SLICE.num_key_value_heads} kv) of {SLICE.head_dim}: {slice_active / 1e6:.1f}M active parameters "
+        f"per token; bf16 policy steps of {SLICE_PLAN.rows} x {SLICE_PLAN.seq} tokens packed into "
+        f"{SLICE_PLAN.micro_batch_tokens}-token microbatches, sequential then grouped experts, "
+        f"{SLICE_PLAN.warmup} warm-up + {SLICE_PLAN.steps} timed steps each "
+        f"({train_flops(slice_active, SLICE_PLAN.tokens) / 1e12:.1f} TFLOP a step: 25% MFU on an H100 SXM is "
+        f"{train_flops(slice_active, SLICE_PLAN.tokens) / (0.25 * 989e12):.3f} s a step)",
         f"model: random Qwen3-MoE, hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_experts} "
         f"experts top-{spec.top_k} of width {spec.moe_intermediate_size}, {spec.num_attention_heads} heads "
         f"({spec.num_key_value_heads} kv) of {spec.head_dim}: {active / 1e6:.1f}M active parameters per "
@@ -312,10 +399,11 @@ def versions() -> dict[str, str]:
             "transformers": version("transformers")}
 
 
-def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = None,
-            peak_tflops: float | None = None) -> dict:
-    """The figures (moe_rl's trainer on `device` against transformers'), one JSON line printed as soon
-    as the trainer's are in (`partial`), and returned whole."""
+def measure(spec: TinyModel, plan: Plan, slice_spec: TinyModel, slice_plan: Plan, device: str,
+            tests_xml: str | None = None, peak_tflops: float | None = None) -> dict:
+    """The figures (moe_rl's trainer on `device` against transformers'): the slice's policy step with
+    sequential and grouped experts, then `spec`'s figures, then the parity with transformers; a JSON
+    line printed after each of the first two (`partial`), and returned whole."""
     from moe_rl.tiny import build_tiny_checkpoint
     from moe_rl.train.hf_parity import exact_fp32_matmuls, hf_token_logprobs
     from moe_rl.train.launch_local import run_ranks
@@ -330,11 +418,18 @@ def measure(spec: TinyModel, plan: Plan, device: str, tests_xml: str | None = No
            **versions(), "model": dataclasses.asdict(spec) | {"active_params": active},
            "plan": dataclasses.asdict(plan), "dtype": "bfloat16", **tests_outcomes(tests_xml)}
     with tempfile.TemporaryDirectory(prefix="moe_rl_gpu_check_") as tmp:
-        print("building the checkpoints", file=sys.stderr)
-        measured = build_tiny_checkpoint(Path(tmp) / "measured", spec, seed=0)
+        print("building the checkpoints (the measured models' configs; the parity model's weights)",
+              file=sys.stderr)
+        sliced = config_only_checkpoint(Path(tmp) / "slice", slice_spec)
+        measured = config_only_checkpoint(Path(tmp) / "measured", spec)
         small = build_tiny_checkpoint(Path(tmp) / "parity", PARITY, seed=0)
         out["checkpoint_build_s"] = time.perf_counter() - start
-        print(f"measuring (checkpoints built in {out['checkpoint_build_s']:.1f} s)", file=sys.stderr)
+        print(f"the slice, sequential vs grouped experts (checkpoints built in "
+              f"{out['checkpoint_build_s']:.1f} s)", file=sys.stderr)
+        arms = run_ranks(slice_job, 1, (str(sliced), slice_plan))[0]
+        out["slice"] = slice_figures(slice_spec, slice_plan, arms, peak)
+        print(json.dumps(out | {"partial": True, "wall_s": time.perf_counter() - start}), flush=True)
+        print("measuring the policy and critic", file=sys.stderr)
         figures = run_ranks(measure_job, 1, (str(measured), plan))[0]
         out |= {"train_tokens_per_s": plan.tokens / figures["policy_step_s"],
                 "mfu": mfu(active, plan.tokens, figures["policy_step_s"], peak), "peak_flops": peak,
@@ -380,14 +475,14 @@ def main() -> int:
         print(f"the same measurement on the CPU: {PARITY.num_layers}-layer tiny model, {DRY_PLAN.rows} x "
               f"{DRY_PLAN.seq} "
               "tokens (figures meaningless; every step of the GPU run)")
-        dry = measure(PARITY, DRY_PLAN, "cpu", args.tests_xml, args.peak_tflops)
+        dry = measure(PARITY, DRY_PLAN, PARITY, DRY_PLAN, "cpu", args.tests_xml, args.peak_tflops)
         print(json.dumps(dry | {"dry_run": True}))
         return 0
     if not torch.cuda.is_available():
         print("gpu_check.py: no CUDA device here; use --dry-run", file=sys.stderr)
         return 2
     print(describe(spec, plan), file=sys.stderr)
-    print(json.dumps(measure(spec, plan, "cuda", args.tests_xml, args.peak_tflops)))
+    print(json.dumps(measure(spec, plan, SLICE, SLICE_PLAN, "cuda", args.tests_xml, args.peak_tflops)))
     return 0
 
 

@@ -333,8 +333,9 @@ def check_compatible(cfg, cuda_available: bool | None, file_cfg=None,
 
         check_lora_rank(cfg.model.lora, tiny.hidden_size, tiny.num_attention_heads, tiny.num_key_value_heads,
                         tiny.head_dim, tiny.moe_intermediate_size, tiny.num_experts, VOCAB_SIZE)
-        check_model_features(cfg, {"model_type": tiny.arch,
-                                         "kv_lora_rank": tiny.arch == "deepseek_v3"})
+        check_model_features(cfg, {"model_type": tiny.arch, "kv_lora_rank": tiny.arch == "deepseek_v3",
+                                   "hidden_size": tiny.hidden_size,
+                                   "moe_intermediate_size": tiny.moe_intermediate_size})
     if cuda_available is not None:  # None: a Ray cluster's, checked once the run has joined it
         check_machine(cfg, cuda_available)
     for rules in (PLACEMENT, ALGORITHM, OPTIMIZER, EPISODES):
@@ -419,11 +420,27 @@ def check_lora_rank(lora, hidden: int, heads: int, kv_heads: int, head_dim: int,
 EXPERT_BIAS_MODELS = ("deepseek_v3", "glm4_moe")  # model_type values whose routers carry an expert bias
 
 
+def _check_grouped_experts(cfg, hf: dict) -> None:
+    """model.experts=grouped on the local spec: torch's grouped GEMM needs rows of whole 16-byte units."""
+    from moe_rl.model_shape import grouped_expert_widths, grouped_gemm_misfits
+
+    lora = cfg.model.lora
+    expert_lora = lora.rank if {"linear_fc1", "linear_fc2"} & set(lora.targets) else 0
+    width = hf.get("moe_intermediate_size") or hf["intermediate_size"]  # Mixtral's experts: intermediate_size
+    widths = grouped_expert_widths(hf["hidden_size"], width, cfg.parallel.etp or cfg.parallel.tp, expert_lora)
+    bad = grouped_gemm_misfits(4 if cfg.model.dtype == "float32" else 2, widths)
+    if bad:
+        raise ConfigError("model.experts", f"grouped: torch's grouped GEMM needs rows of whole 16-byte units "
+                          f"in {cfg.model.dtype}, and {', '.join(bad)} is not; use model.experts=auto or "
+                          "sequential")
+
+
 def check_model_features(cfg, hf: dict) -> None:
     """Settings the model's architecture cannot take (`hf`: its config.json, or the tiny model's type):
     LoRA on multi-latent attention (its projections are not the adapters' targets, and vLLM's LoRA for
     them is untested here), multi-latent attention split over TP in megatron-core's local layer spec,
-    an expert-bias update for routers without one."""
+    an expert-bias update for routers without one, grouped experts at widths torch's kernel cannot take
+    (`hf`'s hidden_size absent: not checked here)."""
     model = cfg.model
     if hf.get("kv_lora_rank") and cfg.parallel.tp > 1 and model.layer_spec == "local":
         # the local spec makes the latent's down-projections column-parallel: the shared RoPE key's
@@ -434,6 +451,8 @@ def check_model_features(cfg, hf: dict) -> None:
     if model.lora.rank and hf.get("kv_lora_rank"):
         raise ConfigError("model.lora.rank", f"a '{hf.get('model_type')}' model's multi-latent attention "
                           "takes no LoRA adapters here yet; train it whole (model.lora.rank=0)")
+    if model.experts == "grouped" and model.layer_spec == "local" and hf.get("hidden_size"):
+        _check_grouped_experts(cfg, hf)
     if model.expert_bias_update_rate and hf.get("model_type") not in EXPERT_BIAS_MODELS:
         raise ConfigError("model.expert_bias_update_rate", f"a '{hf.get('model_type')}' model's routers "
                           f"have no expert bias to update (those of {', '.join(EXPERT_BIAS_MODELS)} have)")

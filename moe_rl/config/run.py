@@ -144,6 +144,14 @@ class ModelSection:
     layer_spec: Literal["local", "transformer_engine"] = "local"
     """megatron-core's layer implementation: local (PyTorch; CPU and GPU) or transformer_engine (GPU; needed
     for FP8)."""
+    experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """How the trainers compute a MoE layer's local experts: grouped (each linear of all experts in one
+    grouped GEMM: torch._grouped_mm on the local spec, Transformer Engine's on its spec), sequential (one
+    expert after another: megatron-core's SequentialMLP), or auto: grouped on GPUs where it runs (local
+    spec: from Hopper on in bfloat16, with hidden size, expert width per expert-TP rank and the experts'
+    LoRA rank whole multiples of 16 bytes), else sequential (on the CPU grouped runs, but no faster). The
+    parameters, checkpoints and results are the same either way (to rounding); grouped where it cannot run
+    is refused."""
     fp8: FP8Recipe = "none"
     """Transformer Engine FP8 recipe for the trainers' GEMMs (none: off; needs layer_spec=transformer_engine
     and a GPU)."""

@@ -77,7 +77,7 @@ def model_spec(cfg: RunConfig, hf_path: str):
     from moe_rl.train.model import ModelSpec
 
     m = cfg.model
-    return ModelSpec(hf_path=hf_path, dtype=m.dtype, layer_spec=m.layer_spec, fp8=m.fp8,
+    return ModelSpec(hf_path=hf_path, dtype=m.dtype, layer_spec=m.layer_spec, experts=m.experts, fp8=m.fp8,
                      recompute=m.recompute, moe_dispatcher=m.moe_dispatcher,
                      routing_replay=cfg.rollout.record_routes, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
                      moe_z_loss_coeff=m.moe_z_loss_coeff,

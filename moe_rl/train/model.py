@@ -34,6 +34,7 @@ class ModelSpec:
     hf_path: str
     dtype: str  # model.dtype: float32 | bfloat16
     layer_spec: str  # model.layer_spec: local | transformer_engine
+    experts: str  # model.experts: auto | grouped | sequential (local_experts)
     fp8: str  # model.fp8: none | delayed | tensorwise | blockwise | mxfp8
     recompute: bool  # model.recompute
     moe_dispatcher: str  # model.moe_dispatcher: alltoall | allgather
@@ -76,16 +77,18 @@ def _map_dense_mlps(bridge) -> None:
     bridge._weight_name_mapping_mlp = mapping
 
 
-def kernel_settings(layer_spec: str, fused_wgrad: bool) -> dict[str, bool]:
+def kernel_settings(layer_spec: str, fused_wgrad: bool, grouped_experts: bool = True) -> dict[str, bool]:
     """TransformerConfig's kernel and fusion flags for a layer spec (`fused_wgrad`: whether apex's
-    fused_weight_gradient_mlp_cuda extension is importable, see below).
+    fused_weight_gradient_mlp_cuda extension is importable, see below; `grouped_experts`: False for
+    model.experts=sequential, which on Transformer Engine's spec runs its SequentialMLP).
 
     local (megatron-core's own layers: CPU, and GPU without Transformer Engine): none. Its
     bias-activation and bias-dropout-add fusions are functions megatron-core wraps in `torch.compile`
     (`megatron.core.jit.jit_fuser`, torch >= 2.2), which every rank would compile at its first step and
     again for new shapes: the local experts (SequentialMLP) run one MLP per expert on that expert's
     tokens, a count that changes with every microbatch. The other fusions are Transformer Engine's
-    (RoPE, token permutation, grouped GEMM) or apex's (masked softmax, which SdpaAttention does not use;
+    (RoPE, token permutation, grouped GEMM: the local spec groups its experts' GEMMs with torch's
+    kernel instead, `local_experts`) or apex's (masked softmax, which SdpaAttention does not use;
     persistent layer norm, which the torch norms refuse).
 
     transformer_engine: what Megatron-LM trains MoE models with (its MoE README's performance flags,
@@ -105,7 +108,7 @@ def kernel_settings(layer_spec: str, fused_wgrad: bool) -> dict[str, bool]:
                     apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
                     bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
     if layer_spec == "transformer_engine":
-        return dict(moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_fusion=False,
+        return dict(moe_grouped_gemm=grouped_experts, moe_permute_fusion=True, moe_router_fusion=False,
                     apply_rope_fusion=True, gradient_accumulation_fusion=fused_wgrad, persist_layer_norm=True,
                     bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=False)
     raise ValueError(f"layer spec {layer_spec!r}: 'local' or 'transformer_engine'")
@@ -191,7 +194,8 @@ def make_bridge(spec: ModelSpec):
         attention_dropout=0.0,
         moe_shared_expert_overlap=False,
         deallocate_pipeline_outputs=False,
-        **kernel_settings(spec.layer_spec, fused_wgrad=fused_wgrad_available()),
+        **kernel_settings(spec.layer_spec, fused_wgrad=fused_wgrad_available(),
+                          grouped_experts=spec.experts != "sequential"),
     )
     # aux-loss-free balancing (the expert bias of DeepSeek-V3 / GLM-4.5): mbridge's DeepSeek bridge moves
     # it by 0.001 an update; here it moves only as model.expert_bias_update_rate says, never under replay
@@ -283,9 +287,41 @@ def layer_spec(bridge, spec: ModelSpec, vp_stage: int | None = None):
         local_norm.install()  # its norms under sequence parallelism, on any device
         # the final norm too (with apex installed megatron picks apex's FusedLayerNorm: LayerNorm only)
         block.layer_norm = WrappedTorchNorm
+        experts = local_experts(spec, cfg)
         for layer in block.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+            moe = getattr(layer.submodules.mlp, "submodules", None)
+            if getattr(moe, "experts", None) is not None:  # an MoE layer (not a dense one)
+                moe.experts.module = experts
     return block
+
+
+def local_experts(spec: ModelSpec, config):
+    """The local spec's expert module: GroupedExperts (train/experts.py) for model.experts=grouped, and for
+    auto on a GPU where torch's grouped GEMM runs in this dtype at these widths; else megatron-core's
+    SequentialMLP. On the CPU auto is sequential: there torch's grouped GEMM is no faster than the loop
+    over experts and stacking the weights costs more (`moe-rl bench train_step`: grouped 0.98x at 8
+    experts, 0.80x at 64). grouped where it cannot run is refused (ValueError, saying why)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_rl.model_shape import grouped_expert_widths
+    from moe_rl.train.experts import GroupedExperts, grouped_runs, settings_refused
+
+    on_gpu = torch.cuda.is_available()
+    if spec.experts == "sequential" or (spec.experts == "auto" and not on_gpu):
+        return SequentialMLP
+    from megatron.core import parallel_state as ps
+
+    lora = spec.lora
+    expert_lora = lora.rank if lora and {"linear_fc1", "linear_fc2"} & set(lora.targets) else 0
+    widths = grouped_expert_widths(config.hidden_size, config.moe_ffn_hidden_size,
+                                   ps.get_expert_tensor_parallel_world_size(), expert_lora)
+    why_not = settings_refused(config) or grouped_runs("cuda" if on_gpu else "cpu", spec.torch_dtype, widths)
+    if why_not is None:
+        return GroupedExperts
+    if spec.experts == "grouped":
+        raise ValueError(f"model.experts=grouped: {why_not}; use model.experts=sequential or auto")
+    return SequentialMLP
 
 
 class ValueHead(torch.nn.Module):

@@ -193,6 +193,20 @@ def test_packed_microbatches_replay_as_unpacked_ones(fp32):
     assert largest_gap(fp32["replay"].logp_BS, unpacked["logp"]) <= 1e-5
 
 
+def test_grouped_experts_on_cuda_match_sequential_in_bf16(tiny_qwen):
+    """model.experts=grouped (torch._grouped_mm, bf16 on Hopper) against SequentialMLP on the same weights
+    and replayed routes: log-probs within bf16's rounding, every gradient within 2% of its norm."""
+    from train_jobs import experts_job
+
+    out = run_ranks(experts_job, 1, (str(tiny_qwen), {}, 0, "bfloat16"))[0]
+    seq, grouped = out["sequential"], out["grouped"]
+    assert grouped["module"] == {"GroupedExperts"}
+    assert float((grouped["logp"] - seq["logp"]).abs().max()) < 0.05
+    for name, grad in seq["grads"].items():
+        other = grouped["grads"][name].float()
+        assert float((other - grad.float()).norm()) <= 0.02 * float(grad.float().norm()) + 1e-6, name
+
+
 def test_offload_round_trip_on_cuda(fp32):
     trip, step = fp32["offload"], fp32["step_after_onload"]
     assert "error" not in trip and "error" not in step, trip.get("error") or step.get("error")

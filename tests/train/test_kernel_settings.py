@@ -30,6 +30,9 @@ def test_the_transformer_engine_spec_uses_megatron_lms_moe_fusions(fused_wgrad):
     assert flags["gradient_accumulation_fusion"] == fused_wgrad
     assert not flags["masked_softmax_fusion"]  # the scripts' --no-masked-softmax-fusion
     assert not flags["moe_router_fusion"]  # megatron-core's fused top-k bypasses RouterReplay (R3)
+    # model.experts=sequential: Transformer Engine's SequentialMLP, the other fusions as they were
+    assert kernel_settings("transformer_engine", fused_wgrad, grouped_experts=False) == flags | {
+        "moe_grouped_gemm": False}
 
 
 def test_an_unknown_spec_is_refused():

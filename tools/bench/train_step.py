@@ -10,6 +10,10 @@ side by side in this one process (medians over --steps after warm-up):
                        reverse order), so drift and ordering effects hit both alike
   replay_overhead      step time with router replay / without - 1 (target <= 0.03): the median of the
                        rounds' paired ratios (free-replay, then replay-free, alternately)
+  grouped_vs_sequential  Megatron step time with megatron-core's SequentialMLP experts (what
+                       model.experts=auto builds on the CPU) / with GroupedExperts (model.experts=grouped,
+                       torch._grouped_mm): the median of the rounds' paired ratios (a grouped-experts
+                       free-routing step joins each round above); > 1: grouped is faster
   packed_speedup       variable-length rows (lengths uniform in [seq/8, seq]): step time right-padded /
                        packed (THD), same rows, same loss, interleaved; medians of --steps each
 
@@ -70,7 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5,
                     help="timed steps of each arm for the packed/padded comparison")
     ap.add_argument("--pairs", type=int, default=16,
-                    help="interleaved rounds (a transformers, a free-routing and a replay step each)")
+                    help="interleaved rounds (a transformers, a free-routing, a replay and a "
+                         "grouped-experts step each)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,7 +119,10 @@ def main() -> None:
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
     # padded; packed below
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))
+    # the trainer as production builds it on the CPU (model.experts=auto: sequential), and grouped
     w = TrainWorker(model_spec(cfg, str(path)), optim=optim_spec(cfg, lr=1e-6))
+    w_grouped = TrainWorker(dataclasses.replace(model_spec(cfg, str(path)), experts="grouped"),
+                            optim=optim_spec(cfg, lr=1e-6))
     lengths = torch.full((args.batch,), args.seq)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, 0] = False
@@ -126,11 +134,13 @@ def main() -> None:
     free = Batch(ids, lengths, mask_BS=mask)
     routes = w.score(free, record_routes=True).routes_BSLK
     replayed = Batch(ids, lengths, routes, mask_BS=mask)
-    t_hf, t_free, t_replay = [], [], []
+    t_hf, t_free, t_replay, t_grouped = [], [], [], []
     w.train_step(free, nll, denom)
     w.train_step(replayed, nll, denom)
+    w_grouped.train_step(free, nll, denom)
     rounds = (lambda: hf_step_time(t_hf), lambda: timed(w.train_step, t_free, free, nll, denom),
-              lambda: timed(w.train_step, t_replay, replayed, nll, denom))
+              lambda: timed(w.train_step, t_replay, replayed, nll, denom),
+              lambda: timed(w_grouped.train_step, t_grouped, free, nll, denom))
     for i in range(args.pairs):  # interleaved, every other round reversed: drift and ordering hit all alike
         for run in rounds[:: 1 if i % 2 == 0 else -1]:
             run()
@@ -138,6 +148,7 @@ def main() -> None:
     child.join(timeout=60)
     t_hf_med, t_mg, t_rp = statistics.median(t_hf), statistics.median(t_free), statistics.median(t_replay)
     replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
+    grouped_vs_sequential = statistics.median(f / q for f, q in zip(t_free, t_grouped, strict=True))
 
     # 3. variable-length rows: right-padded microbatches vs packed (THD) ones
     rows = 4 * args.batch
@@ -164,6 +175,8 @@ def main() -> None:
         "seq": args.seq, "batch": args.batch, "rounds": args.pairs,
         "hf_tokens_per_s": round(tokens / t_hf_med, 1), "megatron_tokens_per_s": round(tokens / t_mg, 1),
         "megatron_vs_hf": round(t_hf_med / t_mg, 3), "replay_overhead": round(replay_overhead, 4),
+        "grouped_tokens_per_s": round(tokens / statistics.median(t_grouped), 1),
+        "grouped_vs_sequential": round(grouped_vs_sequential, 3),
         "threads": args.threads, "variable_rows": rows,
         "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
         "packed_speedup": round(t_pd / t_pk, 3),
@@ -172,6 +185,9 @@ def main() -> None:
           f"{hf_threads} threads; median of {args.pairs} steps interleaved with Megatron's)")
     print(f"megatron CPU   {t_mg * 1e3:8.1f} ms/step  {tokens / t_mg:8.0f} tokens/s  ({t_hf_med / t_mg:.2f}x "
           "transformers; target >= 0.7)")
+    print(f"  grouped experts {statistics.median(t_grouped) * 1e3:8.1f} ms/step "
+          f"({grouped_vs_sequential:.2f}x the sequential experts' speed, median of {args.pairs} paired "
+          "ratios)")
     print(f"  with replay  {t_rp * 1e3:8.1f} ms/step  (router replay overhead {100 * replay_overhead:+.1f}%, "
           f"median of {args.pairs} pairs; target <= 3%)")
     print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when "
