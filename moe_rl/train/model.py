@@ -186,7 +186,7 @@ def make_bridge(spec: ModelSpec):
         moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
         moe_z_loss_coeff=spec.moe_z_loss_coeff or None,
-        moe_router_dtype="fp32",
+        moe_router_dtype=router_dtype(hf),
         # microbatches have their own lengths; only pipeline p2p needs to be told (and the allgather
         # dispatcher refuses the flag, so it is set only where it matters)
         variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1,
@@ -236,6 +236,24 @@ def _fit_mla_bridge() -> None:
         return MLATransformerConfig(**fields)
 
     DeepseekV3Bridge.TransformerConfigClass = staticmethod(config)
+
+
+FP32_ROUTER_MODELS = ("glm4_moe",)  # model_type values whose router vLLM computes in float32
+
+
+def router_dtype(hf) -> str | None:
+    """The routers' GEMM precision (megatron's moe_router_dtype) as the engine's model computes it, since
+    the trainer must agree with the engine: vLLM runs GLM-4.5's gate in float32 (GateLinear with float32
+    parameters and output), and DeepSeek-V3's where its config asks (moe_router_dtype: float32); every
+    other gate of Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 in the model's dtype, its logits rounded
+    to it before the softmax or sigmoid. "fp32", or None: the model's dtype. In a bfloat16 trainer a
+    float32 router picks other experts than the engine where two scores nearly tie (free routing) and
+    weighs the replayed ones from other logits: on the tiny Qwen3-MoE, 100% of free routes agree with
+    transformers' bfloat16 (whose gate is vLLM's) against 99.95% in float32, and the largest log-prob gap
+    falls from 0.014 to 0.008 (tools/bench/bf16_gap.py)."""
+    if hf.model_type in FP32_ROUTER_MODELS or getattr(hf, "moe_router_dtype", None) == "float32":
+        return "fp32"
+    return None
 
 
 def grouped_routing(hf) -> dict:

@@ -556,3 +556,14 @@ def experts_choice_job(rank, world, hf_path):
             except ValueError as err:
                 out[name + experts] = str(err)
     return out
+
+
+def bf16_routes_job(rank, world, hf_path, ids):
+    """The bfloat16 trainer's free routes [B, S, L, k] and the routers' precision it was built with."""
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path, dtype="bfloat16"), optim=optim_spec(1e-6))
+    routes = w.score(Batch(ids, torch.full((ids.shape[0],), ids.shape[1])), record_routes=True).routes_BSLK
+    return routes, w.config.moe_router_dtype
