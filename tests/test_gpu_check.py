@@ -38,6 +38,7 @@ def test_dry_run_checks_what_travels_and_says_what_it_would_run():
             "logp_max_abs_diff_fp32"} <= set(figures)
     # the Qwen3-30B-A3B slice's arms (on the CPU: the tiny model), each step logged as it ended
     assert "slice of Qwen3-30B-A3B: hidden 2048, 4 layers, 128 experts top-8 of width 768" in out
+    assert len(figures["policy_step_top_ops"]) == 8 and figures["critic_step_top_ops"][0][1] > 0
     arms = figures["slice"]
     assert arms["sequential"]["policy_step_s"] > 0 and arms["grouped"]["policy_step_s"] > 0 \
         and arms["grouped_vs_sequential"] > 0 and arms["grouped"]["mfu"] is None
