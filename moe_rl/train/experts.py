@@ -19,9 +19,11 @@ grouped the same way; routing replay, expert parallelism and expert tensor paral
 experts (the router and the token dispatcher) and are unchanged: under expert TP each rank's W1_e / W2_e
 are its shards, and the output is the partial sum megatron leaves to the dispatcher, as SequentialMLP's.
 
-Where the grouped GEMM runs (`grouped_runs`): torch's kernel takes float32 on the CPU and bfloat16 on
-CUDA GPUs of compute capability 9.0 (Hopper) and above, with every row stride a multiple of 16 bytes
-(hidden size, expert width per expert-TP rank and LoRA rank, times the dtype's size).
+Where the grouped GEMM runs (`grouped_runs`): torch's kernel takes float32 and bfloat16 on the CPU (where
+it is no faster than the loop over experts, so model.experts=auto keeps SequentialMLP there:
+train/model.local_experts) and bfloat16 on CUDA GPUs of compute capability 9.0 (Hopper) and above, with
+every row stride a multiple of 16 bytes (hidden size, expert width per expert-TP rank and LoRA rank,
+times the dtype's size).
 """
 
 from __future__ import annotations
