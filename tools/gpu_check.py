@@ -9,7 +9,7 @@ The slice (`slice` in the JSON): Qwen3-30B-A3B's real layer shapes, 4 of its 48 
 experts top-8 of width 768, 32 query and 4 key/value heads of 128; the tiny vocabulary), 2.5B parameters,
 about 0.2B active a token; bf16 PPO policy steps of 8 x 2048 tokens packed into one 16,384-token
 microbatch, with megatron-core's SequentialMLP experts and then with GroupedExperts (model.experts),
-one model at a time: step time, tokens/s, MFU and peak memory of each, and the ratio.
+each in a rank process of its own: step time, tokens/s, MFU and peak memory of each, and the ratio.
 
 Model: a random Qwen3-MoE, hidden 1024, 8 layers, 64 experts top-8 of width 384, 16 query and 4
 key/value heads of 128: 647M parameters, 118M active per token. bf16, 8 rows x 2048 tokens a step,
@@ -289,31 +289,22 @@ def policy_step_setup(cfg, hf_path: str, plan: Plan, **changes):
     return policy, synced(lambda: policy.train_step(ppo, loss, denominators)), free, replayed
 
 
-def slice_job(rank, world, hf_path, plan: Plan) -> dict[str, dict[str, float]]:
-    """One bf16 rank, the slice built from its config alone (random weights, on the GPU): the PPO policy
-    step with each expert implementation in turn (model.experts), each model freed before the next:
-    {experts: {"policy_step_s", "peak_memory_gib"}}."""
-    import gc
-
+def slice_job(rank, world, hf_path, plan: Plan, experts: str) -> dict[str, float]:
+    """One bf16 rank, the slice built from its config alone (random weights, on the GPU) with `experts`
+    (model.experts): its PPO policy step time and peak memory (one process per arm: the GPU holds one
+    2.5B-parameter model with its Adam state at a time)."""
     from moe_rl.config import RunConfig, TrainerSection
     from moe_rl.train import parallel
 
     parallel.init_distributed(parallel.Layout())
     cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))
-    out = {}
-    for experts in ("sequential", "grouped"):
-        policy, step, _, _ = policy_step_setup(cfg, hf_path, plan, experts=experts, load_weights=False)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        seconds = median_time(step, plan.steps, plan.warmup, label=f"slice policy step, {experts} experts")
-        out[experts] = {"policy_step_s": seconds,
-                        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-        del policy, step
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return out
+    _, step, _, _ = policy_step_setup(cfg, hf_path, plan, experts=experts, load_weights=False)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds = median_time(step, plan.steps, plan.warmup, label=f"slice policy step, {experts} experts")
+    return {"policy_step_s": seconds,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
 def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -445,7 +436,8 @@ def measure(spec: TinyModel, plan: Plan, slice_spec: TinyModel, slice_plan: Plan
         out["checkpoint_build_s"] = time.perf_counter() - start
         print(f"the slice, sequential vs grouped experts (checkpoints built in "
               f"{out['checkpoint_build_s']:.1f} s)", file=sys.stderr)
-        arms = run_ranks(slice_job, 1, (str(sliced), slice_plan))[0]
+        arms = {experts: run_ranks(slice_job, 1, (str(sliced), slice_plan, experts))[0]
+                for experts in ("sequential", "grouped")}
         out["slice"] = slice_figures(slice_spec, slice_plan, arms, peak)
         print(json.dumps(out | {"partial": True, "wall_s": time.perf_counter() - start}), flush=True)
         print("measuring the policy and critic", file=sys.stderr)
