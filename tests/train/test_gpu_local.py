@@ -196,7 +196,7 @@ def test_packed_microbatches_replay_as_unpacked_ones(fp32):
 def test_grouped_experts_on_cuda_match_sequential_in_bf16(tiny_qwen):
     """model.experts=grouped (torch._grouped_mm, bf16 on Hopper) against SequentialMLP on the same weights
     and replayed routes: log-probs within bf16's rounding, every gradient within 2% of its norm."""
-    from train_jobs import experts_job
+    from expert_jobs import experts_job
 
     out = run_ranks(experts_job, 1, (str(tiny_qwen), {}, 0, "bfloat16"))[0]
     seq, grouped = out["sequential"], out["grouped"]

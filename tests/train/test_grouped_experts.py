@@ -5,7 +5,7 @@ all), and with LoRA adapters on the experts."""
 
 import pytest
 import torch
-from train_jobs import experts_job
+from expert_jobs import experts_job
 
 from moe_rl.train.launch_local import run_ranks
 
@@ -32,7 +32,7 @@ def test_grouped_experts_equal_sequential(tiny_qwen, layout, lora_rank):
 def test_auto_is_sequential_on_the_cpu_and_grouped_is_refused_where_it_cannot_run(tiny_qwen):
     """On the CPU auto is sequential (grouped runs but is slower there); grouped is refused, naming the width,
     where torch's kernel cannot take the rows."""
-    from train_jobs import experts_choice_job
+    from expert_jobs import experts_choice_job
 
     chosen = run_ranks(experts_choice_job, 1, (str(tiny_qwen),))[0]
     assert chosen == {

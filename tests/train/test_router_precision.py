@@ -5,7 +5,7 @@ is float32 in vLLM, and so is a DeepSeek-V3 config's that asks for it."""
 
 import pytest
 import torch
-from train_jobs import bf16_routes_job
+from expert_jobs import bf16_routes_job
 from transformers import AutoConfig
 
 from moe_rl.train.launch_local import run_ranks
