@@ -246,10 +246,11 @@ def grouped_gemm_misfits(element_bytes: int, widths: dict[str, int]) -> list[str
     return [f"{name} {n}" for name, n in widths.items() if n * element_bytes % GROUPED_GEMM_ALIGN_BYTES]
 
 
-def grouped_expert_widths(hidden: int, expert_width: int, etp: int, lora_rank: int) -> dict[str, int]:
+def grouped_expert_widths(hidden: int, expert_width: int, etp: int, lora_rank: int,
+                          lora_targets) -> dict[str, int]:
     """The widths one rank's grouped expert GEMMs see: the hidden size, the expert width on this expert-TP
-    rank, the experts' LoRA rank (0: none)."""
+    rank, and the LoRA rank where adapters go on the experts' linears (model.lora: rank, targets)."""
     widths = {"hidden size": hidden, "expert width per expert-TP rank": expert_width // etp}
-    if lora_rank:
+    if lora_rank and {"linear_fc1", "linear_fc2"} & set(lora_targets):
         widths["expert LoRA rank"] = lora_rank
     return widths

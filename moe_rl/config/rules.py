@@ -425,9 +425,9 @@ def _check_grouped_experts(cfg, hf: dict) -> None:
     from moe_rl.model_shape import grouped_expert_widths, grouped_gemm_misfits
 
     lora = cfg.model.lora
-    expert_lora = lora.rank if {"linear_fc1", "linear_fc2"} & set(lora.targets) else 0
     width = hf.get("moe_intermediate_size") or hf["intermediate_size"]  # Mixtral's experts: intermediate_size
-    widths = grouped_expert_widths(hf["hidden_size"], width, cfg.parallel.etp or cfg.parallel.tp, expert_lora)
+    widths = grouped_expert_widths(hf["hidden_size"], width, cfg.parallel.etp or cfg.parallel.tp, lora.rank,
+                                   lora.targets)
     bad = grouped_gemm_misfits(4 if cfg.model.dtype == "float32" else 2, widths)
     if bad:
         raise ConfigError("model.experts", f"grouped: torch's grouped GEMM needs rows of whole 16-byte units "

@@ -113,12 +113,8 @@ def _grouped_linear(x: torch.Tensor, offs: torch.Tensor, linears) -> torch.Tenso
 class GroupedExperts(SequentialMLP):
     """SequentialMLP's experts and parameters, each linear of all of them in one grouped GEMM (module
     docstring). The activation is the unfused one megatron's MLP computes on the local spec (no bias,
-    the fusions off: model.kernel_settings)."""
-
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection)
-        if why_not := settings_refused(self.config):  # local_experts chose it: never seen there
-            raise ValueError(f"model.experts=grouped: {why_not}")
+    the fusions off: model.kernel_settings); train/model.local_experts builds it only where
+    settings_refused finds nothing."""
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

@@ -331,9 +331,9 @@ def local_experts(spec: ModelSpec, config):
     from megatron.core import parallel_state as ps
 
     lora = spec.lora
-    expert_lora = lora.rank if lora and {"linear_fc1", "linear_fc2"} & set(lora.targets) else 0
     widths = grouped_expert_widths(config.hidden_size, config.moe_ffn_hidden_size,
-                                   ps.get_expert_tensor_parallel_world_size(), expert_lora)
+                                   ps.get_expert_tensor_parallel_world_size(), lora.rank if lora else 0,
+                                   lora.targets if lora else ())
     why_not = settings_refused(config) or grouped_runs("cuda" if on_gpu else "cpu", spec.torch_dtype, widths)
     if why_not is None:
         return GroupedExperts
