@@ -156,7 +156,7 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
     parallel.init_distributed(parallel.Layout())
     cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))  # the PPO step is given pi_old
-    policy, step, free, replayed = policy_step_setup(cfg, hf_path, plan, load_weights=False)
+    policy, step, free, replayed = policy_step_setup(cfg, hf_path, plan)
     t_free, t_replay = [], []
     for i in range(plan.warmup + plan.pairs):  # alternating order: drift hits both alike
         for batch, times in ((free, t_free), (replayed, t_replay))[:: 1 if i % 2 == 0 else -1]:
@@ -188,15 +188,14 @@ def measure_job(rank, world, hf_path, plan: Plan) -> dict[str, float]:
 
 
 def policy_step_setup(cfg, hf_path: str, plan: Plan, **changes):
-    """The bf16 policy (ModelSpec `changes` applied) and its PPO step on plan.rows x plan.seq random tokens
-    with the routes it recorded replayed: (worker, step, the batch unrouted, the batch with its routes),
-    step() one synced update."""
+    """The bf16 policy (ModelSpec `changes` applied; random weights, from a config_only_checkpoint) and its
+    PPO step on plan.rows x plan.seq random tokens with the routes it recorded replayed: (worker, step,
+    the batch unrouted, the batch with its routes), step() one synced update."""
     from moe_rl.algos.targets import policy_denominators
     from moe_rl.batch import Batch
     from moe_rl.driver import specs
     from moe_rl.train.worker import TrainWorker
 
-    load = changes.pop("load_weights", True)
     spec = dataclasses.replace(specs.model_spec(cfg, hf_path), dtype="bfloat16", **changes)
     optim = dataclasses.replace(specs.optim_spec(cfg, cfg.trainer.lr),
                                 micro_batch_tokens=plan.micro_batch_tokens)
@@ -204,7 +203,7 @@ def policy_step_setup(cfg, hf_path: str, plan: Plan, **changes):
     ids = torch.randint(0, VOCAB_SIZE, (plan.rows, plan.seq), generator=g)  # on the CPU, as from Ray
     lengths = torch.full((plan.rows,), plan.seq)
     mask = torch.arange(plan.seq).expand(plan.rows, -1) > 0  # every token after the first is an action
-    policy = TrainWorker(spec, optim=optim, load_weights=load)
+    policy = TrainWorker(spec, optim=optim, load_weights=False)  # config_only_checkpoint's: random weights
     free = Batch(ids, lengths)
     routes = policy.score(free, record_routes=True).routes_BSLK
     replayed = Batch(ids, lengths, routes)
@@ -226,7 +225,7 @@ def slice_job(rank, world, hf_path, plan: Plan, experts: str) -> dict[str, float
     parallel.init_distributed(parallel.Layout())
     cuda = torch.cuda.is_available()
     cfg = RunConfig(trainer=TrainerSection(proximal_pass="separate"))
-    _, step, _, _ = policy_step_setup(cfg, hf_path, plan, experts=experts, load_weights=False)
+    _, step, _, _ = policy_step_setup(cfg, hf_path, plan, experts=experts)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     seconds = median_time(step, plan.steps, plan.warmup, label=f"slice policy step, {experts} experts")
