@@ -262,6 +262,12 @@ DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip
     (["algorithm.advantage=grpo", "critic.enabled=true"], "critic.enabled: true with advantage 'grpo'"),
     (["algorithm.advantage=reward_to_go", "critic.enabled=true"],
      "critic.enabled: true with advantage 'reward_to_go'"),
+    # the reference is the model before the warm start, the policy RL starts from the one after it
+    (["algorithm.kl_loss_coef=0.01", "trainer.warm_start_steps=2"],
+     "trainer.warm_start_steps: 2 with a KL term (algorithm.kl_loss_coef=0.01, "
+     "algorithm.kl_reward_coef=0.0): the reference policy is the model before the warm start"),
+    (["algorithm.kl_reward_coef=0.01", "trainer.warm_start_steps=2"],
+     "trainer.warm_start_steps: 2 with a KL"),
     (["algorithm.kl_loss_estimator=full"],
      "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
     (["algorithm.anchor=ewma", "algorithm.correction=bypass"],

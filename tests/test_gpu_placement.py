@@ -18,7 +18,8 @@ from moe_rl.driver.placement import Placement, PlacementError, engines_first, gp
 TRAINERS = ("policy", "critic", "reference", "reward_model")
 NO_CRITIC = ("algorithm.advantage=grpo", "rollout.samples_per_prompt=2", "critic.lr=1e-5",
              "critic.value_clip=0.2")
-REFERENCE = ("algorithm.kl_loss_coef=0.01",)
+# a KL term reads a reference, the model before any warm start: none here
+REFERENCE = ("algorithm.kl_loss_coef=0.01", "trainer.warm_start_steps=0", "trainer.warm_start_lr=1e-3")
 SEPARATE = ("cluster.colocate=false",)
 
 

@@ -50,7 +50,7 @@ def test_critic_starts_from_another_checkpoint(tmp_path):
     save_file(weights, rm / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "init_from"
     run_train(out, f"critic.init_from={rm}", "run.steps=1", "trainer.epochs=1", "trainer.minibatches=1",
-              "algorithm.kl_loss_coef=0.01")
+              "algorithm.kl_loss_coef=0.01", *NO_WARM_START)
     figures = torch.load(out / "history.pt", weights_only=False)[0]
     assert abs(figures["critic/value_mean"]) > 1e-3, figures["critic/value_mean"]
     assert 0.1 < figures["memory/reference_rss_gib_max"] < 20

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from cli_runs import NO_CRITIC, run_train
+from cli_runs import NO_CRITIC, NO_WARM_START, run_train
 
 from moe_rl.train.checkpoint import tensor_shapes
 
@@ -46,7 +46,7 @@ def test_attention_adapters_sync_as_adapters_in_the_loop(tmp_path):
     adapters and the engines' routes replayed (fp32). A KL term reads the policy's base as its reference."""
     proc = run_train(tmp_path, "model.lora.rank=4", "model.lora.alpha=8",
                      "model.lora.targets=[linear_qkv,linear_proj]", "run.steps=2",
-                     "algorithm.kl_loss_coef=0.05", *NO_CRITIC)
+                     "algorithm.kl_loss_coef=0.05", *NO_CRITIC, *NO_WARM_START)
     line = "weight sync: LoRA adapters (rank 4, alpha 8, on linear_qkv, linear_proj) through the object store"
     assert line in proc.stdout, proc.stdout
     # the KL reference is the policy's base (its adapters off): no reference ranks of its own

@@ -217,6 +217,11 @@ EPISODES = (
     Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and not _env(c).has_expert(),
          "{c.trainer.warm_start_steps} needs a scripted expert, and environment '{c.environment.name}' has "
          "none (no expert_turn); use 0"),
+    Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and c.uses_reference,
+         "{c.trainer.warm_start_steps} with a KL term (algorithm.kl_loss_coef={c.algorithm.kl_loss_coef}, "
+         "algorithm.kl_reward_coef={c.algorithm.kl_reward_coef}): the reference policy is the model "
+         "before the warm start, not the policy RL starts from, so the KL would pull toward the untrained "
+         "model; use 0, or warm-start offline and give the result as model.path"),
     Rule("trainer.eval_dataset", lambda c: c.trainer.eval_prompts and not c.trainer.eval_dataset
          and not _env(c).generates_prompts(),
          "evaluation (trainer.eval_prompts={c.trainer.eval_prompts}) needs held-out rows: environment "
