@@ -39,3 +39,26 @@ def hf_logprobs_job(rank, world, hf_path, ids):
     w = TrainWorker(model_spec(hf_path, routing_replay=False),
                     optim=optim_spec(1e-5, micro_batch_tokens=4096, pack_sequences=False))
     return w.score(Batch(ids, torch.full((ids.shape[0],), ids.shape[1]))).logp_BS
+
+
+def gradient_job(rank, world, hf_path, pack):
+    """The gradient of a PPO loss at ratio 1 (pi_old the model's own scores, importance weights 1): L =
+    -sum(A * mask * logp) / sum(mask), whose gradient is the policy gradient itself, in microbatches of 24
+    tokens (padded or packed), routes the model's own replayed. Returns {HF name: gradient} as the
+    checkpoint's tensors (the exporter's layout), and logp_BS."""
+    from moe_rl.train import hf_io, parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    w = TrainWorker(model_spec(hf_path), optim=optim_spec(0.0, grad_clip=0.0, micro_batch_tokens=24,
+                                                         pack_sequences=pack))
+    ids, lengths, mask, adv = batch_tensors()
+    routes = w.score(Batch(ids, lengths), record_routes=True).routes_BSLK
+    logp = w.score(Batch(ids, lengths, routes)).logp_BS
+    tensors = {"pg_mask_BS": mask, "loss_mask_BS": mask, "adv_BS": adv, "logp_old_BS": logp * mask,
+               "is_weight_BS": torch.ones_like(logp)}
+    w.train_step(Batch(ids, lengths, routes, **tensors), policy_loss(), Denominator(mask))
+    with torch.no_grad():  # each parameter holds its gradient, so the exporter lays them out as HF's
+        for _, p in w.module.named_parameters():
+            p.copy_(p.main_grad)
+    return dict(hf_io.export_hf_weights(w.bridge, w.module)), logp

@@ -3,7 +3,7 @@ trips through mbridge in TP2/EP2/PP2, and the critic's value head."""
 
 import pytest
 import torch
-from routing_jobs import hf_logprobs_job
+from routing_jobs import gradient_job, hf_logprobs_job
 from train_jobs import (
     B,
     S,
@@ -67,6 +67,42 @@ def test_deepseek_v3_yarn_rope_logprobs_match_transformers(tiny_deepseek_v3, tmp
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(res[:, 1:], lp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch,pack", [("deepseek_v3", True), ("glm4_moe", False)])
+def test_gradients_match_transformers(arch, pack, request):
+    """Every parameter's gradient of a policy-gradient loss equals transformers' (fp32, 1e-6 of the largest):
+    latent attention, grouped sigmoid routing with the bias, the routed scaling, shared and dense experts, in
+    microbatches of 24 tokens (transformers stores each layer's experts stacked: gate_up_proj [E, 2I, H],
+    down_proj [E, H, I])."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(f"tiny_{arch}")
+    grads, logp_ours = run_ranks(gradient_job, 1, (str(path), pack))[0]
+    ids, _, mask, adv = batch_tensors()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    logp = torch.zeros(ids.shape)
+    logp[:, 1:] = torch.log_softmax(model(ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logp_ours * mask, logp.detach() * mask, atol=1e-5, rtol=0)
+    (-(adv * mask * logp).sum() / mask.sum()).backward()
+    ref = {}
+    for name, p in model.named_parameters():
+        stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+        if not stacked:
+            ref[name] = p.grad
+            continue
+        for e, g in enumerate(p.grad):
+            expert = f"{stacked[1]}.{e}"
+            if stacked[2] == "down_proj":
+                ref[f"{expert}.down_proj.weight"] = g
+            else:
+                ref[f"{expert}.gate_proj.weight"], ref[f"{expert}.up_proj.weight"] = g.chunk(2)
+    assert set(grads) - {n for n, _ in model.named_buffers()} == set(ref)  # the expert bias: a buffer
+    scale = max(float(g.abs().max()) for g in ref.values())
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6 * scale, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("arch,layout",
