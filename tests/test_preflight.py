@@ -180,6 +180,28 @@ def test_a_context_longer_than_the_model_has(tmp_path):
     preflight(QUICK, out, f"model.path={model}")
 
 
+def test_latent_attention_whose_rope_is_not_interleaved(tmp_path):
+    """DeepSeek-V3's config.json may say rope_interleave=false (transformers then rotates the halves);
+    vLLM and megatron-core always rotate interleaved pairs: refused before anything starts, true or
+    absent (DeepSeek-V3's own files) accepted."""
+    from moe_rl.tiny import VOCAB_SIZE, hf_config
+
+    out = f"run.output_dir={tmp_path / 'run'}"
+    model = tmp_path / "model"
+    model.mkdir()
+    hf = hf_config(config.TinyModel(arch="deepseek_v3"), eos_token_id=VOCAB_SIZE - 1,
+                   pad_token_id=VOCAB_SIZE - 2).to_dict()
+    (model / "config.json").write_text(json.dumps({**hf, "rope_interleave": False}))
+    assert refused(ConfigError, QUICK, out, f"model.path={model}") == (
+        "model.path: a 'deepseek_v3' checkpoint with rope_interleave=false: vLLM and megatron-core apply "
+        "latent attention's RoPE interleaved, as DeepSeek-V3 does, so both would compute a different model "
+        "from the one it describes")
+    for fields in ({"rope_interleave": True}, {}):
+        others = {k: v for k, v in hf.items() if k != "rope_interleave"}
+        (model / "config.json").write_text(json.dumps({**others, **fields}))
+        preflight(QUICK, out, f"model.path={model}")
+
+
 def dist_checkpoint(path: Path) -> None:
     """A small dist checkpoint as train/checkpoint.py writes them (torch_dist: .metadata, a shard file,
     the record beside), written by torch.distributed.checkpoint in this process."""

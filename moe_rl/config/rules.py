@@ -444,8 +444,8 @@ def check_model_features(cfg, hf: dict) -> None:
     """Settings the model's architecture cannot take (`hf`: its config.json, or the tiny model's type):
     LoRA on multi-latent attention (its projections are not the adapters' targets, and vLLM's LoRA for
     them is untested here), multi-latent attention split over TP in megatron-core's local layer spec,
-    an expert-bias update for routers without one, grouped experts at widths torch's kernel cannot take
-    (`hf`'s hidden_size absent: not checked here)."""
+    an expert-bias update for routers without one, latent attention whose RoPE dims are not interleaved,
+    grouped experts at widths torch's kernel cannot take (`hf`'s hidden_size absent: not checked here)."""
     model = cfg.model
     if hf.get("kv_lora_rank") and cfg.parallel.tp > 1 and model.layer_spec == "local":
         # the local spec makes the latent's down-projections column-parallel: the shared RoPE key's
@@ -453,6 +453,11 @@ def check_model_features(cfg, hf: dict) -> None:
         raise ConfigError("parallel.tp", f"{cfg.parallel.tp} splits a '{hf.get('model_type')}' model's "
                           "multi-latent attention, which trains right only with model.layer_spec="
                           "transformer_engine; use parallel.tp=1 (expert parallelism splits the experts)")
+    if hf.get("kv_lora_rank") and hf.get("rope_interleave") is False:
+        # megatron-core's MLA and vLLM's DeepSeek rotary embedding both take the RoPE dims interleaved
+        raise ConfigError("model.path", f"a '{hf.get('model_type')}' checkpoint with rope_interleave=false: "
+                          "vLLM and megatron-core apply latent attention's RoPE interleaved, as DeepSeek-V3 "
+                          "does, so both would compute a different model from the one it describes")
     if model.lora.rank and hf.get("kv_lora_rank"):
         raise ConfigError("model.lora.rank", f"a '{hf.get('model_type')}' model's multi-latent attention "
                           "takes no LoRA adapters here yet; train it whole (model.lora.rank=0)")
