@@ -117,6 +117,15 @@ def deepseek_style_config(spec: TinyModel, common: dict):
                                 attention_bias=True, use_qk_norm=True)
 
 
+@torch.no_grad()
+def draw_expert_bias(model) -> None:
+    """An expert bias of 0.2 x N(0, 1) (torch's global generator) for every router of `model` that has one:
+    a trained router's bias moves its choices, and transformers starts it at 0."""
+    for name, bias in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(0.2 * torch.randn(bias.shape))
+
+
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, seed: int = 0,
                           overwrite: bool = False, reward_model: bool = False) -> Path:
     """Build (or reuse) a random HF checkpoint for `spec` in out_dir and return its path: a causal LM,
@@ -148,10 +157,7 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModel | None = None, se
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
-    with torch.no_grad():  # a trained router's expert bias moves its choices; transformers starts it at 0
-        for name, bias in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                bias.copy_(0.2 * torch.randn(bias.shape))
+    draw_expert_bias(model)
     model.save_pretrained(str(out), safe_serialization=True)
     stamp_file.write_text(json.dumps(stamp, sort_keys=True))
     return out

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.tiny import draw_expert_bias
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -36,10 +38,7 @@ def main() -> None:
         setattr(cfg, key, value)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, bias in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                bias.copy_(0.2 * torch.randn(bias.shape))
+    draw_expert_bias(model)
     model.save_pretrained(str(args.out), safe_serialization=True)
     print(f"{args.out}: {args.changes}")
 
