@@ -329,6 +329,15 @@ class TrainerSection:
     """The step at which the decay reaches lr_min (0: run.steps)."""
     lr_min: float = 0.0
     """The learning rate at the end of the decay."""
+    lr_mult: dict[str, float] = field(default_factory=dict)
+    """Learning-rate multipliers for some of the policy's parameters: {glob: factor}, each glob (fnmatch)
+    over the whole model's megatron-core parameter names, the same under every parallel layout (as the
+    checkpoints name them: `decoder.layers.1.self_attention.linear_kv_up_proj.weight`,
+    `decoder.layers.1.mlp.experts.linear_fc1.weight3`; model.lora's adapters by their own names). Every
+    update of a matching parameter, the warm start's included, uses the step's rate times its factor. A
+    glob that matches no trainable parameter, or two globs that match one, are errors. Adam moves every
+    weight by about the rate each step, so a layer that sums over many more inputs than the rest (a latent
+    far wider than the hidden size) changes the model that many times more; {}: one rate for all"""
     weight_decay: float = 0.0
     """Adam's decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -404,6 +413,7 @@ class TrainerSection:
         in_range("trainer.lr_warmup_steps", self.lr_warmup_steps, 0, None)
         in_range("trainer.lr_decay_steps", self.lr_decay_steps, 0, None)
         in_range("trainer.lr_min", self.lr_min, 0.0, self.lr)
+        check_lr_mult("trainer.lr_mult", self.lr_mult)
         in_range("trainer.warm_start_steps", self.warm_start_steps, 0, None)
         in_range("trainer.warm_start_lr", self.warm_start_lr, 0.0, None, lo_open=True)
         positive("trainer.warm_start_batch", self.warm_start_batch)
@@ -420,6 +430,16 @@ class TrainerSection:
             positive(f"trainer.{name}", getattr(self, name))
 
 
+def check_lr_mult(path: str, lr_mult: dict[str, float]) -> None:
+    """{glob: factor}: non-empty globs, positive numbers."""
+    for glob, factor in lr_mult.items():
+        if not isinstance(glob, str) or not glob:
+            raise ConfigError(path, f"{glob!r}: its keys are globs over parameter names")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ConfigError(f"{path}.{glob}", f"{factor!r}: a number")
+        in_range(f"{path}.{glob}", factor, 0.0, None, lo_open=True)
+
+
 @dataclass(frozen=True)
 class CriticSection:
     """The critic (value model) of the estimators that need values (GAE): whether it runs, where it starts
@@ -431,6 +451,8 @@ class CriticSection:
     """"policy" or a reward-model checkpoint directory"""
     lr: float = 1e-5
     """The critic's learning rate (Adam)."""
+    lr_mult: dict[str, float] = field(default_factory=dict)
+    """Learning-rate multipliers for some of the critic's parameters, as trainer.lr_mult for the policy's"""
     value_clip: float | None = 0.2
     """PPO's value clipping: the new value stays within this of the pre-update value (null: off)."""
     warmup_steps: int = 0
@@ -438,6 +460,7 @@ class CriticSection:
 
     def check(self) -> None:
         in_range("critic.lr", self.lr, 0.0, None, lo_open=True)
+        check_lr_mult("critic.lr_mult", self.lr_mult)
         if self.value_clip is not None:
             in_range("critic.value_clip", self.value_clip, 0.0, None, lo_open=True)
         in_range("critic.warmup_steps", self.warmup_steps, 0, None)

@@ -43,7 +43,7 @@ SWITCHES = (
     Switch("algorithm.kl_loss_coef > 0", lambda c: c.algorithm.kl_loss_coef > 0,
            ("algorithm.kl_loss_estimator",)),
     Switch("a critic (algorithm.advantage=gae)", _critic,
-           ("critic.init_from", "critic.lr", "critic.value_clip", "critic.warmup_steps")),
+           ("critic.init_from", "critic.lr", "critic.lr_mult", "critic.value_clip", "critic.warmup_steps")),
     Switch("the tiny model (model.path empty)", lambda c: not c.model.path, ("model.tiny.*",)),
     Switch("rollout.async_mode=true", lambda c: c.rollout.async_mode,
            ("rollout.max_staleness", "rollout.async_depth")),

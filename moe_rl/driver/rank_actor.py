@@ -90,8 +90,7 @@ class RankActor:
         self.worker.onload()
 
     def set_lr(self, lr: float) -> None:
-        for group in self.worker.optimizer.param_groups:
-            group["lr"] = lr
+        self.worker.set_lr(lr)
 
     def init_anchor(self, beta: float) -> None:
         from moe_rl.algos.anchor import EwmaAnchor

@@ -56,7 +56,8 @@ def group_specs(cfg: RunConfig, model_path: str) -> dict[str, GroupSpec]:
     choices. A LoRA policy's reference is its own frozen base (scored with the adapters off): no group.
     Distillation teachers are frozen and score the student's tokens with their own routing."""
     base, seed = model_spec(cfg, model_path), cfg.run.seed
-    policy_optim, critic_optim = optim_spec(cfg, cfg.trainer.lr), optim_spec(cfg, cfg.critic.lr)
+    policy_optim = optim_spec(cfg, cfg.trainer.lr, cfg.trainer.lr_mult)
+    critic_optim = optim_spec(cfg, cfg.critic.lr, cfg.critic.lr_mult)
     groups = {"policy": GroupSpec(policy_spec(cfg, model_path), policy_optim, seed)}
     if cfg.critic_enabled:
         source = None if cfg.critic.init_from == "policy" else cfg.critic.init_from
@@ -106,12 +107,12 @@ def teacher_spec(cfg: RunConfig, hf_path: str):
                                dtype=cfg.teacher.dtype or cfg.model.dtype)
 
 
-def optim_spec(cfg: RunConfig, lr: float):
+def optim_spec(cfg: RunConfig, lr: float, lr_mult: dict[str, float] | None = None):
     from moe_rl.train.optim import OptimSpec
 
     tr = cfg.trainer
-    return OptimSpec(lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
-                         adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
+    return OptimSpec(lr=lr, lr_mult=tuple((lr_mult or {}).items()), weight_decay=tr.weight_decay,
+                         adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
                          distributed_optimizer=cfg.parallel.distributed_optimizer,
                          micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences,
                          logit_chunk_tokens=tr.logit_chunk_tokens, optimizer_offload=tr.optimizer_offload,

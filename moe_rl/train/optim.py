@@ -29,6 +29,7 @@ class OptimSpec:
     optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
     precision_aware: bool  # trainer.precision_aware_optimizer
     adam_moments_dtype: str  # trainer.*: under the precision-aware optimizer without offload
+    lr_mult: tuple[tuple[str, float], ...] = ()  # trainer.lr_mult or critic.lr_mult: (glob, factor) pairs
     adam_eps: float = 1e-8  # no config field
 
 
@@ -79,3 +80,42 @@ def optimizer_config(optim: OptimSpec, distributed: bool, params_dtype: torch.dt
         use_distributed_optimizer=distributed, bf16=params_dtype is torch.bfloat16, params_dtype=params_dtype,
         **offload_config(optim.optimizer_offload),
         **precision_config(optim.precision_aware, optim.adam_moments_dtype))
+
+
+def lr_mult_overrides(model, config, lr_mult: tuple[tuple[str, float], ...], setting: str,
+                      names: dict[str, str]) -> dict:
+    """megatron-core's optimizer overrides for `model` (a rank's DistributedDataParallel module) under
+    OptimizerConfig `config`: its standard ones (no weight decay on biases and norms) and an `lr_mult` for the
+    trainable parameters each glob of `lr_mult` matches. The globs (fnmatch) see `names` (the parameter
+    names inside the wrapper -> the names of the whole model: global layer and expert numbers; a name not
+    there as it is). Raises ValueError naming `setting` for a glob that matches no parameter on any rank, or
+    a parameter two globs match. Collective over the default process group (each pipeline stage, expert
+    rank, holds some of the parameters)."""
+    import fnmatch
+    import itertools
+
+    import torch
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate, get_standard_config_overrides
+
+    def seen(wrapped: str) -> str:
+        local = wrapped.removeprefix("module.")
+        return names.get(local, local)
+
+    trainable = [seen(n) for n, p in model.named_parameters() if p.requires_grad]
+    matched = {glob: {n for n in trainable if fnmatch.fnmatchcase(n, glob)} for glob, _ in lr_mult}
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, {glob: len(found) for glob, found in matched.items()})
+    for glob, _ in lr_mult:
+        if not any(rank[glob] for rank in counts):
+            raise ValueError(f"{setting}: {glob!r} matches none of the model's trainable parameters, named "
+                             f"like {', '.join(trainable[:3])}")
+    for (glob, found), (other, found_too) in itertools.combinations(matched.items(), 2):
+        if both := found & found_too:
+            raise ValueError(f"{setting}: {glob!r} and {other!r} both match {min(both)}: one glob a "
+                             "parameter")
+    overrides = get_standard_config_overrides(config)
+    for glob, factor in lr_mult:
+        match = ParamWithNamePredicate(name=f"lr_mult {glob}",
+                                       fn=lambda _, name, glob=glob: fnmatch.fnmatchcase(seen(name), glob))
+        overrides[ParamKey(with_name_predicate=match)] = {"lr_mult": float(factor)}
+    return overrides

@@ -43,7 +43,7 @@ from moe_rl.train.logprobs import (
     target_logprobs,
 )
 from moe_rl.train.offload import HostCopies, storages
-from moe_rl.train.optim import OptimSpec, optimizer_config, uses_distributed_optimizer
+from moe_rl.train.optim import OptimSpec, lr_mult_overrides, optimizer_config, uses_distributed_optimizer
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.train.results import ScoreResult, UpdateResult
 from moe_rl.trajectory import route_torch_dtype
@@ -89,8 +89,12 @@ class TrainWorker:
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
             self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config,
                                                  module=module)
-            self.optimizer = get_megatron_optimizer(optimizer_config(optim, distributed, spec.torch_dtype),
-                                                    [self.model])
+            optim_config = optimizer_config(optim, distributed, spec.torch_dtype)
+            overrides = lr_mult_overrides(self.model, optim_config, optim.lr_mult,
+                                          f"{'trainer' if role == 'policy' else 'critic'}.lr_mult",
+                                          hf.rank_names(module, self.config.num_moe_experts))
+            self.optimizer = get_megatron_optimizer(optim_config, [self.model], config_overrides=overrides)
+            self.set_lr(optim.lr)
             # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
             # embedding grads across the pipeline
             from megatron.core.distributed import finalize_model_grads
@@ -331,6 +335,13 @@ class TrainWorker:
             full[:, :, ids] = t
         return full
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next updates: `lr` times each parameter group's lr_mult (trainer.lr_mult
+        or critic.lr_mult; 1 elsewhere)."""
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
     def offload(self, extra: list[torch.Tensor] = ()) -> int:
         """Hand this rank's parameters, gradient buffers and optimizer state (and `extra` tensors, e.g.
         the EWMA anchor) to host memory, colocated engines using the device meanwhile, until `onload`;
@@ -440,7 +451,7 @@ class TrainWorker:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(ok))
         metrics["skipped_nonfinite"] = float(not finite)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])  # what the update used
+        metrics["lr"] = self.lr  # what the update used (times trainer.lr_mult's factors)
         metrics |= replay.router_losses(len(mbs))
         logp = self._whole(cpu_mbs, kept, *batch.input_ids_BS.shape)["logp_BS"] if keep_logp else None
         return UpdateResult(metrics, logp)

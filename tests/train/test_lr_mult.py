@@ -1,0 +1,85 @@
+"""trainer.lr_mult / critic.lr_mult: learning-rate multipliers by parameter name. Adam's update is linear in
+the learning rate, so from the same weights and batch a parameter a glob matches moves exactly its factor
+times what it moves without, and every other parameter as it moves without: at the rate the worker starts
+with and at one set later (as the warm start and the schedule set it). The globs see the whole model's
+names: under PP2 the second layer is `decoder.layers.1` on the stage that holds it as its first. DP2
+shards the optimizer (megatron's distributed optimizer)."""
+
+import fnmatch
+
+import pytest
+import torch
+from conftest import model_spec, optim_spec
+from train_jobs import Denominator, batch_tensors, policy_loss, policy_tensors
+
+from moe_rl.batch import Batch
+from moe_rl.train.launch_local import run_ranks
+
+pytestmark = pytest.mark.slow
+
+MULT = {"decoder.layers.1.self_attention.linear_qkv.weight": 0.25, "*.mlp.experts.linear_fc1.weight*": 3.0}
+
+
+def step_job(rank, world, hf_path, layout, lr_mult, lr):
+    """One policy update at `lr` (the worker built with 1e-2, then set to `lr`): each parameter's change by
+    its whole-model name, and the rate the step's figures report."""
+    from moe_rl.train import hf_io, parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout(**layout))
+    w = TrainWorker(model_spec(hf_path), optim=optim_spec(1e-2, grad_clip=1e9, micro_batch_tokens=24,
+                                                          lr_mult=tuple(lr_mult.items())))
+    names = hf_io.rank_names(w.module, w.config.num_moe_experts)
+    ids, lengths, mask, adv = batch_tensors()
+    if lr != 1e-2:
+        w.set_lr(lr)
+    before = {n: p.detach().clone() for n, p in w.module.named_parameters()}
+    tensors = policy_tensors(w.score(Batch(ids, lengths)).logp_BS, mask, adv)
+    figures = w.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask)).figures
+    return {"lr": figures["lr"],
+            "moves": {names[n]: p.detach() - before[n] for n, p in w.module.named_parameters()}}
+
+
+def refusals_job(rank, world, hf_path):
+    from moe_rl.train import parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    refused = []
+    for role, lr_mult in [("policy", {"*linear_kv_up_proj*": 0.5}),
+                          ("critic", {"*.linear_qkv.weight": 0.5, "decoder.layers.0.*": 2.0})]:
+        try:
+            TrainWorker(model_spec(hf_path), role, optim=optim_spec(1e-2, lr_mult=tuple(lr_mult.items())))
+        except ValueError as err:
+            refused.append(str(err))
+    return refused
+
+
+@pytest.mark.parametrize("world,layout,lr", [(1, {}, 3e-2), (2, {"pp": 2}, 1e-2), (2, {}, 3e-2)],
+                         ids=["1rank-set", "pp2", "dp2-distributed-optimizer-set"])
+def test_lr_mult_scales_exactly_the_matching_parameters(tiny_qwen, world, layout, lr):
+    plain = run_ranks(step_job, world, (str(tiny_qwen), layout, {}, lr))
+    scaled = run_ranks(step_job, world, (str(tiny_qwen), layout, MULT, lr))
+    matched = set()
+    for a, b in zip(plain, scaled, strict=True):
+        assert a["lr"] == b["lr"] == lr
+        for name, move in a["moves"].items():
+            factor = next((f for glob, f in MULT.items() if fnmatch.fnmatchcase(name, glob)), None)
+            assert move.abs().max() > 0, name
+            if factor is None:
+                torch.testing.assert_close(b["moves"][name], move, rtol=1e-5, atol=1e-9, msg=name)
+            else:
+                matched.add(name)
+                torch.testing.assert_close(b["moves"][name], factor * move, rtol=1e-4, atol=1e-9, msg=name)
+    # one attention weight of layer 1 (PP2: the second stage's first layer) and every expert's fc1
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in matched
+    assert sum(".mlp.experts.linear_fc1.weight" in n for n in matched) == 2 * 4  # 2 MoE layers x 4 experts
+
+
+def test_lr_mult_refuses_a_glob_that_matches_nothing_and_two_that_overlap(tiny_qwen):
+    refused = run_ranks(refusals_job, 1, (str(tiny_qwen),))[0]
+    assert refused[0].startswith("trainer.lr_mult: '*linear_kv_up_proj*' matches none of the model's "
+                                 "trainable parameters, named like "
+                                 "embedding.word_embeddings.weight, ")
+    assert refused[1] == ("critic.lr_mult: '*.linear_qkv.weight' and 'decoder.layers.0.*' both match "
+                          "decoder.layers.0.self_attention.linear_qkv.weight: one glob a parameter")
