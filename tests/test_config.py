@@ -272,6 +272,9 @@ DISTILL_ONLY = ["algorithm.advantage=none", "critic.lr=1e-5", "critic.value_clip
      "algorithm.kl_reward_coef=0.0): the reference policy is the model before the warm start"),
     (["algorithm.kl_reward_coef=0.01", "trainer.warm_start_steps=2"],
      "trainer.warm_start_steps: 2 with a KL"),
+    (["environment.name=guess_number", "trainer.warm_start_steps=2", "trainer.warm_start_policy=optimal"],
+     "trainer.warm_start_policy: 'optimal' is not a reference policy of environment 'guess_number' (it has: "
+     "'random guesses', 'binary search')"),
     (["algorithm.kl_loss_estimator=full"],
      "algorithm.kl_loss_estimator: 'full' is not allowed; choose one of k1, k2, k3"),
     (["algorithm.anchor=ewma", "algorithm.correction=bypass"],
@@ -333,6 +336,8 @@ def test_accepted_neighbours_of_refused_settings():
           ["algorithm.overlong_buffer=64", "environment.token_budget=128", "rollout.max_new_tokens=16"],
           ["environment.name=calculator", "trainer.warm_start_steps=2"],
           ["environment.name=arithmetic", "trainer.warm_start_steps=2"],
+          ["environment.name=guess_number", "trainer.warm_start_steps=2",
+           "trainer.warm_start_policy=binary search"],
           # expert TP 1 under tp 2 with ep 2; teachers with a tp of their own split their experts over it
           # (parallel.etp is the policy's: with it, ep 1 and tp 2 would be refused)
           ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.world_size=2"],

@@ -68,7 +68,8 @@ OTHER = {"algorithm.dual_clip": 3.0, "algorithm.geo_max": 1.5, "model.tiny.num_a
          "teacher.named": "{big: /teachers/big}", "teacher.tp": 1, "teacher.pp": 1, "teacher.ep": 1,
          "teacher.dtype": "bfloat16", "model.lora.targets": "[linear_qkv]",
          "model.lora.sync": "merged", "trainer.lr_min": 1e-6,
-         "environment.dataset_fields": "{secret: number}"}
+         "environment.dataset_fields": "{secret: number}", "critic.lr_mult": "{\"*\": 0.5}",
+         "trainer.warm_start_policy": "binary search"}
 
 
 def field_type(path: str):

@@ -389,6 +389,10 @@ class TrainerSection:
     """The warm start's learning rate."""
     warm_start_batch: int = 16
     """Episodes per warm-start step."""
+    warm_start_policy: str = ""
+    """who plays the warm start's episodes: "" the environment's scripted expert (its expert_turn), or one of
+    its reference policies by name (guess_number: "random guesses", "binary search"). Imitating the optimal
+    player is a probe of whether a model can learn a skill at all at a rate, before asking RL to find it"""
     eval_prompts: int = 0
     """held-out prompts scored before the first and after the last RL step (0: no evaluation); from
     eval_dataset's first rows, or made by the environment with a seed training never uses"""

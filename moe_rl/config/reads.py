@@ -64,7 +64,7 @@ SWITCHES = (
     Switch("a dataset (environment.dataset or trainer.eval_dataset)",
            lambda c: bool(c.environment.dataset or c.trainer.eval_dataset), ("environment.dataset_fields",)),
     Switch("trainer.warm_start_steps > 0", lambda c: c.trainer.warm_start_steps > 0,
-           ("trainer.warm_start_lr", "trainer.warm_start_batch")),
+           ("trainer.warm_start_lr", "trainer.warm_start_batch", "trainer.warm_start_policy")),
     Switch("trainer.lr_schedule=linear or cosine", lambda c: c.trainer.lr_schedule != "constant",
            ("trainer.lr_decay_steps", "trainer.lr_min")),
     Switch("evaluation (trainer.eval_prompts > 0)", lambda c: c.trainer.eval_prompts > 0,

@@ -214,9 +214,15 @@ EPISODES = (
          lambda c: c.algorithm.overlong_buffer and c.algorithm.overlong_buffer >= c.environment.token_budget,
          "{c.algorithm.overlong_buffer} must be below environment.token_budget={c.environment.token_budget} "
          "(the episode length, after the prompt, the penalty measures)"),
-    Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and not _env(c).has_expert(),
+    Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and not c.trainer.warm_start_policy
+         and not _env(c).has_expert(),
          "{c.trainer.warm_start_steps} needs a scripted expert, and environment '{c.environment.name}' has "
          "none (no expert_turn); use 0"),
+    Rule("trainer.warm_start_policy", lambda c: c.trainer.warm_start_policy
+         and c.trainer.warm_start_policy not in _env(c).reference_policies(),
+         "{c.trainer.warm_start_policy!r} is not a reference policy of environment '{c.environment.name}' "
+         "(it has: {policies})",
+         lambda c: {"policies": ", ".join(map(repr, _env(c).reference_policies())) or "none"}),
     Rule("trainer.warm_start_steps", lambda c: c.trainer.warm_start_steps and c.uses_reference,
          "{c.trainer.warm_start_steps} with a KL term (algorithm.kl_loss_coef={c.algorithm.kl_loss_coef}, "
          "algorithm.kl_reward_coef={c.algorithm.kl_reward_coef}): the reference policy is the model "

@@ -136,8 +136,9 @@ def prepare(cfg: RunConfig, models, rollouts) -> dict[str, float]:
     summary = {}
     tr = cfg.trainer
     if tr.warm_start_steps:
-        say(f"supervised warm start: {tr.warm_start_steps} steps on scripted-expert episodes")
-        demos = rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch)
+        say(f"supervised warm start: {tr.warm_start_steps} steps on "
+            f"{repr(tr.warm_start_policy) if tr.warm_start_policy else 'scripted-expert'} episodes")
+        demos = rollouts.demonstrations(tr.warm_start_steps, tr.warm_start_batch, tr.warm_start_policy)
         summary |= models.policy.warm_start(demos, tr.warm_start_lr)
         rollouts.sync(models.policy, 0)
     models.policy.init_anchor()  # RL starts here: theta_bar_0 = theta_0 (after any warm start)

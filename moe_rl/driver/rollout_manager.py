@@ -352,15 +352,17 @@ class Rollouts:
             out[name] = evaluation_figures([t for g in groups for t in g], len(self.eval_prompts), n)
         return out
 
-    def demonstrations(self, steps: int, rows: int) -> list[Batch]:
-        """`steps` batches of `rows` episodes played by the environment's scripted expert through the
-        same agent loop (same chat template, observations and masks as RL), run in this process; on
-        prompts the environment makes (a seed of their own), or the training rows."""
+    def demonstrations(self, steps: int, rows: int, policy: str = "") -> list[Batch]:
+        """`steps` batches of `rows` episodes played by the environment's scripted expert (or its reference
+        policy named `policy`) through the same agent loop (same chat template, observations and masks as
+        RL), run in this process; on prompts the environment makes (a seed of their own), or the training
+        rows."""
         import asyncio
         import random
 
         cfg = self.cfg
-        agent = self.scripted_agent(self.env.env_cls.expert_turn)
+        env_cls = self.env.env_cls
+        agent = self.scripted_agent(env_cls.reference_policies()[policy] if policy else env_cls.expert_turn)
         if self.env.env_cls.generates_prompts():
             prompts = generated_prompts(self.env, steps * rows, cfg.run.seed + 31337)
         else:
