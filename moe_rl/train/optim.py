@@ -97,6 +97,9 @@ def lr_mult_overrides(model, config, lr_mult: tuple[tuple[str, float], ...], set
     import torch
     from megatron.core.optimizer import ParamKey, ParamWithNamePredicate, get_standard_config_overrides
 
+    if not lr_mult:
+        return get_standard_config_overrides(config)
+
     def seen(wrapped: str) -> str:
         local = wrapped.removeprefix("module.")
         return names.get(local, local)
