@@ -363,7 +363,7 @@ class Rollouts:
         cfg = self.cfg
         env_cls = self.env.env_cls
         agent = self.scripted_agent(env_cls.reference_policies()[policy] if policy else env_cls.expert_turn)
-        if self.env.env_cls.generates_prompts():
+        if env_cls.generates_prompts():
             prompts = generated_prompts(self.env, steps * rows, cfg.run.seed + 31337)
         else:
             rng = random.Random(cfg.run.seed + 31337)
