@@ -154,7 +154,7 @@ def optim_spec(lr: float, **changes):
     from moe_rl.config import RunConfig
     from moe_rl.driver import specs
 
-    return dataclasses.replace(specs.optim_spec(RunConfig(), lr), **changes)
+    return dataclasses.replace(specs.optim_spec(RunConfig(), lr, {}), **changes)
 
 
 def engine_spec(model_path, **changes):

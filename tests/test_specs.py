@@ -61,7 +61,7 @@ CFG = RunConfig(
                            micro_batch_tokens=999, pack_sequences=False,
                            logit_chunk_tokens=333, optimizer_offload=0.25, precision_aware_optimizer=True,
                            adam_moments_dtype="bfloat16"),
-    critic=CriticSection(lr=7e-4),
+    critic=CriticSection(lr=7e-4, lr_mult={"*.linear_fc1.weight": 0.5}),
     reward_model=RewardModelSection(path="/rm", weight=0.5, rule_weight=2.0),
 )
 
@@ -87,8 +87,9 @@ CASES = {
         "rank": at("model.lora.rank"), "alpha": at("model.lora.alpha"),
         "targets": lambda cfg: tuple(cfg.model.lora.targets),
     }, set()),
-    "optim_spec": (lambda cfg: specs.optim_spec(cfg, cfg.critic.lr), OptimSpec, {
-        "lr": at("critic.lr"),  # the argument: trainer.lr for the policy, critic.lr for the critic
+    "optim_spec": (lambda cfg: specs.optim_spec(cfg, cfg.critic.lr, cfg.critic.lr_mult), OptimSpec, {
+        "lr": at("critic.lr"),  # the arguments: trainer.* for the policy, critic.* for the critic
+        "lr_mult": lambda cfg: tuple(cfg.critic.lr_mult.items()),
         "weight_decay": at("trainer.weight_decay"), "adam_beta1": at("trainer.adam_beta1"),
         "adam_beta2": at("trainer.adam_beta2"), "grad_clip": at("trainer.grad_clip"),
         "distributed_optimizer": at("parallel.distributed_optimizer"),

@@ -197,7 +197,7 @@ def policy_step_setup(cfg, hf_path: str, plan: Plan, **changes):
     from moe_rl.train.worker import TrainWorker
 
     spec = dataclasses.replace(specs.model_spec(cfg, hf_path), dtype="bfloat16", **changes)
-    optim = dataclasses.replace(specs.optim_spec(cfg, cfg.trainer.lr),
+    optim = dataclasses.replace(specs.optim_spec(cfg, cfg.trainer.lr, cfg.trainer.lr_mult),
                                 micro_batch_tokens=plan.micro_batch_tokens)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB_SIZE, (plan.rows, plan.seq), generator=g)  # on the CPU, as from Ray
@@ -249,7 +249,7 @@ def parity_job(rank, world, hf_path, ids_BS: torch.Tensor) -> dict[str, torch.Te
     out = {}
     for dtype in ("float32", "bfloat16"):
         w = TrainWorker(dataclasses.replace(specs.model_spec(cfg, hf_path), dtype=dtype),
-                        optim=specs.optim_spec(cfg, cfg.trainer.lr))
+                        optim=specs.optim_spec(cfg, cfg.trainer.lr, cfg.trainer.lr_mult))
         out[dtype] = w.score(Batch(ids_BS, lengths)).logp_BS
     return out
 

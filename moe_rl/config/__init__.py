@@ -2,7 +2,7 @@
 
     cfg = load_config("configs/quickstart.yaml", ["algorithm.gamma=0.99", "parallel.tp=2"])
 
-The sections live in run.py (run, model, parallel, logging, checkpoint, cluster) and learning.py
+The sections live in run.py (run, model, parallel, logging, checkpoint, cluster, teacher) and learning.py
 (rollout, environment, algorithm, trainer, critic, reward model); each field's docstring is its one
 description, which `moe-rl config explain FIELD` answers from and docs/config.md is generated from
 (docs.py). Every user error is a `ConfigError` whose message is one line naming the field path and
@@ -26,7 +26,6 @@ from moe_rl.config.learning import (
     EnvironmentSection,
     RewardModelSection,
     RolloutSection,
-    TeacherSection,
     TrainerSection,
 )
 from moe_rl.config.rules import check_compatible
@@ -40,6 +39,7 @@ from moe_rl.config.run import (
     ModelSection,
     ParallelSection,
     RunSection,
+    TeacherSection,
     TinyModel,
 )
 from moe_rl.schema import ConfigError, build, check_tree, parse_overrides, read_yaml, set_dotted

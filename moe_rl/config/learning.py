@@ -5,7 +5,6 @@ config/rules.py's."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -484,40 +483,3 @@ class RewardModelSection:
     rule_weight: float = 1.0
     """the environment's rewards (terminal and per turn)"""
 
-
-@dataclass(frozen=True)
-class TeacherSection:
-    """On-policy distillation's teachers: frozen models that score the student's sampled tokens (their
-    log-probs, routing freely: R3 stays the student's), on as many ranks as the policy (beside its ranks
-    when colocated), in a layout and dtype of their own where set (FP8 and recomputation as model.*).
-    Any size, an architecture this project trains (mixtral, qwen2_moe, qwen3_moe), the policy's
-    tokenizer."""
-
-    path: str = ""
-    """a Hugging Face causal-LM checkpoint: the teacher of every row (of the rows naming none, with
-    `named`); empty: no default teacher"""
-    named: dict[str, str] = field(default_factory=dict)
-    """more teachers by name (name: checkpoint path): a dataset row's `teacher` field picks the one that
-    scores its episodes"""
-    tp: int | None = None
-    """the teachers' tensor-parallel ranks (null: parallel.tp)"""
-    pp: int | None = None
-    """the teachers' pipeline stages (null: parallel.pp)"""
-    ep: int | None = None
-    """the teachers' expert-parallel ranks (null: parallel.ep)"""
-    dtype: Literal["float32", "bfloat16"] | None = None
-    """the teachers' weights and compute (null: model.dtype)"""
-
-    @property
-    def all(self) -> dict[str, str]:
-        """Every teacher by name ("" for `path`), in a fixed order."""
-        return {**({"": self.path} if self.path else {}), **dict(sorted(self.named.items()))}
-
-    def check(self) -> None:
-        for name in ("tp", "pp", "ep"):
-            if getattr(self, name) is not None:
-                positive(f"teacher.{name}", getattr(self, name))
-        for name, path in self.named.items():
-            if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not path:
-                raise ConfigError(f"teacher.named.{name}", f"'{path}': a teacher needs a name (letters, "
-                                  "digits, _) and a checkpoint path")

@@ -107,11 +107,11 @@ def teacher_spec(cfg: RunConfig, hf_path: str):
                                dtype=cfg.teacher.dtype or cfg.model.dtype)
 
 
-def optim_spec(cfg: RunConfig, lr: float, lr_mult: dict[str, float] | None = None):
+def optim_spec(cfg: RunConfig, lr: float, lr_mult: dict[str, float]):
     from moe_rl.train.optim import OptimSpec
 
     tr = cfg.trainer
-    return OptimSpec(lr=lr, lr_mult=tuple((lr_mult or {}).items()), weight_decay=tr.weight_decay,
+    return OptimSpec(lr=lr, lr_mult=tuple(lr_mult.items()), weight_decay=tr.weight_decay,
                          adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, grad_clip=tr.grad_clip,
                          distributed_optimizer=cfg.parallel.distributed_optimizer,
                          micro_batch_tokens=tr.micro_batch_tokens, pack_sequences=tr.pack_sequences,

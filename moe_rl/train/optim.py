@@ -18,6 +18,7 @@ class OptimSpec:
     config/run.py and config/learning.py)."""
 
     lr: float  # trainer.lr or critic.lr
+    lr_mult: tuple[tuple[str, float], ...]  # trainer.lr_mult or critic.lr_mult: (glob, factor) pairs
     weight_decay: float  # trainer.*
     adam_beta1: float
     adam_beta2: float
@@ -29,7 +30,6 @@ class OptimSpec:
     optimizer_offload: float  # trainer.*: the share of the optimizer's state and step on the host
     precision_aware: bool  # trainer.precision_aware_optimizer
     adam_moments_dtype: str  # trainer.*: under the precision-aware optimizer without offload
-    lr_mult: tuple[tuple[str, float], ...] = ()  # trainer.lr_mult or critic.lr_mult: (glob, factor) pairs
     adam_eps: float = 1e-8  # no config field
 
 

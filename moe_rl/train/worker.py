@@ -1,7 +1,7 @@
 """One rank of a Megatron policy or critic: model, DDP, optimizer, scoring and training steps.
 
     w = TrainWorker(specs.model_spec(cfg, hf_path), role="policy",
-                    optim=specs.optim_spec(cfg, cfg.trainer.lr))
+                    optim=specs.optim_spec(cfg, cfg.trainer.lr, cfg.trainer.lr_mult))
     out = w.score(batch)                                # forward only: ScoreResult (logp/entropy or critic
                                                         # outputs)
     update = w.train_step(batch, loss_fn, denominator)  # forward+backward over microbatches, step:

@@ -48,7 +48,7 @@ def job(rank, world, path, lengths, rounds, hidden):
     torch.set_num_threads(1)
     parallel.init_distributed(parallel.Layout())
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=4096))
-    w = TrainWorker(model_spec(cfg, path), optim=optim_spec(cfg, lr=1e-6))
+    w = TrainWorker(model_spec(cfg, path), optim=optim_spec(cfg, lr=1e-6, lr_mult={}))
     B, S = len(lengths), int(lengths.max())
     ids = torch.randint(0, 300, (B, S), generator=torch.Generator().manual_seed(1))
     mask = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)

@@ -55,7 +55,7 @@ def trainer(path: str, router: str | None):
 
     cfg = RunConfig()
     w = TrainWorker(dataclasses.replace(specs.model_spec(cfg, path), dtype="bfloat16"),
-                    optim=specs.optim_spec(cfg, 1e-6))
+                    optim=specs.optim_spec(cfg, 1e-6, {}))
     if router is not None:
         w.config.moe_router_dtype = router
     caught: dict[int, torch.Tensor] = {}

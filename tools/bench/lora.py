@@ -49,7 +49,7 @@ def arm(rank, world, path: str, lora_rank: int, steps: int) -> dict:
     parallel.init_distributed(parallel.Layout())
     cfg = RunConfig(model=ModelSection(lora=LoraSection(rank=lora_rank, alpha=2.0 * lora_rank)),
                     trainer=TrainerSection(proximal_pass="separate", micro_batch_tokens=ROWS * SEQ))
-    w = TrainWorker(specs.policy_spec(cfg, path), optim=specs.optim_spec(cfg, 1e-5))
+    w = TrainWorker(specs.policy_spec(cfg, path), optim=specs.optim_spec(cfg, 1e-5, {}))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (ROWS, SEQ), generator=g)
     lengths = torch.full((ROWS,), SEQ)

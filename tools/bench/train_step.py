@@ -120,9 +120,9 @@ def main() -> None:
     # padded; packed below
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))
     # the trainer as production builds it on the CPU (model.experts=auto: sequential), and grouped
-    w = TrainWorker(model_spec(cfg, str(path)), optim=optim_spec(cfg, lr=1e-6))
+    w = TrainWorker(model_spec(cfg, str(path)), optim=optim_spec(cfg, lr=1e-6, lr_mult={}))
     w_grouped = TrainWorker(dataclasses.replace(model_spec(cfg, str(path)), experts="grouped"),
-                            optim=optim_spec(cfg, lr=1e-6))
+                            optim=optim_spec(cfg, lr=1e-6, lr_mult={}))
     lengths = torch.full((args.batch,), args.seq)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, 0] = False
