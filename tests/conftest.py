@@ -169,3 +169,14 @@ def agent_spec(**changes):
     from moe_rl.driver import specs
 
     return dataclasses.replace(specs.agent_spec(RunConfig()), **changes)
+
+
+def config_error(overrides, data=None, cuda=False) -> str:
+    """The one-line ConfigError message `from_dict(data, overrides)` raises (it must raise)."""
+    from moe_rl.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as info:
+        from_dict(data or {}, overrides, cuda_available=cuda)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
