@@ -34,16 +34,17 @@ def kl(base_BSV: torch.Tensor, new_BSV: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def step_kl(model, ids, base, params: list, lr: float) -> float:
-    """The KL after a sign step of `lr` on `params` (each with its .grad), the weights restored after."""
-    saved = [p.clone() for p in params]
-    for p in params:
-        p.sub_(lr * torch.sign(p.grad))
+def step_kl(model, ids, base, steps: list[tuple[list, float]]) -> float:
+    """The KL after a sign step of each (params, rate) in `steps` (the params with their .grad), the
+    weights restored after."""
+    saved = [(p, p.clone()) for params, _ in steps for p in params]
+    for params, rate in steps:
+        for p in params:
+            p.sub_(rate * torch.sign(p.grad))
     out = kl(base, torch.log_softmax(model(ids).logits.float(), -1))
-    for p, s in zip(params, saved, strict=True):
+    for p, s in saved:
         p.copy_(s)
     return out
-
 
 def sensitivities(path: str, lr: float, mult: dict[str, float]) -> tuple[list[tuple[float, str, int]], float]:
     from transformers import AutoModelForCausalLM
@@ -64,17 +65,9 @@ def sensitivities(path: str, lr: float, mult: dict[str, float]) -> tuple[list[tu
     def rate(group: str) -> float:
         return lr * next((f for glob, f in mult.items() if fnmatch.fnmatchcase(group, glob)), 1.0)
 
-    rows = sorted(((step_kl(model, ids, base, ps, rate(name)), name, sum(p.numel() for p in ps))
+    rows = sorted(((step_kl(model, ids, base, [(ps, rate(name))]), name, sum(p.numel() for p in ps))
                    for name, ps in groups.items()), reverse=True)
-    with torch.no_grad():
-        saved = {name: [p.clone() for p in ps] for name, ps in groups.items()}
-        for name, ps in groups.items():
-            for p in ps:
-                p.sub_(rate(name) * torch.sign(p.grad))
-        total = kl(base, torch.log_softmax(model(ids).logits.float(), -1))
-        for name, ps in groups.items():
-            for p, s in zip(ps, saved[name], strict=True):
-                p.copy_(s)
+    total = step_kl(model, ids, base, [(ps, rate(name)) for name, ps in groups.items()])
     return rows, total
 
 

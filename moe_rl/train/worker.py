@@ -92,7 +92,8 @@ class TrainWorker:
             optim_config = optimizer_config(optim, distributed, spec.torch_dtype)
             overrides = lr_mult_overrides(self.model, optim_config, optim.lr_mult,
                                           f"{'trainer' if role == 'policy' else 'critic'}.lr_mult",
-                                          hf.rank_names(module, self.config.num_moe_experts))
+                                          hf.rank_names(module, self.config.num_moe_experts)
+                                          if optim.lr_mult else {})
             self.optimizer = get_megatron_optimizer(optim_config, [self.model], config_overrides=overrides)
             self.set_lr(optim.lr)
             # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,
