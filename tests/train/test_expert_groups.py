@@ -25,7 +25,7 @@ def uneven_job(rank, world, hf_path, ep):
 
     parallel.init_distributed(parallel.Layout(ep=ep))
     cfg = RunConfig()
-    optim = dataclasses.replace(specs.optim_spec(cfg, 1e-3), micro_batch_tokens=12,
+    optim = dataclasses.replace(specs.optim_spec(cfg, 1e-3, {}), micro_batch_tokens=12,
                                 pack_sequences=False)
     w = TrainWorker(specs.model_spec(cfg, hf_path), optim=optim)
     g = torch.Generator().manual_seed(5)
