@@ -51,7 +51,7 @@ def span_mask(B: int, T: int, obs_frac: float, gen: torch.Generator) -> torch.Te
     return span_idx % 2 == 0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=256)
     ap.add_argument("--T", type=int, default=16384)
@@ -60,18 +60,12 @@ def main() -> None:
                     help="interleaved timing rounds (kernel, tensor path, pass)")
     ap.add_argument("--loop-rows", type=int, default=256,
                     help="rows the Python loop and the kernel it is compared with run on")
-    args = ap.parse_args()
-    B, T = args.B, args.T
-    gen = torch.Generator().manual_seed(0)
-    mask = span_mask(B, T, args.obs_frac, gen)
-    values = torch.randn(B, T, generator=gen)
-    rewards = torch.randn(B, T, generator=gen) * mask * 0.01
-    terminated = torch.rand(B, generator=gen) < 0.5
-    boundary = torch.randn(B, generator=gen)
-    gamma, lam = 1.0, 0.95
-    print(f"masked GAE  B={B} T={T}  observation tokens {1 - mask.float().mean():.1%}  threads "
-          f"{torch.get_num_threads()}")
+    return ap.parse_args()
 
+
+def time_full_batch(rewards, values, mask, terminated, boundary, gamma, lam, repeats: int):
+    """Median seconds of the kernel, the tensor path and one elementwise pass over the same bytes, timed in
+    interleaved rounds; and each path's largest error against a float64 evaluation by the tensor path."""
     def kernel():
         return masked_gae(rewards, values, mask, terminated, boundary, gamma, lam, backend="kernel")
 
@@ -90,35 +84,48 @@ def main() -> None:
         sys.exit(f"gae bench: the fused kernel is unavailable, nothing to time under its name: {err}")
     torch_path()
     elementwise_pass()
-    t_kernel, t_torch, t_pass = [], [], []
-    for _ in range(args.repeats):
-        timed(kernel, t_kernel)
-        timed(torch_path, t_torch)
-        timed(elementwise_pass, t_pass)
-    fast, slow, ew = (statistics.median(t) for t in (t_kernel, t_torch, t_pass))
-
-    # the loop and the kernel on the same rows, all terminated (the loop's steps are vectorised over
-    # rows, so its time is not proportional to the rows: it is never scaled from fewer rows to B)
-    rows = min(args.loop_rows, B)
-    r_rows, v_rows, m_rows, b_rows = rewards[:rows], values[:rows], mask[:rows], boundary[:rows]
-    ones = torch.ones(rows, dtype=torch.bool)
-    t0 = time.perf_counter()
-    loop_adv, _ = reverse_loop_gae(r_rows, v_rows, m_rows, gamma, lam)
-    loop = time.perf_counter() - t0
-    t_kernel_rows = []
-    for _ in range(args.repeats):
-        kernel_term, _ = timed(masked_gae, t_kernel_rows, r_rows, v_rows, m_rows, ones, b_rows, gamma, lam,
-                               "kernel")
-    fast_rows = statistics.median(t_kernel_rows)
-    loop_err = float((kernel_term - loop_adv).abs().max())
-
-    adv, _ = kernel()
-    adv_torch, _ = torch_path()
+    times = ([], [], [])
+    for _ in range(repeats):
+        for fn, t in zip((kernel, torch_path, elementwise_pass), times, strict=True):
+            timed(fn, t)
     ref, _ = masked_gae(rewards.double(), values.double(), mask, terminated, boundary.double(), gamma, lam,
                         backend="torch")
-    err = float((adv.double() - ref).abs().max())
-    torch_err = float((adv_torch.double() - ref).abs().max())
+    errs = [float((fn()[0].double() - ref).abs().max()) for fn in (kernel, torch_path)]
+    return (*(statistics.median(t) for t in times), *errs)
 
+
+def time_against_loop(rewards, values, mask, boundary, gamma, lam, repeats: int):
+    """The per-token loop's seconds, the kernel's median seconds on the same rows (all terminated: the loop
+    cannot bootstrap) and their largest difference. The loop's steps are vectorised over rows, so its time
+    is not proportional to the rows: it is never scaled from fewer rows to B."""
+    ones = torch.ones(rewards.shape[0], dtype=torch.bool)
+    t0 = time.perf_counter()
+    loop_adv, _ = reverse_loop_gae(rewards, values, mask, gamma, lam)
+    loop = time.perf_counter() - t0
+    t_kernel = []
+    for _ in range(repeats):
+        kernel_adv, _ = timed(masked_gae, t_kernel, rewards, values, mask, ones, boundary, gamma, lam,
+                              "kernel")
+    return loop, statistics.median(t_kernel), float((kernel_adv - loop_adv).abs().max())
+
+
+def main() -> None:
+    args = parse_args()
+    B, T = args.B, args.T
+    gen = torch.Generator().manual_seed(0)
+    mask = span_mask(B, T, args.obs_frac, gen)
+    values = torch.randn(B, T, generator=gen)
+    rewards = torch.randn(B, T, generator=gen) * mask * 0.01
+    terminated = torch.rand(B, generator=gen) < 0.5
+    boundary = torch.randn(B, generator=gen)
+    gamma, lam = 1.0, 0.95
+    print(f"masked GAE  B={B} T={T}  observation tokens {1 - mask.float().mean():.1%}  threads "
+          f"{torch.get_num_threads()}")
+    fast, slow, ew, err, torch_err = time_full_batch(rewards, values, mask, terminated, boundary, gamma, lam,
+                                                     args.repeats)
+    rows = min(args.loop_rows, B)
+    loop, fast_rows, loop_err = time_against_loop(rewards[:rows], values[:rows], mask[:rows], boundary[:rows],
+                                                  gamma, lam, args.repeats)
     figures = {
         "bench": "gae", "B": B, "T": T, "obs_frac": round(1 - float(mask.float().mean()), 3),
         "rounds": args.repeats, "kernel_ms": round(fast * 1e3, 2), "torch_path_ms": round(slow * 1e3, 2),

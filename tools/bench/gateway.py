@@ -203,7 +203,7 @@ async def load(agent, loop_agent, env, timings: list, sessions: int, duration_s:
             "connections_growth": marks[-1][3] - marks[1][3], "episodes_left": marks[-1][4]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=int, default=32, help="games per round (the quickstart's step)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -213,27 +213,12 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=16, help="sessions of the load replayed by the agent loop")
     ap.add_argument("--load-through", choices=["gateway", "agent"], default="gateway",
                     help="agent: the load's waves through the agent loop (the memory figures' control)")
-    args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("moe_rl.rollout.gateway").setLevel(logging.ERROR)  # each budget refusal: a warning
-    import dataclasses
+    return ap.parse_args()
 
-    from transformers import AutoTokenizer
 
-    from moe_rl.config import RunConfig, RunSection, TinyModel
-    from moe_rl.driver import specs
-    from moe_rl.rollout.agent import Agent
-    from moe_rl.rollout.engine import RolloutEngine
-    from moe_rl.rollout.envs import EnvSpec, get_env, import_object
-    from moe_rl.tiny import build_tiny_checkpoint
-
-    path = build_tiny_checkpoint(Path(tempfile.gettempdir()) / "moe_rl_bench_gateway", TinyModel(), seed=0)
-    turns = 4
-    cfg = RunConfig(run=RunSection(seed=0))
-    engine = RolloutEngine(specs.engine_spec(cfg, str(path)))
-    timed = TimedEngine(engine)  # the floor's clients wait a gateway request's engine time between requests
-    in_steps = Counter()  # the engine's steps and their seconds: its own work, apart from the arms' own
+def count_steps(engine) -> Counter:
+    """Counts the engine's steps and their seconds from now on: its own work, apart from the arms'."""
+    in_steps = Counter()
     raw_step = engine._step
 
     def step():
@@ -245,58 +230,47 @@ def main() -> None:
             in_steps["seconds"] += time.perf_counter() - t0
 
     engine._step = step
-    tok = AutoTokenizer.from_pretrained(path)
-    agent_s = dataclasses.replace(specs.agent_spec(cfg), max_turns=turns,
-                                  max_tokens_per_turn=args.max_new_tokens,
-                                  token_budget=turns * (args.max_new_tokens + 16))
-    env = get_env("guess_number")
-    prompts = env.generate_prompts(args.episodes, seed=0, options=env.Options())
-    # the harness as the gateway loads it (by path): the module whose TIMINGS its requests fill
-    timings = import_object(f"{Path(__file__).resolve()}:TIMINGS")
-    harness = {"harness": f"{Path(__file__).resolve()}:timed_guess_number",
-               "max_concurrent": max(args.sessions, args.episodes)}
-    arms = {"agent": Agent(engine, tok, EnvSpec("guess_number"), agent_s),
-            "gateway": Agent(timed, tok, EnvSpec("gateway", harness), agent_s)}
+    return in_steps
 
-    async def bench():
-        arm_names = (*arms, "floor")
-        times, cpu, steps, engine_s = ({k: [] for k in arm_names} for _ in range(4))
-        tokens = Counter()
-        for arm in arms.values():  # warm-up (and the gateway's start)
-            await arm.run_groups(prompts[:4], 1, seed=1)
 
-        async def measured(name, play):
-            t0, c0, s0, n0 = time.perf_counter(), time.process_time(), in_steps["seconds"], in_steps["steps"]
-            result = await play()
-            times[name].append(time.perf_counter() - t0)
-            engine_s[name].append(in_steps["seconds"] - s0)
-            steps[name].append(in_steps["steps"] - n0)
-            cpu[name].append(time.process_time() - c0 - engine_s[name][-1])  # outside the engine's steps
-            return result
+async def rounds(args, arms: dict, prompts, in_steps: Counter, timed: TimedEngine) -> tuple:
+    """The arms' rounds of the same games, alternating which goes first, each followed by the floor's round
+    with the gateway's request count: (times, cpu, tokens, steps, engine_s), lists per arm."""
+    arm_names = (*arms, "floor")
+    times, cpu, steps, engine_s = ({k: [] for k in arm_names} for _ in range(4))
+    tokens = Counter()
+    for arm in arms.values():  # warm-up (and the gateway's start)
+        await arm.run_groups(prompts[:4], 1, seed=1)
 
-        for i in range(args.rounds):
-            for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-                arm = arms[name]
-                arm.stats.counts.clear()
-                groups = await measured(name, lambda arm=arm, i=i: arm.run_groups(prompts, 1, seed=100 + i))
-                tokens[name] += sum(sum(t.response_mask) for g in groups for t in g)
-            requests = arms["gateway"].stats.counts["gateway_requests"]
-            sent = await measured("floor", lambda i=i, n=requests: floor_round(
-                lambda: arms["agent"].run_groups(prompts, 1, seed=100 + i), args.episodes, n,
-                statistics.median(timed.seconds)))
-            cpu["gateway"][-1] = (cpu["gateway"][-1] - cpu["agent"][-1]) / requests
-            cpu["floor"][-1] = (cpu["floor"][-1] - cpu["agent"][-1]) / sent
-            tokens["requests"] += requests
-            print(f"round {i + 1}/{args.rounds}: agent {times['agent'][-1]:.2f} s, gateway "
-                  f"{times['gateway'][-1]:.2f} s, floor {times['floor'][-1]:.2f} s", flush=True)
-        loaded = {}
-        if args.duration_s > 0:
-            loaded = await load(arms["gateway"], arms["agent"], env, timings, args.sessions, args.duration_s,
-                                args.sample, args.load_through)
-        await (await arms["gateway"].gateway()).close()
-        return times, cpu, tokens, steps, engine_s, loaded
+    async def measured(name, play):
+        t0, c0, s0, n0 = time.perf_counter(), time.process_time(), in_steps["seconds"], in_steps["steps"]
+        result = await play()
+        times[name].append(time.perf_counter() - t0)
+        engine_s[name].append(in_steps["seconds"] - s0)
+        steps[name].append(in_steps["steps"] - n0)
+        cpu[name].append(time.process_time() - c0 - engine_s[name][-1])  # outside the engine's steps
+        return result
 
-    times, cpu, tokens, steps, engine_s, loaded = asyncio.run(bench())
+    for i in range(args.rounds):
+        for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+            arm = arms[name]
+            arm.stats.counts.clear()
+            groups = await measured(name, lambda arm=arm, i=i: arm.run_groups(prompts, 1, seed=100 + i))
+            tokens[name] += sum(sum(t.response_mask) for g in groups for t in g)
+        requests = arms["gateway"].stats.counts["gateway_requests"]
+        sent = await measured("floor", lambda i=i, n=requests: floor_round(
+            lambda: arms["agent"].run_groups(prompts, 1, seed=100 + i), args.episodes, n,
+            statistics.median(timed.seconds)))
+        cpu["gateway"][-1] = (cpu["gateway"][-1] - cpu["agent"][-1]) / requests
+        cpu["floor"][-1] = (cpu["floor"][-1] - cpu["agent"][-1]) / sent
+        tokens["requests"] += requests
+        print(f"round {i + 1}/{args.rounds}: agent {times['agent'][-1]:.2f} s, gateway "
+              f"{times['gateway'][-1]:.2f} s, floor {times['floor'][-1]:.2f} s", flush=True)
+    return times, cpu, tokens, steps, engine_s
+
+
+def report(args, times, cpu, tokens, steps, engine_s, loaded: dict) -> None:
+    """Prints the rounds' figures (the module docstring names them) and the load's, then the JSON line."""
     t_agent, t_gateway = statistics.median(times["agent"]), statistics.median(times["gateway"])
     per_round_requests = tokens["requests"] / args.rounds
     overhead_ms = 1000 * (t_gateway - t_agent) / max(per_round_requests, 1)
@@ -309,8 +283,8 @@ def main() -> None:
                "requests_per_round": per_round_requests,
                "overhead_per_request_ms": round(overhead_ms, 2),
                "overhead_frac": round((t_gateway - t_agent) / t_gateway, 4),
-               **{f"engine_steps_{k}": statistics.median(steps[k]) for k in arms},
-               **{f"engine_s_{k}": round(statistics.median(engine_s[k]), 3) for k in arms},
+               **{f"engine_steps_{k}": statistics.median(steps[k]) for k in ("agent", "gateway")},
+               **{f"engine_s_{k}": round(statistics.median(engine_s[k]), 3) for k in ("agent", "gateway")},
                "gateway_cpu_ms": round(gateway_ms, 2), "http_floor_ms": round(floor_ms, 2),
                "cost_above_floor_ms": round(gateway_ms - floor_ms, 2), **loaded}
     print(f"built-in agent loop {figures['tokens_per_s_agent']:8.1f} model tokens/s  "
@@ -330,6 +304,54 @@ def main() -> None:
               f"{loaded['fds_growth']:+d}, threads {loaded['threads_growth']:+d}, connections "
               f"{loaded['connections_growth']:+d}")
     print(json.dumps(figures))
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("moe_rl.rollout.gateway").setLevel(logging.ERROR)  # each budget refusal: a warning
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from moe_rl.config import RunConfig, RunSection, TinyModel
+    from moe_rl.driver import specs
+    from moe_rl.rollout.agent import Agent
+    from moe_rl.rollout.engine import RolloutEngine
+    from moe_rl.rollout.envs import EnvSpec, get_env, import_object
+    from moe_rl.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(Path(tempfile.gettempdir()) / "moe_rl_bench_gateway", TinyModel(), seed=0)
+    turns = 4
+    cfg = RunConfig(run=RunSection(seed=0))
+    engine = RolloutEngine(specs.engine_spec(cfg, str(path)))
+    timed = TimedEngine(engine)  # the floor's clients wait a gateway request's engine time between requests
+    in_steps = count_steps(engine)
+    tok = AutoTokenizer.from_pretrained(path)
+    agent_s = dataclasses.replace(specs.agent_spec(cfg), max_turns=turns,
+                                  max_tokens_per_turn=args.max_new_tokens,
+                                  token_budget=turns * (args.max_new_tokens + 16))
+    env = get_env("guess_number")
+    prompts = env.generate_prompts(args.episodes, seed=0, options=env.Options())
+    # the harness as the gateway loads it (by path): the module whose TIMINGS its requests fill
+    timings = import_object(f"{Path(__file__).resolve()}:TIMINGS")
+    harness = {"harness": f"{Path(__file__).resolve()}:timed_guess_number",
+               "max_concurrent": max(args.sessions, args.episodes)}
+    arms = {"agent": Agent(engine, tok, EnvSpec("guess_number"), agent_s),
+            "gateway": Agent(timed, tok, EnvSpec("gateway", harness), agent_s)}
+
+    async def bench():
+        measured = await rounds(args, arms, prompts, in_steps, timed)
+        loaded = {}
+        if args.duration_s > 0:
+            loaded = await load(arms["gateway"], arms["agent"], env, timings, args.sessions, args.duration_s,
+                                args.sample, args.load_through)
+        await (await arms["gateway"].gateway()).close()
+        return measured, loaded
+
+    measured, loaded = asyncio.run(bench())
+    report(args, *measured, loaded)
     engine.shutdown()
 
 

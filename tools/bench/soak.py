@@ -65,7 +65,7 @@ def snapshot(driver: int) -> dict[int, dict]:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20, help="steps before the first memory sample")
@@ -73,21 +73,18 @@ def main() -> None:
     ap.add_argument("--config", default=QUICKSTART, help="the run's config (the quickstart's: with the "
                     "calculator tool after a warm start)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.prompts_per_step=16")
-    args = ap.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="moe_rl_soak_"))
-    # the quickstart's soak: the calculator's expert teaches the tool's format first, so that RL episodes
-    # call it (its code runs in the sandbox); another config runs as it is
-    recipe = ["environment.name=calculator", "environment.options={}", "environment.token_budget=192",
-              "rollout.max_new_tokens=24", "trainer.warm_start_steps=60"] if args.config == QUICKSTART else []
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"run.output_dir={out}",
-           f"run.steps={args.steps}", *recipe, "trainer.eval_prompts=0", "trainer.eval_every=0",
-           "rollout.async_mode=true", "rollout.num_engines=2",
-           "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
+    return ap.parse_args()
+
+
+def run_sampled(cmd: list[str], steps: int, warmup: int) -> dict[int, dict]:
+    """Runs the training command, following its progress bar ("RL steps: ... 17/200") for the step, and
+    snapshots its processes once in every step from `warmup` on; step -> snapshot. Exits with the output's
+    tail if the run fails."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     state = {"step": 0, "tail": []}
 
-    def follow() -> None:  # the progress bar ("RL steps: ... 17/200") tells the step
+    def follow() -> None:
         buf = ""
         while ch := proc.stderr.read(1):
             buf += ch
@@ -99,22 +96,25 @@ def main() -> None:
                 buf = ""
 
     threading.Thread(target=follow, daemon=True).start()
-    samples: dict[int, dict] = {}  # step -> snapshot
+    samples: dict[int, dict] = {}
     t0 = time.time()
     while proc.poll() is None:
         step = state["step"]
-        if step >= args.warmup and step not in samples and step < args.steps:
+        if step >= warmup and step not in samples and step < steps:
             samples[step] = snapshot(proc.pid)
-            if step % 10 == 0 or step == args.warmup:
-                print(f"[soak] step {step}/{args.steps} ({time.time() - t0:.0f} s): "
+            if step % 10 == 0 or step == warmup:
+                print(f"[soak] step {step}/{steps} ({time.time() - t0:.0f} s): "
                       f"{sum(v['rss'] for v in samples[step].values()) / 2**30:.2f} GiB resident in "
                       f"{len(samples[step])} processes", flush=True)
         time.sleep(0.2)
     if proc.returncode != 0:
         sys.exit(f"soak: the run failed (exit {proc.returncode}):\n{''.join(state['tail'])}")
-    import torch
+    return samples
 
-    hist = torch.load(out / "history.pt", weights_only=False)
+
+def summarize(samples: dict[int, dict], hist: list[dict], warmup: int) -> dict:
+    """Memory, descriptors and threads of the processes alive at both the first and the last sampled step,
+    and the steps' rate by quarter (after the warmup)."""
     first, last = min(samples), max(samples)
     a, b = samples[first], samples[last]
     both = sorted(set(a) & set(b))
@@ -123,7 +123,7 @@ def main() -> None:
     # resident memory less its file and shared-memory pages
     private_a, private_b = (sum(s[p]["rss"] - s[p]["shared"] for p in both) for s in (a, b))
 
-    times = [h["timing/step_s"] for h in hist[args.warmup:]]
+    times = [h["timing/step_s"] for h in hist[warmup:]]
     q = max(1, len(times) // 4)
     summary = {
         "steps": len(hist), "sampled_steps": [first, last], "processes": len(both),
@@ -147,11 +147,15 @@ def main() -> None:
         "engine_restarts": hist[-1].get("rollout/engine_restarts", 0),
     }
     summary["steps_per_s_ratio"] = summary["steps_per_s"][1] / summary["steps_per_s"][0]
-    what = "the calculator tool" if args.config == QUICKSTART else args.config
-    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, {what}"
-          f"{' with ' + ' '.join(args.overrides) if args.overrides else ''}; processes sampled at steps "
-          f"{first} and {last} ({len(both)} in both)")
-    print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a / 2**30:.2f} -> {rss_b / 2**30:.2f} GiB; "
+    return summary
+
+
+def report(summary: dict, what: str) -> None:
+    first, last = summary["sampled_steps"]
+    rss_a, rss_b = summary["rss_gib"]
+    print(f"soak: {summary['steps']} asynchronous steps, 2 engines, {what}; processes sampled at steps "
+          f"{first} and {last} ({summary['processes']} in both)")
+    print(f"  rss_growth      {summary['rss_growth']:+.2%}  ({rss_a:.2f} -> {rss_b:.2f} GiB; "
           f"most: {summary['worst_process']['role']} {summary['worst_process']['growth']:+.2%})   "
           "goal <= +5%")
     print(f"  private_growth  {summary['private_growth']:+.2%}  (resident less file and shared-memory pages, "
@@ -167,6 +171,25 @@ def main() -> None:
           f"(last / first quarter {summary['steps_per_s_ratio']:.3f}; by quarter "
           f"{', '.join(f'{x:.3f}' for x in summary['steps_per_s_by_quarter'])})")
     print(json.dumps(summary))
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(tempfile.mkdtemp(prefix="moe_rl_soak_"))
+    # the quickstart's soak: the calculator's expert teaches the tool's format first, so that RL episodes
+    # call it (its code runs in the sandbox); another config runs as it is
+    recipe = ["environment.name=calculator", "environment.options={}", "environment.token_budget=192",
+              "rollout.max_new_tokens=24", "trainer.warm_start_steps=60"] if args.config == QUICKSTART else []
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"run.output_dir={out}",
+           f"run.steps={args.steps}", *recipe, "trainer.eval_prompts=0", "trainer.eval_every=0",
+           "rollout.async_mode=true", "rollout.num_engines=2",
+           "checkpoint.every=0", "logging.progress_bar=true", *args.overrides]
+    samples = run_sampled(cmd, args.steps, args.warmup)
+    import torch
+
+    summary = summarize(samples, torch.load(out / "history.pt", weights_only=False), args.warmup)
+    what = "the calculator tool" if args.config == QUICKSTART else args.config
+    report(summary, what + (" with " + " ".join(args.overrides) if args.overrides else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 

@@ -64,7 +64,7 @@ def transformers_steps(conn, path: str, ids: torch.Tensor, threads: int) -> None
         conn.send(time.perf_counter() - t0)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -77,7 +77,59 @@ def main() -> None:
                     help="interleaved rounds (a transformers, a free-routing, a replay and a "
                          "grouped-experts step each)")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def hf_child(path, ids: torch.Tensor, threads: int):
+    """Plain transformers in a child process (started before this one installs megatron's shims), loaded
+    and warmed up: (its thread count, a function that appends one timed step's seconds to a list, a
+    function that stops it)."""
+    import multiprocessing
+
+    conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=transformers_steps,
+                                                         args=(child_conn, str(path), ids, threads),
+                                                         daemon=True)
+    child.start()
+    hf_threads = conn.recv()
+
+    def step_time(acc: list) -> None:
+        conn.send(True)
+        acc.append(conn.recv())
+
+    def stop() -> None:
+        conn.send(None)
+        child.join(timeout=60)
+
+    return hf_threads, step_time, stop
+
+
+def time_packing(w, nll, rows: int, seq: int, steps: int, g: torch.Generator) -> dict:
+    """Variable-length rows: right-padded microbatches vs packed (THD) ones, alternating which goes first,
+    round 0 untimed. Median seconds of each, their loss per token, and the padding fraction."""
+    from moe_rl.batch import Batch
+
+    var_len = torch.randint(seq // 8, seq + 1, (rows,), generator=g)
+    var_ids = torch.randint(0, 300, (rows, seq), generator=g)
+    var_mask = (torch.arange(seq) < var_len.unsqueeze(1)) & (torch.arange(seq) > 0)
+    var = Batch(var_ids, var_len, mask_BS=var_mask)
+    var_denom = var_mask.sum().double()
+    padded_settings = w.optim_spec
+    packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)
+    t_pad, t_pack, loss = [], [], {}
+    for i in range(steps + 1):
+        arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
+        for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
+            w.optim_spec = settings
+            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]
+    w.optim_spec = padded_settings
+    return {"padded_s": statistics.median(t_pad), "packed_s": statistics.median(t_pack),
+            "padding_fraction": 1 - float(var_len.sum()) / (rows * seq),
+            **{f"{k}_loss_per_token": v / float(var_denom) for k, v in loss.items()}}
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -93,22 +145,9 @@ def main() -> None:
     tokens = ids.numel()
     print(f"train step: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-2, "
           f"batch {args.batch} x seq {args.seq}, threads {torch.get_num_threads()}")
+    hf_threads, hf_step_time, stop_hf = hf_child(path, ids, args.threads)
 
-    # 1. plain transformers, in a child process (started before this one installs megatron's shims)
-    import multiprocessing
-
-    conn, child_conn = multiprocessing.get_context("spawn").Pipe()
-    child = multiprocessing.get_context("spawn").Process(target=transformers_steps,
-                                                         args=(child_conn, str(path), ids, args.threads),
-                                                         daemon=True)
-    child.start()
-    hf_threads = conn.recv()  # loaded and warmed up
-
-    def hf_step_time(acc: list) -> None:
-        conn.send(True)
-        acc.append(conn.recv())
-
-    # 2. Megatron CPU path (one rank, gloo)
+    # the Megatron CPU path (one rank, gloo)
     from moe_rl.batch import Batch
     from moe_rl.config import RunConfig, TrainerSection
     from moe_rl.driver.specs import model_spec, optim_spec
@@ -117,7 +156,7 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_PORT", "29561")
     parallel.init_distributed(parallel.Layout(), rank=0, world_size=1)
-    # padded; packed below
+    # padded; packed in time_packing
     cfg = RunConfig(trainer=TrainerSection(micro_batch_tokens=tokens, pack_sequences=False))
     # the trainer as production builds it on the CPU (model.experts=auto: sequential), and grouped
     w = TrainWorker(model_spec(cfg, str(path)), optim=optim_spec(cfg, lr=1e-6, lr_mult={}))
@@ -132,8 +171,7 @@ def main() -> None:
         return -(outputs["logp_BS"] * mb.mask_BS).sum(), {}
 
     free = Batch(ids, lengths, mask_BS=mask)
-    routes = w.score(free, record_routes=True).routes_BSLK
-    replayed = Batch(ids, lengths, routes, mask_BS=mask)
+    replayed = Batch(ids, lengths, w.score(free, record_routes=True).routes_BSLK, mask_BS=mask)
     t_hf, t_free, t_replay, t_grouped = [], [], [], []
     w.train_step(free, nll, denom)
     w.train_step(replayed, nll, denom)
@@ -144,32 +182,20 @@ def main() -> None:
     for i in range(args.pairs):  # interleaved, every other round reversed: drift and ordering hit all alike
         for run in rounds[:: 1 if i % 2 == 0 else -1]:
             run()
-    conn.send(None)
-    child.join(timeout=60)
+    stop_hf()
+    packing = time_packing(w, nll, 4 * args.batch, args.seq, args.steps, g)
+    parallel.shutdown()
+    report(args, tokens, hf_threads, t_hf, t_free, t_replay, t_grouped, packing)
+
+
+def report(args, tokens: int, hf_threads: int, t_hf: list, t_free: list, t_replay: list, t_grouped: list,
+           packing: dict) -> None:
+    """Prints the steps' medians and ratios (the module docstring names them), then the JSON line."""
     t_hf_med, t_mg, t_rp = statistics.median(t_hf), statistics.median(t_free), statistics.median(t_replay)
     replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
     grouped_vs_sequential = statistics.median(f / q for f, q in zip(t_free, t_grouped, strict=True))
-
-    # 3. variable-length rows: right-padded microbatches vs packed (THD) ones
+    t_pd, t_pk = packing["padded_s"], packing["packed_s"]
     rows = 4 * args.batch
-    var_len = torch.randint(args.seq // 8, args.seq + 1, (rows,), generator=g)
-    var_ids = torch.randint(0, 300, (rows, args.seq), generator=g)
-    var_mask = (torch.arange(args.seq) < var_len.unsqueeze(1)) & (torch.arange(args.seq) > 0)
-    var = Batch(var_ids, var_len, mask_BS=var_mask)
-    var_denom = var_mask.sum().double()
-    padded_settings = w.optim_spec
-    packed_settings = dataclasses.replace(padded_settings, pack_sequences=True)
-    t_pad, t_pack, loss = [], [], {}
-    for i in range(args.steps + 1):  # alternating order, round 0 untimed
-        arms = (("padded", padded_settings, t_pad), ("packed", packed_settings, t_pack))
-        for name, settings, acc in arms[:: 1 if i % 2 == 0 else -1]:
-            w.optim_spec = settings
-            # round 0 warms up
-            loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]
-    w.optim_spec = padded_settings
-    t_pd, t_pk = statistics.median(t_pad), statistics.median(t_pack)
-    parallel.shutdown()
-
     figures = {
         "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
         "seq": args.seq, "batch": args.batch, "rounds": args.pairs,
@@ -178,7 +204,7 @@ def main() -> None:
         "grouped_tokens_per_s": round(tokens / statistics.median(t_grouped), 1),
         "grouped_vs_sequential": round(grouped_vs_sequential, 3),
         "threads": args.threads, "variable_rows": rows,
-        "padding_fraction": round(1 - float(var_len.sum()) / (rows * args.seq), 3),
+        "padding_fraction": round(packing["padding_fraction"], 3),
         "packed_speedup": round(t_pd / t_pk, 3),
     }
     print(f"transformers   {t_hf_med * 1e3:8.1f} ms/step  {tokens / t_hf_med:8.0f} tokens/s  (child process, "
@@ -192,8 +218,8 @@ def main() -> None:
           f"median of {args.pairs} pairs; target <= 3%)")
     print(f"{rows} rows of varied length ({100 * figures['padding_fraction']:.0f}% padding when "
           f"right-padded): padded {t_pd * 1e3:.1f} ms/step, packed {t_pk * 1e3:.1f} ms/step "
-          f"({t_pd / t_pk:.2f}x); loss per token {loss['padded'] / float(var_denom):.6f} vs "
-          f"{loss['packed'] / float(var_denom):.6f}")
+          f"({t_pd / t_pk:.2f}x); loss per token {packing['padded_loss_per_token']:.6f} vs "
+          f"{packing['packed_loss_per_token']:.6f}")
     print(json.dumps(figures))
 
 

