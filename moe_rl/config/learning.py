@@ -336,7 +336,9 @@ class TrainerSection:
     update of a matching parameter, the warm start's included, uses the step's rate times its factor. A
     glob that matches no trainable parameter, or two globs that match one, are errors. Adam moves every
     weight by about the rate each step, so a layer that sums over many more inputs than the rest (a latent
-    far wider than the hidden size) changes the model that many times more; {}: one rate for all"""
+    far wider than the hidden size) changes the model that many times more. A run resumes from a checkpoint
+    only with the multipliers it was saved with (they key the optimizer's parameter groups); its learning
+    rates (trainer.lr, critic.lr, the schedule) may change. {}: one rate for all"""
     weight_decay: float = 0.0
     """Adam's decoupled weight decay."""
     adam_beta1: float = 0.9

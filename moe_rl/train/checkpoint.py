@@ -211,7 +211,7 @@ def save(worker, path: str | Path, extra: dict | None = None) -> None:
         "alpha": lo.alpha, "targets": list(lo.targets), "dtype": spec.dtype}}
     _save(_sharded(worker, is_loading=False), Path(path),
           {"extra": extra or {}, "steps": worker.steps, "optimizer": _optimizer_kind(worker),
-           "role": worker.role, **adapters})
+           "role": worker.role, "lr_mult": dict(worker.optim_spec.lr_mult), **adapters})
 
 
 def check_lora_base(record: dict, base: str | Path, path: str | Path) -> None:
@@ -247,6 +247,18 @@ def load_model(module, path: str | Path) -> dict:
     return meta
 
 
+def check_lr_mult(worker, meta: dict, path: Path) -> None:
+    """A parameter's learning-rate multiplier keys its optimizer's parameter group: a resume with other
+    multipliers than the checkpoint's (as its record has them) cannot take its optimizer state."""
+    saved, mine = meta.get("lr_mult"), dict(worker.optim_spec.lr_mult)
+    if saved is not None and saved != mine:
+        setting = "trainer.lr_mult" if worker.role == "policy" else "critic.lr_mult"
+        raise CheckpointError(
+            f"{path}: its optimizer state was saved with {setting} {saved} and this run has {mine}, which "
+            "make other parameter groups: resume with the multipliers it was saved with, or convert its "
+            "weights (moe-rl convert mcore-to-hf) and start a new run from them")
+
+
 def load(worker, path: str | Path, optimizer: bool = True) -> dict:
     """Restore model (and optimizer) state into `worker`; returns the saved `extra` dict.
 
@@ -267,6 +279,8 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
                               "data-parallel size, or load weights only")
     check_files(path)
     check_model_fits(worker.module, path)
+    if optimizer:
+        check_lr_mult(worker, meta, path)
     if worker.spec.lora is not None:
         check_lora_base(meta.get("lora", {}), worker.spec.hf_path, path)
     try:
@@ -277,6 +291,9 @@ def load(worker, path: str | Path, optimizer: bool = True) -> dict:
                               "damaged") from None
     _restore_model(worker.module, state["model"])
     if optimizer:
+        # the parameter groups come back with the rate they were saved with: a run resumed with another
+        # trainer.lr or critic.lr (or schedule) trains at its own
         worker.optimizer.load_state_dict(state["optimizer"])
+        worker.set_lr(worker.lr)
     worker.steps = int(meta["steps"])
     return meta["extra"]

@@ -83,3 +83,35 @@ def test_lr_mult_refuses_a_glob_that_matches_nothing_and_two_that_overlap(tiny_q
                                  "embedding.word_embeddings.weight, ")
     assert refused[1] == ("critic.lr_mult: '*.linear_qkv.weight' and 'decoder.layers.0.*' both match "
                           "decoder.layers.0.self_attention.linear_qkv.weight: one glob a parameter")
+
+
+def resume_job(rank, world, hf_path, ckpt, saved_mult, resumed_mult):
+    """A worker at 1e-2 takes one step and saves; one built at 3e-2 (a run resumed with a new trainer.lr)
+    loads it: the rates its parameter groups hold then, by factor, or the refusal's message."""
+    from moe_rl.train import checkpoint, parallel
+    from moe_rl.train.worker import TrainWorker
+
+    parallel.init_distributed(parallel.Layout())
+    ids, lengths, mask, adv = batch_tensors()
+    saved = TrainWorker(model_spec(hf_path), optim=optim_spec(1e-2, lr_mult=tuple(saved_mult.items())))
+    tensors = policy_tensors(saved.score(Batch(ids, lengths)).logp_BS, mask, adv)
+    saved.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask))
+    checkpoint.save(saved, ckpt)
+    resumed = TrainWorker(model_spec(hf_path), optim=optim_spec(3e-2, lr_mult=tuple(resumed_mult.items())))
+    try:
+        checkpoint.load(resumed, ckpt)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    return {g.get("lr_mult", 1.0): g["lr"] for g in resumed.optimizer.param_groups}
+
+
+def test_a_resumed_run_takes_its_own_learning_rate_and_refuses_other_multipliers(tiny_qwen, tmp_path):
+    # the checkpoint's parameter groups carry the rate they were saved with: the resumed run's replaces it
+    rates = run_ranks(resume_job, 1, (str(tiny_qwen), str(tmp_path / "a"), MULT, MULT))[0]
+    assert rates == pytest.approx({1.0: 3e-2, 0.25: 3e-2 * 0.25, 3.0: 3e-2 * 3.0})
+    # other multipliers make other parameter groups than the checkpoint's optimizer state has
+    refused = run_ranks(resume_job, 1, (str(tiny_qwen), str(tmp_path / "b"), MULT, {}))[0]
+    assert refused == (
+        f"{tmp_path / 'b'}: its optimizer state was saved with trainer.lr_mult {MULT} and this run has {{}}, "
+        "which make other parameter groups: resume with the multipliers it was saved with, or convert its "
+        "weights (moe-rl convert mcore-to-hf) and start a new run from them")
