@@ -6,6 +6,7 @@ import pytest
 import torch
 from train_jobs import POLICY, B, S, batch_tensors, layout_job, own_routes_job, policy_tensors
 
+from moe_rl.train.hf_parity import hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -29,17 +30,12 @@ def _valid():
 
 @pytest.mark.quick
 def test_single_rank_replay_of_own_routes_is_exact_and_logits_match_hf(reference, tiny_qwen):
-    from transformers import AutoModelForCausalLM
 
     routes, ref = reference
     valid, _ = _valid()
     torch.testing.assert_close(ref["replay"].logp_BS * valid, ref["free"].logp_BS * valid, atol=0, rtol=0)
     ids, lengths, _, _ = batch_tensors()
-    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen)
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(ids).logits.float(), -1)
-    hf_logp = torch.zeros(B, S)
-    hf_logp[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    hf_logp = hf_token_logprobs(tiny_qwen, ids)
     torch.testing.assert_close(ref["free"].logp_BS * valid, hf_logp * valid, **TOL)
     assert routes.shape == (B, S, 2, 2) and routes.max() < 4
 

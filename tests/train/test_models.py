@@ -16,6 +16,7 @@ from train_jobs import (
     teacher_job,
 )
 
+from moe_rl.train.hf_parity import hf_token_logprobs
 from moe_rl.train.launch_local import run_ranks
 from moe_rl.weights.hf import HFReader
 
@@ -30,18 +31,13 @@ def test_logprobs_match_transformers(arch, pack, request):
     expert, a dense first layer; multi-latent attention; half-rotary heads): free routing equals
     transformers', rows padded or packed (value heads narrower than query heads under multi-latent attention).
 A dense first layer of Qwen3-MoE: tests/train/test_convert.py."""
-    from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}")
     routes = torch.zeros(B, S, 2, 2, dtype=torch.long)
     res = run_ranks(layout_job, 1, (str(path), {}, "alltoall", routes, pack))[0]
     ids, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), -1)
-    ref = torch.zeros(B, S)
-    ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref = hf_token_logprobs(path, ids)
     torch.testing.assert_close(res["free"].logp_BS * valid, ref * valid, atol=1e-5, rtol=0)
 
 
@@ -52,7 +48,6 @@ def test_deepseek_v3_yarn_rope_logprobs_match_transformers(tiny_deepseek_v3, tmp
     import json
     import shutil
 
-    from transformers import AutoModelForCausalLM
 
     path = tmp_path / "yarn"
     shutil.copytree(tiny_deepseek_v3, path)
@@ -63,10 +58,7 @@ def test_deepseek_v3_yarn_rope_logprobs_match_transformers(tiny_deepseek_v3, tmp
     (path / "config.json").write_text(json.dumps(cfg))
     ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(5))
     res = run_ranks(hf_logprobs_job, 1, (str(path), ids))[0]
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(res[:, 1:], lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res[:, 1:], hf_token_logprobs(path, ids)[:, 1:], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch,pack", [("deepseek_v3", True), ("glm4_moe", False)])
@@ -204,7 +196,6 @@ def test_reward_model_scores_equal_transformers(tmp_path):
 def test_a_teacher_of_another_shape_scores_as_transformers_in_each_layout(tmp_path_factory, layout):
     """Distillation's teacher role (hidden 96, 8 experts: not the policy's shape) on one rank, TP2 and EP2
     equals transformers' log-probs of the same tokens (fp32, <= 1e-5), hence each layout the one rank."""
-    from transformers import AutoModelForCausalLM
 
     from moe_rl.config import TinyModel
     from moe_rl.tiny import build_tiny_checkpoint
@@ -213,9 +204,6 @@ def test_a_teacher_of_another_shape_scores_as_transformers_in_each_layout(tmp_pa
                                  TinyModel(hidden_size=96, num_experts=8), seed=5)
     ids, lengths, _, _ = batch_tensors()
     valid = torch.arange(S).expand(B, S) < lengths.unsqueeze(1)
-    with torch.no_grad():
-        lp = torch.log_softmax(AutoModelForCausalLM.from_pretrained(path)(ids).logits.float(), -1)
-    ref = torch.zeros(B, S)
-    ref[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref = hf_token_logprobs(path, ids)
     for logp in run_ranks(teacher_job, 2 if layout else 1, (str(path), layout)):
         torch.testing.assert_close(logp * valid, ref * valid, atol=1e-5, rtol=0)
