@@ -30,7 +30,6 @@ def _valid():
 
 @pytest.mark.quick
 def test_single_rank_replay_of_own_routes_is_exact_and_logits_match_hf(reference, tiny_qwen):
-
     routes, ref = reference
     valid, _ = _valid()
     torch.testing.assert_close(ref["replay"].logp_BS * valid, ref["free"].logp_BS * valid, atol=0, rtol=0)
