@@ -46,6 +46,7 @@ def step_kl(model, ids, base, steps: list[tuple[list, float]]) -> float:
         p.copy_(s)
     return out
 
+
 def sensitivities(path: str, lr: float, mult: dict[str, float]) -> tuple[list[tuple[float, str, int]], float]:
     from transformers import AutoModelForCausalLM
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.train import lora
+from moe_rl.train.optim import lr_mult_setting
 from moe_rl.weights.hf import CheckpointError, fingerprint
 
 OPTIM_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -252,11 +253,10 @@ def check_lr_mult(worker, meta: dict, path: Path) -> None:
     multipliers than the checkpoint's (as its record has them) cannot take its optimizer state."""
     saved, mine = meta.get("lr_mult"), dict(worker.optim_spec.lr_mult)
     if saved is not None and saved != mine:
-        setting = "trainer.lr_mult" if worker.role == "policy" else "critic.lr_mult"
         raise CheckpointError(
-            f"{path}: its optimizer state was saved with {setting} {saved} and this run has {mine}, which "
-            "make other parameter groups: resume with the multipliers it was saved with, or convert its "
-            "weights (moe-rl convert mcore-to-hf) and start a new run from them")
+            f"{path}: its optimizer state was saved with {lr_mult_setting(worker.role)} {saved} and this run "
+            f"has {mine}, which make other parameter groups: resume with the multipliers it was saved with, "
+            "or convert its weights (moe-rl convert mcore-to-hf) and start a new run from them")
 
 
 def load(worker, path: str | Path, optimizer: bool = True) -> dict:

@@ -82,6 +82,11 @@ def optimizer_config(optim: OptimSpec, distributed: bool, params_dtype: torch.dt
         **precision_config(optim.precision_aware, optim.adam_moments_dtype))
 
 
+def lr_mult_setting(role: str) -> str:
+    """The config field a role's multipliers come from: trainer.lr_mult (policy) or critic.lr_mult."""
+    return f"{'trainer' if role == 'policy' else 'critic'}.lr_mult"
+
+
 def lr_mult_overrides(model, config, lr_mult: tuple[tuple[str, float], ...], setting: str,
                       names: dict[str, str]) -> dict:
     """megatron-core's optimizer overrides for `model` (a rank's DistributedDataParallel module) under

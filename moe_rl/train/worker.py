@@ -43,7 +43,13 @@ from moe_rl.train.logprobs import (
     target_logprobs,
 )
 from moe_rl.train.offload import HostCopies, storages
-from moe_rl.train.optim import OptimSpec, lr_mult_overrides, optimizer_config, uses_distributed_optimizer
+from moe_rl.train.optim import (
+    OptimSpec,
+    lr_mult_overrides,
+    lr_mult_setting,
+    optimizer_config,
+    uses_distributed_optimizer,
+)
 from moe_rl.train.packing import FP8_ALIGN, Packing, token_multiple
 from moe_rl.train.results import ScoreResult, UpdateResult
 from moe_rl.trajectory import route_torch_dtype
@@ -91,7 +97,7 @@ class TrainWorker:
                                                  module=module)
             optim_config = optimizer_config(optim, distributed, spec.torch_dtype)
             overrides = lr_mult_overrides(self.model, optim_config, optim.lr_mult,
-                                          f"{'trainer' if role == 'policy' else 'critic'}.lr_mult",
+                                          lr_mult_setting(role),
                                           hf.rank_names(module, self.config.num_moe_experts)
                                           if optim.lr_mult else {})
             self.optimizer = get_megatron_optimizer(optim_config, [self.model], config_overrides=overrides)

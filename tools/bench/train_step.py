@@ -123,7 +123,7 @@ def time_packing(w, nll, rows: int, seq: int, steps: int, g: torch.Generator) ->
             w.optim_spec = settings
             loss[name] = timed(w.train_step, acc if i else [], var, nll, var_denom).figures["loss"]
     w.optim_spec = padded_settings
-    return {"padded_s": statistics.median(t_pad), "packed_s": statistics.median(t_pack),
+    return {"rows": rows, "padded_s": statistics.median(t_pad), "packed_s": statistics.median(t_pack),
             "padding_fraction": 1 - float(var_len.sum()) / (rows * seq),
             **{f"{k}_loss_per_token": v / float(var_denom) for k, v in loss.items()}}
 
@@ -195,7 +195,7 @@ def report(args, tokens: int, hf_threads: int, t_hf: list, t_free: list, t_repla
     replay_overhead = statistics.median(r / f for f, r in zip(t_free, t_replay, strict=True)) - 1
     grouped_vs_sequential = statistics.median(f / q for f, q in zip(t_free, t_grouped, strict=True))
     t_pd, t_pk = packing["padded_s"], packing["packed_s"]
-    rows = 4 * args.batch
+    rows = packing["rows"]
     figures = {
         "bench": "train_step", "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
         "seq": args.seq, "batch": args.batch, "rounds": args.pairs,
