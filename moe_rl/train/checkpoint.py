@@ -250,13 +250,17 @@ def load_model(module, path: str | Path) -> dict:
 
 def check_lr_mult(worker, meta: dict, path: Path) -> None:
     """A parameter's learning-rate multiplier keys its optimizer's parameter group: a resume with other
-    multipliers than the checkpoint's (as its record has them) cannot take its optimizer state."""
+    multipliers than the checkpoint's (as its record has them) cannot take its optimizer state. A checkpoint
+    written before the record existed is taken to have none (multipliers came a day before it)."""
     saved, mine = meta.get("lr_mult"), dict(worker.optim_spec.lr_mult)
-    if saved is not None and saved != mine:
-        raise CheckpointError(
-            f"{path}: its optimizer state was saved with {lr_mult_setting(worker.role)} {saved} and this run "
-            f"has {mine}, which make other parameter groups: resume with the multipliers it was saved with, "
-            "or convert its weights (moe-rl convert mcore-to-hf) and start a new run from them")
+    if saved == mine or (saved is None and not mine):
+        return
+    was = f"with {lr_mult_setting(worker.role)} {saved}" if saved is not None else \
+        "before checkpoints recorded their learning-rate multipliers (so, as far as it says, with none)"
+    raise CheckpointError(
+        f"{path}: its optimizer state was saved {was} and this run has {mine}, which make other parameter "
+        "groups: resume with the multipliers it was saved with, or convert its weights (moe-rl convert "
+        "mcore-to-hf) and start a new run from them")
 
 
 def load(worker, path: str | Path, optimizer: bool = True) -> dict:

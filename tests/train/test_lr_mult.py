@@ -6,6 +6,7 @@ names: under PP2 the second layer is `decoder.layers.1` on the stage that holds 
 shards the optimizer (megatron's distributed optimizer)."""
 
 import fnmatch
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,9 +86,10 @@ def test_lr_mult_refuses_a_glob_that_matches_nothing_and_two_that_overlap(tiny_q
                           "decoder.layers.0.self_attention.linear_qkv.weight: one glob a parameter")
 
 
-def resume_job(rank, world, hf_path, ckpt, saved_mult, resumed_mult):
+def resume_job(rank, world, hf_path, ckpt, saved_mult, resumed_mult, unrecorded=False):
     """A worker at 1e-2 takes one step and saves; one built at 3e-2 (a run resumed with a new trainer.lr)
-    loads it: the rates its parameter groups hold then, by factor, or the refusal's message."""
+    loads it: the rates its parameter groups hold then, by factor, or the refusal's message. `unrecorded`:
+    the checkpoint's record loses its multipliers, as one written before it kept them."""
     from moe_rl.train import checkpoint, parallel
     from moe_rl.train.worker import TrainWorker
 
@@ -97,6 +99,10 @@ def resume_job(rank, world, hf_path, ckpt, saved_mult, resumed_mult):
     tensors = policy_tensors(saved.score(Batch(ids, lengths)).logp_BS, mask, adv)
     saved.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask))
     checkpoint.save(saved, ckpt)
+    if unrecorded:
+        record = checkpoint.read_extra(ckpt)
+        del record["lr_mult"]
+        torch.save(record, Path(ckpt) / checkpoint.EXTRA_FILE)
     resumed = TrainWorker(model_spec(hf_path), optim=optim_spec(3e-2, lr_mult=tuple(resumed_mult.items())))
     try:
         checkpoint.load(resumed, ckpt)
@@ -115,3 +121,11 @@ def test_a_resumed_run_takes_its_own_learning_rate_and_refuses_other_multipliers
         f"{tmp_path / 'b'}: its optimizer state was saved with trainer.lr_mult {MULT} and this run has {{}}, "
         "which make other parameter groups: resume with the multipliers it was saved with, or convert its "
         "weights (moe-rl convert mcore-to-hf) and start a new run from them")
+    # a checkpoint without the record had no multipliers (they came a day before it): one line, not
+    # megatron's "damaged" message from merging parameter-group lists that differ
+    refused = run_ranks(resume_job, 1, (str(tiny_qwen), str(tmp_path / "c"), {}, MULT, True))[0]
+    assert refused.startswith(f"{tmp_path / 'c'}: its optimizer state was saved before checkpoints recorded "
+                              f"their learning-rate multipliers (so, as far as it says, with none) and this "
+                              f"run has {MULT}, which make other parameter groups"), refused
+    assert run_ranks(resume_job, 1, (str(tiny_qwen), str(tmp_path / "d"), {}, {}, True))[0] \
+        == pytest.approx({1.0: 3e-2})
