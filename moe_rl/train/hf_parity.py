@@ -31,8 +31,16 @@ def hf_token_logprobs(hf_path: str | Path, ids_BS: torch.Tensor, device: str | t
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=dtype).to(device).eval()
-    ids = ids_BS.to(device)
-    logp_BSV = torch.log_softmax(model(ids).logits.float(), -1)
+    return model_token_logprobs(model, ids_BS.to(device))
+
+
+@torch.no_grad()
+def model_token_logprobs(model, ids_BS: torch.Tensor) -> torch.Tensor:
+    """log pi(x_t | x_<t) of a loaded causal LM (transformers', or PEFT's around one), on `ids_BS`' device.
+
+    ids_BS: [B, S] token ids. Returns [B, S] float32 on the CPU, position 0 -> 0.
+    """
+    logp_BSV = torch.log_softmax(model(input_ids=ids_BS).logits.float(), -1)
     out = torch.zeros(ids_BS.shape, dtype=torch.float32)
-    out[:, 1:] = logp_BSV[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+    out[:, 1:] = logp_BSV[:, :-1].gather(-1, ids_BS[:, 1:, None]).squeeze(-1).cpu()
     return out

@@ -162,7 +162,7 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
     from transformers import AutoModelForCausalLM
 
     from moe_rl.train.convert import mcore_to_hf
-    from moe_rl.train.hf_parity import hf_token_logprobs
+    from moe_rl.train.hf_parity import hf_token_logprobs, model_token_logprobs
 
     ckpt = tmp_path / "ckpt"
     trained = run_ranks(lora_job, 2, (str(tiny_qwen), {"tp": 2}, ("linear_qkv", "linear_proj"), False,
@@ -173,11 +173,7 @@ def test_peft_loads_the_exported_adapters_and_scores_as_the_trainer(tmp_path, ti
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"] and done.tensors == 2 * 4 * 2
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen), tmp_path / "peft")
     ids, _, _, _ = batch_tensors()
-    with torch.no_grad():
-        lp = torch.log_softmax(peft_model(input_ids=ids).logits.float(), -1)
-    peft_logp = torch.zeros(B, S)
-    peft_logp[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(peft_logp * valid(), trained * valid(), **TOL)
+    torch.testing.assert_close(model_token_logprobs(peft_model, ids) * valid(), trained * valid(), **TOL)
     mcore_to_hf(CONVERT, ckpt, tmp_path / "merged", merge=True)
     merged = hf_token_logprobs(tmp_path / "merged", ids)
     torch.testing.assert_close(merged * valid(), trained * valid(), **TOL)
