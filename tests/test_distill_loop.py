@@ -44,18 +44,14 @@ def teachers(tmp_path):
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def hf_logprobs(path, token_ids: list[int]) -> torch.Tensor:
     """log p(x_t | x_<t) of each token under the transformers model at `path` (0 at t = 0), fp32."""
-    model = hf_model(path)
-    ids = torch.tensor([token_ids])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), -1)
-    out = torch.zeros(len(token_ids))
-    out[1:] = lp[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return out
+    from moe_rl.train.hf_parity import model_token_logprobs
+
+    return model_token_logprobs(hf_model(path), torch.tensor([token_ids]))[0]
 
 
 def test_each_rows_teacher_scores_the_students_tokens_as_transformers_does(tmp_path):
