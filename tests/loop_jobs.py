@@ -1,6 +1,8 @@
 """Helpers of tests/test_loop.py: a rank job scoring a run's checkpoints, a hand count of a step's expert
-load, the engine processes of a run."""
+load, the engine processes of a run, the wait for a run's checkpoint."""
 
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,14 @@ def descendants(pid: int) -> list:
 def engine_processes(pid: int) -> list:
     """The engine actors' processes among the run's (`pid`'s) descendants."""
     return [p for p, cmd in descendants(pid) if "RolloutActor" in " ".join(cmd)]
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, path: Path, poll_s: float, timeout_s: float = 600) -> None:
+    """Until the run `proc` has written `path`; a run that ends first, or outlasts `timeout_s`, fails the
+    test with the end of its stderr."""
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"run ended before {path.name} (exit {proc.poll()}):\n"
+                        + (proc.communicate(timeout=60)[1] if proc.poll() is not None else "")[-3000:])
+        time.sleep(poll_s)

@@ -34,7 +34,13 @@ from cli_runs import (
 )
 from conftest import ROOT
 from glossary_check import assert_tags_in_glossary
-from loop_jobs import descendants, engine_processes, hand_counted_expert_load, score_checkpoint_job
+from loop_jobs import (
+    descendants,
+    engine_processes,
+    hand_counted_expert_load,
+    score_checkpoint_job,
+    wait_for_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -337,12 +343,7 @@ def test_two_engines_share_the_steps_and_dead_engines_are_replaced(reference, tm
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1",
                                  "MOE_RL_FAILPOINT": f"engine_update:2:{token}"})
     try:
-        deadline = time.time() + 600
-        while not (out / "checkpoints" / "step_000001").exists():
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"run ended before its first checkpoint (exit {proc.poll()}):\n"
-                            + (proc.communicate(timeout=60)[1] if proc.poll() is not None else "")[-3000:])
-            time.sleep(0.05)
+        wait_for_checkpoint(proc, out / "checkpoints" / "step_000001", poll_s=0.05)
         engines = engine_processes(proc.pid)
         assert len(engines) == 2
         engines[-1].kill()
@@ -424,12 +425,7 @@ def test_a_process_that_dies_stops_the_run_naming_it(tmp_path, victim):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
-        deadline = time.time() + 600
-        while not (out / "checkpoints" / "step_000001").exists():
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"run ended before its first checkpoint (exit {proc.poll()}):\n"
-                            + (proc.communicate(timeout=60)[1] if proc.poll() is not None else "")[-3000:])
-            time.sleep(0.2)
+        wait_for_checkpoint(proc, out / "checkpoints" / "step_000001", poll_s=0.2)
         if victim == "trainer rank":
             victims = [p for p, cmd in descendants(proc.pid) if "RankActor" in " ".join(cmd)]
         else:
