@@ -164,6 +164,9 @@ ENTRIES: tuple[Entry, ...] = (
     _e("policy/clipfrac_low", "fraction", "Share of tokens clipped at 1 - clip_low (negative advantages)."),
     _e("policy/clipfrac_high", "fraction", "Share of tokens clipped at 1 + clip_high (positive advantages)."),
     _e("policy/clipfrac_dual", "fraction", "Share of tokens caught by dual clipping (algorithm.dual_clip)."),
+    _e("policy/sapo_weight_mean", "ratio", "SAPO: the tokens' mean gradient weight 4 s (1 - s), s = "
+       "sigmoid(tau (r - 1)), against the plain policy gradient's (1 on-policy; lower: the gate damps "
+       "off-policy tokens)."),
     _e("policy/seq_clipfrac_low", "fraction", "Share of sequences clipped low (sequence-level ratio, GSPO)."),
     _e("policy/seq_clipfrac_high", "fraction", "Share of sequences clipped high (sequence-level "
        "ratio, GSPO)."),

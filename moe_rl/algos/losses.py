@@ -1,4 +1,4 @@
-"""Per-token losses to minimise (guide 000 section 4 and 7.1; guide 004 on GSPO, GMPO, CISPO).
+"""Per-token losses to minimise (guide 000 section 4 and 7.1; guide 004 on GSPO, GMPO, CISPO; SAPO).
 
 Policy losses are registered by name (`algorithm.policy_loss`) with the signature
 
@@ -30,6 +30,8 @@ class PolicyLossSpec:
     clip_low: float = 0.2  # eps_l: ratio lower bound 1 - eps_l
     clip_high: float = 0.2  # eps_h: ratio upper bound 1 + eps_h (clip-higher when > eps_l)
     dual_clip: float | None = None  # c_dual > 1: bound on the negative-advantage branch
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0
+    sapo_tau_neg: float = 1.05  # ... and where A <= 0
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -180,6 +182,31 @@ def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     metrics["clipfrac"] = masked_mean((w != ratio).float(), m)
     return torch.where(m, loss, 0.0), metrics
 
+
+
+@register("policy_loss", "sapo", params=frozenset({"sapo_tau_pos", "sapo_tau_neg"}))
+def sapo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
+    """SAPO: a smooth, temperature-controlled gate on the ratio in place of PPO's hard clip, [B, T] -> [B, T]:
+
+        tau_t = tau_pos if A_t > 0 else tau_neg
+        f(r)  = (4 / tau_t) sigmoid(tau_t (r_t - 1))
+        l_t   = -f(r_t) A_t
+
+    d l_t / d log pi_theta = -w_t A_t r_t with w_t = 4 s (1 - s), s = sigmoid(tau_t (r_t - 1)): w = 1 at
+    r = 1 (the plain policy gradient on-policy), decaying smoothly as r leaves 1, faster for a larger tau
+    (tau_neg > tau_pos damps the negative-advantage tokens more, the unstable side). No token's gradient
+    is cut to 0 at a bound. The paper (Gao et al. 2025, Qwen) aggregates per sequence: seq_mean.
+    """
+    logp, old, adv, m = _policy_inputs(logp_BT, logp_old_BT, adv_BT, mask_BT)
+    log_ratio = _log_ratio(logp, old)  # 0 at mask-0 positions
+    ratio = log_ratio.exp()
+    tau = torch.where(adv > 0, hp.sapo_tau_pos, hp.sapo_tau_neg).to(logp.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * gate * adv
+    metrics = _ratio_metrics(log_ratio, m)
+    # w_t = 4 s (1 - s): each token's gradient against the plain policy gradient's (1 on-policy)
+    metrics["sapo_weight_mean"] = masked_mean((4.0 * gate * (1.0 - gate)).detach(), m)
+    return torch.where(m, loss, 0.0), metrics
 
 def clipped_value_loss(
     values_BT: torch.Tensor, values_old_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,

@@ -202,13 +202,18 @@ class AlgorithmSection:
     does, on for gae, reward_to_go, reinforce and reinforce_pp_baseline (a batch baseline or scale), off for
     grpo, drgrpo and rloo (normalised within their prompt groups already)"""
     policy_loss: str = "ppo"
-    """The policy loss, by registered name: ppo, gspo, gmpo, cispo, ... (`moe-rl check-config --list`)."""
+    """The policy loss, by registered name: ppo, gspo, gmpo, cispo, sapo (`moe-rl check-config --list`)."""
     clip_low: float = 0.2
     """PPO's lower clip epsilon: the ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.2
     """clip-higher when > clip_low"""
     dual_clip: float | None = None
     """c_dual > 1"""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature on positive-advantage tokens: the gradient weight 4 s (1 - s), s = sigmoid(tau
+    (r - 1)), falls faster from 1 as the ratio r leaves 1 for a larger tau (the paper's 1.0)"""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature on the other tokens (the paper's 1.05: damped a little more)"""
     aggregation: Literal["token_mean", "seq_mean", "seq_sum_const"] = "token_mean"
     """How the loss sums tokens: token_mean (over the minibatch's tokens), seq_mean (per sequence, then over
     sequences) or seq_sum_const (Dr.GRPO: a constant denominator)."""
@@ -275,6 +280,8 @@ class AlgorithmSection:
             in_range("algorithm.length_adaptive_alpha", self.length_adaptive_alpha, 0.0, None, lo_open=True)
         in_range("algorithm.clip_low", self.clip_low, 0.0, 1.0, lo_open=True, hi_open=True)
         in_range("algorithm.clip_high", self.clip_high, 0.0, None, lo_open=True)
+        in_range("algorithm.sapo_tau_pos", self.sapo_tau_pos, 0.0, None, lo_open=True)
+        in_range("algorithm.sapo_tau_neg", self.sapo_tau_neg, 0.0, None, lo_open=True)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError("algorithm.dual_clip", f"{self.dual_clip} must be > 1 (or null to disable)")
         if self.loss_constant is not None:

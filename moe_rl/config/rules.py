@@ -183,7 +183,8 @@ ALGORITHM = (
     Rule("algorithm.policy_mask", lambda c: _meta("policy_mask", c.algorithm.policy_mask).scope == "batch"
          and _meta("policy_loss", c.algorithm.policy_loss).sequence_level,
          "'{c.algorithm.policy_mask}' masks tokens, and '{c.algorithm.policy_loss}' has one ratio per "
-         "sequence (a token mask would change it); use opsm, or a token-level policy loss (ppo, cispo)"),
+         "sequence (a token mask would change it); use opsm, or a token-level policy loss (ppo, cispo, "
+         "sapo)"),
     Rule("algorithm.policy_mask", lambda c: _meta("policy_mask", c.algorithm.policy_mask).reads_old
          and _one_update(c) and c.algorithm.anchor == "old"
          and not _meta("correction", c.algorithm.correction).old_is_behaviour,

@@ -164,13 +164,15 @@ def env_spec(cfg: RunConfig):
 
 def policy_loss(cfg: RunConfig):
     from moe_rl.algos import registry
+    from moe_rl.algos.losses import PolicyLossSpec
     from moe_rl.train.objectives import PolicyLoss
 
     a = cfg.algorithm
     # pi_old from the update's own forward (not under bypass, where pi_old is mu), mu = pi_old checked
     # there in a synchronous step
     from_forward = cfg.proximal_from_update and not registry.meta("correction", a.correction).old_is_behaviour
-    return PolicyLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.aggregation, a.kl_loss_coef,
+    hp = PolicyLossSpec(**{f.name: getattr(a, f.name) for f in dataclasses.fields(PolicyLossSpec)})
+    return PolicyLoss(a.policy_loss, hp, a.aggregation, a.kl_loss_coef,
                       a.kl_loss_estimator, a.entropy_coef, old_from_forward=from_forward,
                       check_sync=from_forward and not cfg.rollout.async_mode, policy_mask=a.policy_mask,
                       mask_spec=mask_spec(cfg))

@@ -42,9 +42,7 @@ class PolicyLoss:
     """
 
     name: str
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
+    hp: losses.PolicyLossSpec  # the loss's hyperparameters (algorithm.clip_low, ...)
     aggregation: str
     kl_coef: float
     kl_estimator: str
@@ -75,14 +73,13 @@ class PolicyLoss:
 
     def __call__(self, outputs, mb):
         fn = registry.get("policy_loss", self.name)
-        hp = losses.PolicyLossSpec(self.clip_low, self.clip_high, self.dual_clip)
         pg, reg, logp = mb.pg_mask_BS, mb.loss_mask_BS, outputs["logp_BS"]
         logp_old = mb.logp_old_BS
         if self.old_from_forward:
             logp_old = logp.detach()
             if self.check_sync:
                 checks.check_sync_roles(mb.logp_mu_BS, logp_old, reg)
-        loss_BT, metrics = fn(logp, logp_old, mb.adv_BS, pg, hp)
+        loss_BT, metrics = fn(logp, logp_old, mb.adv_BS, pg, self.hp)
         if self.mask_scope == "sequence":
             keep, mask_metrics = registry.get("policy_mask", self.policy_mask)(
                 logp.detach(), logp_old, mb.logp_mu_BS, mb.adv_BS, pg, self.mask_spec)

@@ -7,6 +7,7 @@ from test_batch import traj
 
 from moe_rl.algos import aggregate, distill
 from moe_rl.algos.checks import BatchCheckError
+from moe_rl.algos.losses import PolicyLossSpec
 from moe_rl.algos.masking import PolicyMaskSpec
 from moe_rl.algos.targets import Scores, policy_denominators, targets
 from moe_rl.batch import build_batch
@@ -77,7 +78,7 @@ def test_the_policy_gradient_with_the_distillation_advantage_by_hand():
     b = batch()
     p = params(advantage="none", distill_coef=2.0)
     t = targets(b, Scores(b.logp_mu_BS, logp_teacher_BS=TEACHER), p)
-    loss = PolicyLoss("ppo", 0.2, 0.2, None, "token_mean", 0.0, "k3", 0.0, old_from_forward=False,
+    loss = PolicyLoss("ppo", PolicyLossSpec(0.2, 0.2), "token_mean", 0.0, "k3", 0.0, old_from_forward=False,
                       check_sync=False, policy_mask="none", mask_spec=PolicyMaskSpec())
     mb = b.with_targets(t)
     logp = b.logp_mu_BS.clone().requires_grad_(True)

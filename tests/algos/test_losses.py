@@ -150,9 +150,45 @@ def test_cispo_keeps_gradient_for_clipped_tokens():
     assert (g[mask] != 0).all()
 
 
+def test_sapo_matches_formula_and_by_hand():
+    """l_t = -(4/tau_t) sigmoid(tau_t (r_t - 1)) A_t, tau_t = tau_pos where A > 0, else tau_neg: each token's
+    value and gradient from the formula, and one row worked by hand (defaults tau_pos 1, tau_neg 1.05)."""
+    import math
+
+    logp, old, adv, mask = _data(6)
+    hp = PolicyLossSpec(sapo_tau_pos=0.7, sapo_tau_neg=1.4)
+
+    def formula(lp):
+        total = 0.0
+        for i in range(B):
+            for t in range(T):
+                if mask[i, t]:
+                    tau = 0.7 if adv[i, t] > 0 else 1.4
+                    r = torch.exp(lp[i, t] - old[i, t])
+                    total = total - 4.0 / tau * torch.sigmoid(tau * (r - 1.0)) * adv[i, t]
+        return total
+
+    v1, g1 = _grad(lambda lp: losses.sapo_loss(lp, old, adv, mask, hp)[0].sum(), logp)
+    v2, g2 = _grad(formula, logp)
+    torch.testing.assert_close(v1, v2)
+    torch.testing.assert_close(g1, g2)
+    # by hand: ratios 1, 1.5 (A = 1, 2: tau 1) and 0.5 (A = -1: tau 1.05); d l / d log pi = -4 s (1 - s) A r
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    lp = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    adv, mask = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64), torch.ones(1, 3, dtype=torch.bool)
+    loss, metrics = losses.sapo_loss(lp, old, adv, mask, PolicyLossSpec())
+    loss.sum().backward()
+    s1, s2 = 1 / (1 + math.exp(-0.5)), 1 / (1 + math.exp(0.525))  # sigmoid(1 * 0.5), sigmoid(1.05 * -0.5)
+    assert loss[0].tolist() == pytest.approx([-2.0, -4 * s1 * 2, 4 / 1.05 * s2])
+    w = [1.0, 4 * s1 * (1 - s1), 4 * s2 * (1 - s2)]  # on-policy (r = 1): exactly the plain policy gradient
+    assert lp.grad[0].tolist() == pytest.approx([-w[0], -w[1] * 2 * 1.5, w[2] * 0.5])
+    assert float(metrics["sapo_weight_mean"]) == pytest.approx(sum(w) / 3)
+    assert 0.9 < w[2] < w[1] < 1  # off-policy tokens damped, smoothly; none cut to 0
+
+
 # GSPO-token and CISPO use stop-gradients by design (their gradients are surrogates, checked against
 # the formula above), so finite differences apply to the losses without them.
-@pytest.mark.parametrize("name", ["ppo", "gmpo"])
+@pytest.mark.parametrize("name", ["ppo", "gmpo", "sapo"])
 def test_gradcheck_finite_differences(name):
     from moe_rl.algos import registry
 
@@ -199,7 +235,7 @@ def test_sampled_kl_loss_by_hand(estimator, expected):
     torch.testing.assert_close(out, torch.tensor([[*expected, 0.0]], dtype=torch.float64), rtol=1e-15, atol=0)
 
 
-POLICY_LOSSES = ["ppo", "gspo", "gmpo", "cispo"]
+POLICY_LOSSES = ["ppo", "gspo", "gmpo", "cispo", "sapo"]
 
 
 def test_every_registered_policy_loss_is_covered():
@@ -319,7 +355,7 @@ def test_value_and_kl_losses_compute_half_precision_inputs_in_float32():
     assert losses.masked_mean(lp, mask).dtype == torch.float32
 
 
-@pytest.mark.parametrize("name", ["ppo", "gspo", "gmpo", "cispo"])
+@pytest.mark.parametrize("name", POLICY_LOSSES)
 def test_a_ratio_that_would_overflow_gives_a_finite_gradient(name):
     """A token with log pi_theta - log pi_old = 100 (exp overflows float32 past 88.7): the loss and every
     gradient stay finite (unclamped, the worker would see a NaN gradient and skip the whole update), and
@@ -337,7 +373,8 @@ def test_a_ratio_that_would_overflow_gives_a_finite_gradient(name):
         loss.sum().backward()
         assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), (name, sign, logp.grad)
         assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
-        if name in ("ppo", "cispo"):  # token-level: the far-off token alone is clipped, its gradient 0
+        if name in ("ppo", "cispo", "sapo"):  # token-level: the far-off token alone is clipped (SAPO: its
+            # gate saturated), its gradient 0
             assert logp.grad[0, 0] == 0 or name == "cispo", (name, sign, logp.grad)
             sane = torch.tensor([[-0.9, -2.1]], requires_grad=True)
             fn(sane, old[:, 1:], adv[:, 1:], mask[:, 1:], hp)[0].sum().backward()

@@ -10,6 +10,7 @@ import torch
 
 from moe_rl.algos import aggregate, registry
 from moe_rl.algos.correction import CorrectionSpec
+from moe_rl.algos.losses import PolicyLossSpec
 from moe_rl.algos.masking import PolicyMaskSpec, mean_log_ratio, sequence_advantage
 from moe_rl.batch import Batch
 from moe_rl.train.objectives import PolicyLoss
@@ -124,7 +125,7 @@ def test_geometric_corrections_by_hand():
 
 
 def _loss(mask_name: str, **kw) -> PolicyLoss:
-    return PolicyLoss("ppo", 0.2, 0.2, None, kw.pop("aggregation", "token_mean"), 0.0, "k3", 0.0,
+    return PolicyLoss("ppo", PolicyLossSpec(0.2, 0.2), kw.pop("aggregation", "token_mean"), 0.0, "k3", 0.0,
                       old_from_forward=False, check_sync=False, policy_mask=mask_name,
                       mask_spec=PolicyMaskSpec(), **kw)
 

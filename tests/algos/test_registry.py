@@ -43,6 +43,7 @@ EXPECTED = {
         "gspo": PolicyLossMeta(sequence_level=True, params=CLIP),  # one length-normalised ratio per sequence
         "gmpo": PolicyLossMeta(sequence_level=True, params=CLIP),  # geometric mean over a sequence's tokens
         "cispo": PolicyLossMeta(params=CLIP),  # clips the detached weight
+        "sapo": PolicyLossMeta(params=frozenset({"sapo_tau_pos", "sapo_tau_neg"})),  # a soft gate, no clip
     },
     "policy_mask": {
         "none": PolicyMaskMeta(reads_behaviour=False),
@@ -160,10 +161,21 @@ def test_policy_loss_metadata_matches_what_the_loss_reads(name):
     adv = torch.tensor([[-1.0, -2.0, 1.0, 0.0], [-1.0, 0.5, -1.5, 0.0]])
     hp = PolicyLossSpec(clip_low=0.1, clip_high=0.1, dual_clip=1.5)
     base, _ = fn(logp, OLD, adv, MASK, hp)
-    other = {"clip_low": 0.5, "clip_high": 0.9, "dual_clip": 4.0}
+    other = {"clip_low": 0.5, "clip_high": 0.9, "dual_clip": 4.0, "sapo_tau_pos": 2.0, "sapo_tau_neg": 0.5}
     for field in dataclasses.fields(PolicyLossSpec):
         loss, _ = fn(logp, OLD, adv, MASK, dataclasses.replace(hp, **{field.name: other[field.name]}))
         assert torch.equal(loss, base) != (field.name in meta.params), field.name
+
+
+def test_the_policy_losses_hyperparameters_come_from_the_algorithm_section_by_name():
+    """Every PolicyLossSpec field is the algorithm setting of its name, and the loss the trainers get
+    (specs.policy_loss) carries the run's value of each."""
+    from moe_rl.config import AlgorithmSection, RunConfig
+    from moe_rl.driver import specs
+
+    other = {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 4.0, "sapo_tau_pos": 2.0, "sapo_tau_neg": 0.5}
+    assert {f.name for f in dataclasses.fields(PolicyLossSpec)} == other.keys()
+    assert specs.policy_loss(RunConfig(algorithm=AlgorithmSection(**other))).hp == PolicyLossSpec(**other)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
