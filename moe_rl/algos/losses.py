@@ -183,7 +183,6 @@ def cispo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     return torch.where(m, loss, 0.0), metrics
 
 
-
 @register("policy_loss", "sapo", params=frozenset({"sapo_tau_pos", "sapo_tau_neg"}))
 def sapo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     """SAPO: a smooth, temperature-controlled gate on the ratio in place of PPO's hard clip, [B, T] -> [B, T]:
@@ -207,6 +206,7 @@ def sapo_loss(logp_BT, logp_old_BT, adv_BT, mask_BT, hp: PolicyLossSpec):
     # w_t = 4 s (1 - s): each token's gradient against the plain policy gradient's (1 on-policy)
     metrics["sapo_weight_mean"] = masked_mean((4.0 * gate * (1.0 - gate)).detach(), m)
     return torch.where(m, loss, 0.0), metrics
+
 
 def clipped_value_loss(
     values_BT: torch.Tensor, values_old_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,
