@@ -47,8 +47,8 @@ def test_out_of_range():
     assert _err(["run.steps=0"]).startswith("run.steps:")
     assert _err(["model.tiny.head_dim=16"]).startswith("model.tiny.head_dim:")
     assert _err(["cluster.trainer_threads=0"]) == "cluster.trainer_threads: 0 must be a positive integer"
-    assert _err(['trainer.lr_mult={"*.linear_fc1.weight": 0}']) == \
-        "trainer.lr_mult.*.linear_fc1.weight: 0 is outside the allowed range (0.0, inf)"
+    assert _err(['trainer.lr_mult={"*.linear_fc1.weight": -1}']) == \
+        "trainer.lr_mult.*.linear_fc1.weight: -1 is outside the allowed range [0.0, inf)"
     assert _err(['critic.lr_mult={"*": fast}']) == "critic.lr_mult.*: 'fast': a number"
     assert _err(['critic.lr_mult={"": 2}']) == "critic.lr_mult: '': its keys are globs over parameter names"
 

@@ -340,8 +340,10 @@ class TrainerSection:
     over the whole model's megatron-core parameter names, the same under every parallel layout (as the
     checkpoints name them: `decoder.layers.1.self_attention.linear_kv_up_proj.weight`,
     `decoder.layers.1.mlp.experts.linear_fc1.weight3`; model.lora's adapters by their own names). Every
-    update of a matching parameter, the warm start's included, uses the step's rate times its factor. A
-    glob that matches no trainable parameter, or two globs that match one, are errors. Adam moves every
+    update of a matching parameter, the warm start's included, uses the step's rate times its factor; 0
+    freezes it (no gradient, no optimizer state, not in the gradient norm: `"*.mlp.router.weight": 0` keeps
+    the routers as they start). A glob that matches no trainable parameter, or two globs that match one,
+    are errors. Adam moves every
     weight by about the rate each step, so a layer that sums over many more inputs than the rest (a latent
     far wider than the hidden size) changes the model that many times more. A run resumes from a checkpoint
     only with the multipliers it was saved with (they key the optimizer's parameter groups); its learning
@@ -443,13 +445,13 @@ class TrainerSection:
 
 
 def check_lr_mult(path: str, lr_mult: dict[str, float]) -> None:
-    """{glob: factor}: non-empty globs, positive numbers."""
+    """{glob: factor}: non-empty globs, numbers >= 0 (0: frozen)."""
     for glob, factor in lr_mult.items():
         if not isinstance(glob, str) or not glob:
             raise ConfigError(path, f"{glob!r}: its keys are globs over parameter names")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise ConfigError(f"{path}.{glob}", f"{factor!r}: a number")
-        in_range(f"{path}.{glob}", factor, 0.0, None, lo_open=True)
+        in_range(f"{path}.{glob}", factor, 0.0, None)
 
 
 @dataclass(frozen=True)

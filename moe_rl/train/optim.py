@@ -87,42 +87,60 @@ def lr_mult_setting(role: str) -> str:
     return f"{'trainer' if role == 'policy' else 'critic'}.lr_mult"
 
 
-def lr_mult_overrides(model, config, lr_mult: tuple[tuple[str, float], ...], setting: str,
-                      names: dict[str, str]) -> dict:
-    """megatron-core's optimizer overrides for `model` (a rank's DistributedDataParallel module) under
-    OptimizerConfig `config`: its standard ones (no weight decay on biases and norms) and an `lr_mult` for the
-    trainable parameters each glob of `lr_mult` matches. The globs (fnmatch) see `names` (the parameter
-    names inside the wrapper -> the names of the whole model: global layer and expert numbers; a name not
-    there as it is). Raises ValueError naming `setting` for a glob that matches no parameter on any rank, or
-    a parameter two globs match. Collective over the default process group (each pipeline stage, expert
-    rank, holds some of the parameters)."""
+def apply_lr_mult(module, lr_mult: tuple[tuple[str, float], ...], setting: str,
+                  names: dict[str, str]) -> None:
+    """Check `lr_mult`'s globs against `module`'s trainable parameters (one pipeline stage and expert rank's
+    megatron-core module, before its DistributedDataParallel wrapper), and freeze those a factor of 0
+    matches: no gradient, no optimizer state, no part of the gradient norm. The globs (fnmatch) see `names`
+    (the module's parameter names -> the whole model's: global layer and expert numbers; a name not there
+    as it is). Raises ValueError naming `setting` for a glob that matches no parameter on any rank, a
+    parameter two globs match, or a rank the zeros leave with nothing to train. Collective over the default
+    process group where `lr_mult` is set."""
     import fnmatch
     import itertools
 
     import torch
-    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate, get_standard_config_overrides
 
     if not lr_mult:
-        return get_standard_config_overrides(config)
+        return
+    trainable = {names.get(n, n): p for n, p in module.named_parameters() if p.requires_grad}
+    matched = {glob: {n for n in trainable if fnmatch.fnmatchcase(n, glob)} for glob, _ in lr_mult}
+    frozen = set().union(*(matched[glob] for glob, factor in lr_mult if factor == 0))
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, ({glob: len(found) for glob, found in matched.items()},
+                                                 len(trainable) - len(frozen)))
+    for glob, _ in lr_mult:
+        if not any(rank[glob] for rank, _ in counts):
+            raise ValueError(f"{setting}: {glob!r} matches none of the model's trainable parameters, named "
+                             f"like {', '.join(list(trainable)[:3])}")
+    for (glob, found), (other, found_too) in itertools.combinations(matched.items(), 2):
+        if both := found & found_too:
+            raise ValueError(f"{setting}: {glob!r} and {other!r} both match {min(both)}: one glob a "
+                             "parameter")
+    if idle := [rank for rank, (_, left) in enumerate(counts) if not left]:
+        raise ValueError(f"{setting}: its factors of 0 freeze every trainable parameter of rank(s) "
+                         f"{', '.join(map(str, idle))}: leave something to train")
+    for name in frozen:
+        trainable[name].requires_grad_(False)
+
+
+def lr_mult_overrides(config, lr_mult: tuple[tuple[str, float], ...], names: dict[str, str]) -> dict:
+    """megatron-core's optimizer overrides under OptimizerConfig `config`: its standard ones (no weight
+    decay on biases and norms) and an `lr_mult` for the parameters each glob of `lr_mult` with a factor
+    other than 0 matches (`apply_lr_mult` checked the globs and froze the zeros' parameters). The globs see
+    `names` as there; megatron names a parameter as its DistributedDataParallel wrapper does."""
+    import fnmatch
+
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate, get_standard_config_overrides
 
     def seen(wrapped: str) -> str:
         local = wrapped.removeprefix("module.")
         return names.get(local, local)
 
-    trainable = [seen(n) for n, p in model.named_parameters() if p.requires_grad]
-    matched = {glob: {n for n in trainable if fnmatch.fnmatchcase(n, glob)} for glob, _ in lr_mult}
-    counts = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(counts, {glob: len(found) for glob, found in matched.items()})
-    for glob, _ in lr_mult:
-        if not any(rank[glob] for rank in counts):
-            raise ValueError(f"{setting}: {glob!r} matches none of the model's trainable parameters, named "
-                             f"like {', '.join(trainable[:3])}")
-    for (glob, found), (other, found_too) in itertools.combinations(matched.items(), 2):
-        if both := found & found_too:
-            raise ValueError(f"{setting}: {glob!r} and {other!r} both match {min(both)}: one glob a "
-                             "parameter")
     overrides = get_standard_config_overrides(config)
     for glob, factor in lr_mult:
+        if factor == 0:
+            continue
         match = ParamWithNamePredicate(name=f"lr_mult {glob}",
                                        fn=lambda _, name, glob=glob: fnmatch.fnmatchcase(seen(name), glob))
         overrides[ParamKey(with_name_predicate=match)] = {"lr_mult": float(factor)}

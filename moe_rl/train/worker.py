@@ -45,6 +45,7 @@ from moe_rl.train.logprobs import (
 from moe_rl.train.offload import HostCopies, storages
 from moe_rl.train.optim import (
     OptimSpec,
+    apply_lr_mult,
     lr_mult_overrides,
     lr_mult_setting,
     optimizer_config,
@@ -90,16 +91,15 @@ class TrainWorker:
             lora.add_adapters(module, spec.lora, hf.rank_names(module, self.config.num_moe_experts), seed)
         self.model, self.optimizer = module, None
         if trains:
+            names = hf.rank_names(module, self.config.num_moe_experts) if optim.lr_mult else {}
+            apply_lr_mult(module, optim.lr_mult, lr_mult_setting(role), names)  # factors of 0 freeze
             distributed = uses_distributed_optimizer(optim, ps.get_data_parallel_world_size())
             self.ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
             self.model = DistributedDataParallel(config=self.config, ddp_config=self.ddp_config,
                                                  module=module)
             optim_config = optimizer_config(optim, distributed, spec.torch_dtype)
-            overrides = lr_mult_overrides(self.model, optim_config, optim.lr_mult,
-                                          lr_mult_setting(role),
-                                          hf.rank_names(module, self.config.num_moe_experts)
-                                          if optim.lr_mult else {})
+            overrides = lr_mult_overrides(optim_config, optim.lr_mult, names)
             self.optimizer = get_megatron_optimizer(optim_config, [self.model], config_overrides=overrides)
             self.set_lr(optim.lr)
             # megatron's schedules call these: gradient sync across DP, SP/qk-norm grads across TP,

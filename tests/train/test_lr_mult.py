@@ -18,7 +18,9 @@ from moe_rl.train.launch_local import run_ranks
 
 pytestmark = pytest.mark.slow
 
-MULT = {"decoder.layers.1.self_attention.linear_qkv.weight": 0.25, "*.mlp.experts.linear_fc1.weight*": 3.0}
+# 0 freezes: the routers (no gradient, no optimizer state)
+MULT = {"decoder.layers.1.self_attention.linear_qkv.weight": 0.25, "*.mlp.experts.linear_fc1.weight*": 3.0,
+        "*.mlp.router.weight": 0.0}
 
 
 def step_job(rank, world, hf_path, layout, lr_mult, lr):
@@ -38,7 +40,8 @@ def step_job(rank, world, hf_path, layout, lr_mult, lr):
     tensors = policy_tensors(w.score(Batch(ids, lengths)).logp_BS, mask, adv)
     figures = w.train_step(Batch(ids, lengths, None, **tensors), policy_loss(), Denominator(mask)).figures
     return {"lr": figures["lr"],
-            "moves": {names[n]: p.detach() - before[n] for n, p in w.module.named_parameters()}}
+            "moves": {names[n]: p.detach() - before[n] for n, p in w.module.named_parameters()},
+            "frozen": {names[n] for n, p in w.module.named_parameters() if not p.requires_grad}}
 
 
 def refusals_job(rank, world, hf_path):
@@ -48,7 +51,8 @@ def refusals_job(rank, world, hf_path):
     parallel.init_distributed(parallel.Layout())
     refused = []
     for role, lr_mult in [("policy", {"*linear_kv_up_proj*": 0.5}),
-                          ("critic", {"*.linear_qkv.weight": 0.5, "decoder.layers.0.*": 2.0})]:
+                          ("critic", {"*.linear_qkv.weight": 0.5, "decoder.layers.0.*": 2.0}),
+                          ("policy", {"*": 0.0})]:
         try:
             TrainWorker(model_spec(hf_path), role, optim=optim_spec(1e-2, lr_mult=tuple(lr_mult.items())))
         except ValueError as err:
@@ -61,9 +65,10 @@ def refusals_job(rank, world, hf_path):
 def test_lr_mult_scales_exactly_the_matching_parameters(tiny_qwen, world, layout, lr):
     plain = run_ranks(step_job, world, (str(tiny_qwen), layout, {}, lr))
     scaled = run_ranks(step_job, world, (str(tiny_qwen), layout, MULT, lr))
-    matched = set()
+    matched, frozen = set(), set()
     for a, b in zip(plain, scaled, strict=True):
-        assert a["lr"] == b["lr"] == lr
+        assert a["lr"] == b["lr"] == lr and not a["frozen"]
+        frozen |= b["frozen"]
         for name, move in a["moves"].items():
             factor = next((f for glob, f in MULT.items() if fnmatch.fnmatchcase(name, glob)), None)
             assert move.abs().max() > 0, name
@@ -75,6 +80,8 @@ def test_lr_mult_scales_exactly_the_matching_parameters(tiny_qwen, world, layout
     # one attention weight of layer 1 (PP2: the second stage's first layer) and every expert's fc1
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in matched
     assert sum(".mlp.experts.linear_fc1.weight" in n for n in matched) == 2 * 4  # 2 MoE layers x 4 experts
+    # the routers (factor 0: they moved 0 times as much, above) have no gradient at all
+    assert frozen == {f"decoder.layers.{i}.mlp.router.weight" for i in (0, 1)}
 
 
 def test_lr_mult_refuses_a_glob_that_matches_nothing_and_two_that_overlap(tiny_qwen):
@@ -84,6 +91,8 @@ def test_lr_mult_refuses_a_glob_that_matches_nothing_and_two_that_overlap(tiny_q
                                  "embedding.word_embeddings.weight, ")
     assert refused[1] == ("critic.lr_mult: '*.linear_qkv.weight' and 'decoder.layers.0.*' both match "
                           "decoder.layers.0.self_attention.linear_qkv.weight: one glob a parameter")
+    assert refused[2] == ("trainer.lr_mult: its factors of 0 freeze every trainable parameter of rank(s) 0: "
+                          "leave something to train")
 
 
 def resume_job(rank, world, hf_path, ckpt, saved_mult, resumed_mult, unrecorded=False):
