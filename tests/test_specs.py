@@ -9,6 +9,7 @@ from operator import attrgetter
 import pytest
 
 from moe_rl.algos.correction import CorrectionSpec
+from moe_rl.algos.losses import PolicyLossSpec
 from moe_rl.algos.masking import PolicyMaskSpec
 from moe_rl.algos.targets import TargetSpec
 from moe_rl.config import (
@@ -52,6 +53,7 @@ CFG = RunConfig(
     algorithm=AlgorithmSection(
         advantage="grpo", gamma=0.99, lam=0.9, lam_critic=0.8, length_adaptive_alpha=2.0,
         whiten_advantages=False, policy_loss="gspo", clip_low=0.1, clip_high=0.3, dual_clip=3.0,
+        sapo_tau_pos=2.0, sapo_tau_neg=0.5,
         aggregation="seq_mean", loss_constant=50.0, kl_reward_coef=0.01, kl_reward_estimator="k2",
         kl_loss_coef=0.02, kl_loss_estimator="k1", entropy_coef=0.001, correction="tis_token", is_cap=3.0,
         seq_is_cap=11.0, icepop_min=0.4, icepop_max=2.5, geo_min=0.9, geo_max=1.1, policy_mask="opsm",
@@ -123,8 +125,10 @@ CASES = {
         "overlong_filter": at("environment.overlong_filter"),
     }, {"repetition_limit", "env_timeout_s"}),
     "policy_loss": (specs.policy_loss, PolicyLoss, {
-        "name": at("algorithm.policy_loss"), "clip_low": at("algorithm.clip_low"),
-        "clip_high": at("algorithm.clip_high"), "dual_clip": at("algorithm.dual_clip"),
+        "name": at("algorithm.policy_loss"),
+        "hp": lambda cfg: PolicyLossSpec(cfg.algorithm.clip_low, cfg.algorithm.clip_high,
+                                         cfg.algorithm.dual_clip, cfg.algorithm.sapo_tau_pos,
+                                         cfg.algorithm.sapo_tau_neg),
         "aggregation": at("algorithm.aggregation"), "kl_coef": at("algorithm.kl_loss_coef"),
         "kl_estimator": at("algorithm.kl_loss_estimator"), "entropy_coef": at("algorithm.entropy_coef"),
         "old_from_forward": at("proximal_from_update"),

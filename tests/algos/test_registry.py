@@ -167,17 +167,6 @@ def test_policy_loss_metadata_matches_what_the_loss_reads(name):
         assert torch.equal(loss, base) != (field.name in meta.params), field.name
 
 
-def test_the_policy_losses_hyperparameters_come_from_the_algorithm_section_by_name():
-    """Every PolicyLossSpec field is the algorithm setting of its name, and the loss the trainers get
-    (specs.policy_loss) carries the run's value of each."""
-    from moe_rl.config import AlgorithmSection, RunConfig
-    from moe_rl.driver import specs
-
-    other = {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 4.0, "sapo_tau_pos": 2.0, "sapo_tau_neg": 0.5}
-    assert {f.name for f in dataclasses.fields(PolicyLossSpec)} == other.keys()
-    assert specs.policy_loss(RunConfig(algorithm=AlgorithmSection(**other))).hp == PolicyLossSpec(**other)
-
-
 @pytest.mark.parametrize("name", sorted(EXPECTED["policy_loss"]))
 def test_sequence_level_losses_give_each_token_its_sequence_value(name):
     fn, meta = registry.get("policy_loss", name), registry.meta("policy_loss", name)

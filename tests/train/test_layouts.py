@@ -56,12 +56,12 @@ def test_step_loss_is_productions_ppo_of_the_scored_logprobs(reference):
     logp = ref["replay"].logp_BS
     t = policy_tensors(logp, mask, adv)
     ratio = torch.exp(torch.where(mask, logp - t["logp_old_BS"], 0.0))
-    clipped = ratio.clamp(1 - POLICY.clip_low, 1 + POLICY.clip_high)
+    clipped = ratio.clamp(1 - POLICY.hp.clip_low, 1 + POLICY.hp.clip_high)
     loss_BT = torch.maximum(-adv * ratio, -adv * clipped)
     expected = float((loss_BT * t["is_weight_BS"] * mask).sum() / mask.sum())
     assert ref["step"]["loss"] == pytest.approx(expected, abs=1e-6)
     # the batch exercises both branches: some tokens clipped (no gradient), most not
-    outside = ((ratio < 1 - POLICY.clip_low) | (ratio > 1 + POLICY.clip_high)) & mask
+    outside = ((ratio < 1 - POLICY.hp.clip_low) | (ratio > 1 + POLICY.hp.clip_high)) & mask
     assert 0 < int(outside.sum()) < int(mask.sum()) // 2
 
 
